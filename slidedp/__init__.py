@@ -1,0 +1,20 @@
+"""slidedp: full-parameter fine-tuning of models larger than GPU memory.
+
+The fp32 master weights and AdamW moments live once in host RAM; layers stream through the GPU
+and gradients stream back to a CPU optimizer. `compile(model, budget, ...)` traces the model into
+a layer IR, plans a schedule under the device-memory budget and returns an Engine.
+"""
+
+__version__ = "0.1.0"
+
+from slidedp.budget import Budget  # noqa: E402
+from slidedp.costmodel.hardware import Hardware  # noqa: E402
+from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError  # noqa: E402
+from slidedp.optim import AdamW  # noqa: E402
+from slidedp.scheduler.plan import Plan  # noqa: E402
+from slidedp.api import compile, plan  # noqa: E402
+
+__all__ = [
+    "AdamW", "Budget", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "UnsupportedModelError",
+    "compile", "plan", "__version__",
+]

@@ -1,0 +1,159 @@
+"""`slidedp.plan` (solve, allocate nothing) and `slidedp.compile` (plan + lower + allocate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slidedp import __version__
+from slidedp.backend.executor import StreamedExecutor
+from slidedp.backend.host_state import HostState
+from slidedp.budget import Budget
+from slidedp.costmodel.hardware import resolve_hardware
+from slidedp.engine import Engine
+from slidedp.errors import UnsupportedModelError
+from slidedp.ir.build import build_layer_graph
+from slidedp.ir.graph import LayerGraph
+from slidedp.optim import AdamW
+from slidedp.scheduler.plan import Plan, default_plan
+
+_PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available")
+    return torch.device(device)
+
+
+def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
+             max_grad_norm, hardware, plan, micro_batches):
+    """Validate every argument and solve (or load) the plan; allocates nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    budget = Budget.parse(budget)
+    batch_size = _positive_int("batch_size", batch_size)
+    seq_len = _positive_int("seq_len", seq_len)
+    if seq_len < 2:
+        raise ValueError("seq_len must be >= 2 (a next-token loss needs two tokens)")
+    world_size = _positive_int("world_size", world_size)
+    micro_batches = _positive_int("micro_batches", micro_batches)
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if optimizer is None:
+        optimizer = AdamW()
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"optimizer must be a slidedp.AdamW, got {type(optimizer).__name__}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    dev = _resolve_device(device)
+    if world_size != 1:
+        raise ValueError(
+            f"world_size={world_size}: this version of slidedp runs one rank; data parallelism is not "
+            "available yet"
+        )
+    hw = resolve_hardware(hardware, dev.type)
+    graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
+                              compute_dtype=_PRECISIONS[precision])
+    if plan is not None:
+        the_plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+        if not isinstance(the_plan, Plan):
+            raise TypeError(f"plan must be a slidedp.Plan or a path, got {type(plan).__name__}")
+        check_plan_matches(the_plan, graph, world_size=world_size, precision=precision)
+    else:
+        the_plan = default_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
+                                precision=precision, micro_batches=micro_batches, version=__version__)
+    return graph, the_plan, dev, optimizer, max_grad_norm
+
+
+def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str) -> None:
+    """Refuse a plan made for another model, workload or world size, naming the difference."""
+    w = plan.workload
+    for name, planned, actual in (
+        ("model fingerprint", plan.model_fingerprint, graph.fingerprint()),
+        ("batch_size", w.batch_size, graph.batch_size),
+        ("seq_len", w.seq_len, graph.seq_len),
+        ("world_size", w.world_size, world_size),
+        ("precision", w.precision, precision),
+    ):
+        if planned != actual:
+            raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
+                             f"but {actual!r} here")
+
+
+def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
+         device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+         max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1) -> Plan:
+    """Solve a schedule without allocating anything (works on a meta-device model)."""
+    if device == "auto":
+        device = "cpu" if hardware is None and not torch.cuda.is_available() else device
+    _, the_plan, *_ = _prepare(model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
+                               device=device, precision=precision, optimizer=optimizer,
+                               max_grad_norm=max_grad_norm, hardware=hardware, plan=plan,
+                               micro_batches=micro_batches)
+    return the_plan
+
+
+def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
+            device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+            max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1) -> Engine:
+    """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
+
+    `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
+    than that in `step()` run as several passes, gradients summed on the host).
+    """
+    graph, the_plan, dev, optimizer, max_grad_norm = _prepare(
+        model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
+        precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm, hardware=hardware,
+        plan=plan, micro_batches=micro_batches)
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise UnsupportedModelError(
+            f"compile needs the model's weights, but {len(meta)} parameters are on the meta device "
+            f"(e.g. {meta[0]}); use slidedp.plan() to plan for a meta-device model"
+        )
+    bf16 = precision == "bf16"
+    host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32")
+    try:
+        _load_weights(model, graph, host, bf16=bf16)
+        if dev.type == "cuda":
+            host.pin()
+        executor = StreamedExecutor(model, graph, host, device=dev, compute_dtype=_PRECISIONS[precision],
+                                    window=the_plan.window)
+        model.eval()  # dropout off: recomputation must reproduce the forward exactly
+    except BaseException:
+        host.close()
+        raise
+    return Engine(model=model, graph=graph, plan=the_plan, host=host, executor=executor, optimizer=optimizer,
+                  max_grad_norm=max_grad_norm, device=dev, precision=precision)
+
+
+@torch.no_grad()
+def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool) -> None:
+    """Copy the model's weights into the host state, then make the model's parameters views of it
+    (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held twice."""
+    for layer in graph.layers:
+        arrays = host.layers[layer.id]
+        masters = arrays.param_views(arrays.master)
+        deliveries = arrays.param_views(arrays.delivery) if arrays.delivery is not None else None
+        for p_info in layer.params:
+            param = model.get_parameter(p_info.name)
+            masters[p_info.name].copy_(param.detach().float())
+            if deliveries is not None:
+                deliveries[p_info.name].copy_(masters[p_info.name])
+            view = deliveries[p_info.name] if (bf16 and param.dtype == torch.bfloat16) else masters[p_info.name]
+            param.data = view

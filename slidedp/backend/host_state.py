@@ -1,0 +1,170 @@
+"""The authoritative host state: fp32 master weights, AdamW moments, the delivery copy, gradients.
+
+One anonymous shared-memory file (`memfd_create`) holds every array, page-aligned, per layer:
+
+    master fp32 [n] | exp_avg fp32 [n] | exp_avg_sq fp32 [n] | delivery bf16 [n] | grad [n]
+
+`delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
+fp32 precision, where H2D reads `master`). `grad` receives the gradient from the device (bf16 or
+fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
+copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
+pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slidedp.ir.graph import LayerGraph
+
+PAGE_BYTES = 4096
+
+
+def _align(n: int, to: int = PAGE_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    offset_bytes: int
+    numel: int
+    dtype: str  # "float32" | "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * (4 if self.dtype == "float32" else 2)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one layer's arrays sit in the shared file, and where each parameter sits in them."""
+
+    layer_id: int
+    numel: int
+    param_offsets: tuple[tuple[str, int, int, tuple[int, ...]], ...]  # (name, start, numel, shape)
+    master: ArraySpec
+    exp_avg: ArraySpec
+    exp_avg_sq: ArraySpec
+    delivery: ArraySpec | None
+    grad: ArraySpec
+
+
+def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str) -> tuple[list[LayerLayout], int]:
+    """Page-aligned layout of every layer's arrays; returns (layouts, total bytes)."""
+    layouts, cursor = [], 0
+
+    def take(numel: int, dtype: str) -> ArraySpec:
+        nonlocal cursor
+        spec = ArraySpec(cursor, numel, dtype)
+        cursor = _align(cursor + spec.nbytes)
+        return spec
+
+    for layer in graph.layers:
+        offsets, start = [], 0
+        for p in layer.params:
+            offsets.append((p.name, start, p.numel, p.shape))
+            start += p.numel
+        n = layer.numel
+        layouts.append(
+            LayerLayout(
+                layer_id=layer.id,
+                numel=n,
+                param_offsets=tuple(offsets),
+                master=take(n, "float32"),
+                exp_avg=take(n, "float32"),
+                exp_avg_sq=take(n, "float32"),
+                delivery=take(n, "bfloat16") if delivery_bf16 else None,
+                grad=take(n, grad_dtype),
+            )
+        )
+    return layouts, max(cursor, PAGE_BYTES)
+
+
+class LayerArrays:
+    """Torch and numpy views of one layer's arrays (zero-copy over the shared file)."""
+
+    def __init__(self, buf: memoryview, layout: LayerLayout):
+        self.layout = layout
+
+        def tensor(spec: ArraySpec | None):
+            if spec is None or spec.numel == 0:
+                return None if spec is None else torch.empty(0, dtype=getattr(torch, spec.dtype))
+            return torch.frombuffer(
+                buf, dtype=getattr(torch, spec.dtype), count=spec.numel, offset=spec.offset_bytes
+            )
+
+        self.master = tensor(layout.master)
+        self.exp_avg = tensor(layout.exp_avg)
+        self.exp_avg_sq = tensor(layout.exp_avg_sq)
+        self.delivery = tensor(layout.delivery)
+        self.grad = tensor(layout.grad)
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What H2D copies read: the bf16 delivery copy, or the fp32 master."""
+        return self.delivery if self.delivery is not None else self.master
+
+    def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: flat[start : start + numel].view(shape)
+            for name, start, numel, shape in self.layout.param_offsets
+        }
+
+
+class HostState:
+    """All layers' arrays in one shared, registrable memory file."""
+
+    def __init__(self, graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str):
+        self.layouts, self.nbytes = plan_layout(graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype)
+        self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            self._mmap = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._buf = memoryview(self._mmap)
+        self.layers = [LayerArrays(self._buf, layout) for layout in self.layouts]
+        self.step = 0  # AdamW steps taken (bias correction)
+        self._registered_ptr: int | None = None
+
+    @property
+    def base_ptr(self) -> int:
+        return torch.frombuffer(self._buf, dtype=torch.uint8, count=1).data_ptr()
+
+    def pin(self) -> None:
+        """Register the whole file with CUDA so H2D/D2H copies are DMA (cudaHostRegister)."""
+        if self._registered_ptr is not None or not torch.cuda.is_available():
+            return
+        ptr = self.base_ptr
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with error {int(err)}")
+        self._registered_ptr = ptr
+
+    def close(self) -> None:
+        """Unregister (if pinned), then unmap and close. Safe to call twice."""
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        if getattr(self, "_mmap", None) is None:
+            return
+        self.layers = []
+        try:
+            self._buf.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # a tensor view is still alive somewhere; the mapping goes with it
+        self._mmap = None
+        os.close(self.fd)
+
+    def numpy(self, tensor: torch.Tensor) -> np.ndarray:
+        """A numpy view (bf16 as uint16 bit patterns) for the Numba optimizer."""
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()

@@ -1,0 +1,75 @@
+"""Every stream the executor uses, in one object; on the CPU they collapse to in-order execution.
+
+- compute: the stream the model's kernels run on (the current stream at construction).
+- h2d: weight copies host -> device, so loads of layer i+window overlap compute of layer i.
+- d2h: gradient copies device -> host, so layer i's gradient drains while layer i-1 computes.
+
+A `Guard` pairs a device buffer with the event that says when it is ready (or free); waits are
+device-side (`stream.wait_event`), never host synchronisations, except where the CPU itself must
+read what a copy wrote (`Guard.host_wait`, before an optimizer update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Guard:
+    """A buffer and the event recorded after the last operation that wrote or read it."""
+
+    tensor: torch.Tensor
+    event: "torch.cuda.Event | None" = None
+
+    def host_wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class Streams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+
+    def record(self, stream_name: str) -> "torch.cuda.Event | None":
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(getattr(self, stream_name))
+        return event
+
+    def wait(self, stream_name: str, event: "torch.cuda.Event | None") -> None:
+        if self.cuda and event is not None:
+            getattr(self, stream_name).wait_event(event)
+
+    @contextlib.contextmanager
+    def on(self, stream_name: str):
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(getattr(self, stream_name)):
+            yield
+
+    def copy(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor, after=None) -> Guard:
+        """dst <- src on `stream_name`, after `after` (an event); returns dst guarded by its event."""
+        self.wait(stream_name, after)
+        with self.on(stream_name):
+            dst.copy_(src, non_blocking=self.cuda)
+            if self.cuda:
+                # The caching allocator must not hand dst's or src's memory to another stream's
+                # work before this copy has finished.
+                for t in (dst, src):
+                    if t.is_cuda:
+                        t.record_stream(getattr(self, stream_name))
+        return Guard(dst, self.record(stream_name))
+
+    def range(self, name: str):
+        """A profiler range named after the program's operation."""
+        return torch.profiler.record_function(name)

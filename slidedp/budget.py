@@ -1,0 +1,62 @@
+"""Device-memory budgets: `slidedp.Budget`, bytes, or strings such as "24GiB" / "40 GB"."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-GPU device-memory budget in bytes."""
+
+    device_bytes: int
+
+    def __post_init__(self):
+        if isinstance(self.device_bytes, bool) or not isinstance(self.device_bytes, int):
+            raise TypeError(f"Budget.device_bytes must be an int, got {type(self.device_bytes).__name__}")
+        if self.device_bytes <= 0:
+            raise ValueError(f"budget must be positive, got {self.device_bytes} bytes")
+
+    @classmethod
+    def parse(cls, value: "Budget | int | str") -> "Budget":
+        """Accept a Budget, a positive int of bytes, or a string like "24GiB", "40 GB", "512MiB"."""
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, bool):
+            raise TypeError("budget must be a slidedp.Budget, bytes (int) or a string like '24GiB', got bool")
+        if isinstance(value, int):
+            return cls(value)
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"budget in bytes must be a whole number, got {value}")
+            return cls(int(value))
+        if isinstance(value, str):
+            m = _PATTERN.match(value)
+            unit = m.group(2).lower() if m else None
+            if m is None or unit not in _UNITS:
+                raise ValueError(
+                    f"cannot parse budget {value!r}: expected a number with an optional unit "
+                    "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '24GiB'"
+                )
+            return cls(int(float(m.group(1)) * _UNITS[unit]))
+        raise TypeError(
+            f"budget must be a slidedp.Budget, bytes (int) or a string like '24GiB', got {type(value).__name__}"
+        )
+
+    def __str__(self) -> str:
+        return format_bytes(self.device_bytes)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,106 @@
+"""Hardware profiles: what the step-time model needs to know about a host and its GPUs.
+
+Presets use published figures; the `h200-sxm` host figures are the ones measured in DESIGN.md §5.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpu_memory_bytes: int
+    matmul_flops_per_s: float  # dense bf16 rate reached by large matmuls
+    block_efficiency: float  # fraction of matmul_flops_per_s a transformer block reaches
+    h2d_bytes_per_s: float  # pinned, one direction, per GPU
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float  # H2D + D2H at once, per GPU
+    host_dram_bytes_per_s: float  # host memory copy bandwidth, all cores
+    cpu_adamw_params_per_s: float  # CPU AdamW throughput, all cores, bf16 weights written
+    cpu_adamw_contended_fraction: float  # fraction left while DMA runs both ways
+    cpu_cores: int
+    gpu_p2p_bytes_per_s: float  # GPU-to-GPU, 0 without peer-to-peer
+    gpus_per_root_complex: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Hardware":
+        fields = set(cls.__dataclass_fields__)
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown hardware profile keys: {sorted(unknown)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Hardware":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+GiB = 2**30
+
+PRESETS: dict[str, Hardware] = {
+    "h200-sxm": Hardware(
+        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.6,
+        h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
+        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.66,
+        cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
+    ),
+    "h100-sxm": Hardware(
+        name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,
+        h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9,
+        host_dram_bytes_per_s=200e9, cpu_adamw_params_per_s=6e9, cpu_adamw_contended_fraction=0.66,
+        cpu_cores=48, gpu_p2p_bytes_per_s=450e9,
+    ),
+    "a100-sxm": Hardware(
+        name="a100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=280e12, block_efficiency=0.6,
+        h2d_bytes_per_s=24e9, d2h_bytes_per_s=24e9, duplex_bytes_per_s=40e9,
+        host_dram_bytes_per_s=150e9, cpu_adamw_params_per_s=5e9, cpu_adamw_contended_fraction=0.66,
+        cpu_cores=64, gpu_p2p_bytes_per_s=300e9,
+    ),
+    "rtx4090": Hardware(
+        name="rtx4090", gpu_memory_bytes=24 * GiB, matmul_flops_per_s=150e12, block_efficiency=0.6,
+        h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
+        host_dram_bytes_per_s=60e9, cpu_adamw_params_per_s=2e9, cpu_adamw_contended_fraction=0.66,
+        cpu_cores=16, gpu_p2p_bytes_per_s=0.0, gpus_per_root_complex=2,
+    ),
+    # The CPU "device" of tests and CI: compute on the host, copies are memcpy.
+    "cpu": Hardware(
+        name="cpu", gpu_memory_bytes=16 * GiB, matmul_flops_per_s=50e9, block_efficiency=0.5,
+        h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, duplex_bytes_per_s=5e9,
+        host_dram_bytes_per_s=10e9, cpu_adamw_params_per_s=0.3e9, cpu_adamw_contended_fraction=1.0,
+        cpu_cores=2, gpu_p2p_bytes_per_s=0.0,
+    ),
+}
+
+
+def resolve_hardware(hardware: "Hardware | str | None", device: str) -> Hardware:
+    """A Hardware from a preset name, a profile path, a Hardware, or a guess from the device."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware is None:
+        if device == "cuda":
+            import torch  # torch.cuda only here: picking a preset by the present GPU's name
+
+            name = torch.cuda.get_device_name().lower()
+            props = torch.cuda.get_device_properties(0)
+            for key, preset in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", "a100-sxm"), ("4090", "rtx4090")):
+                if key in name:
+                    return replace(PRESETS[preset], gpu_memory_bytes=int(props.total_memory))
+            return replace(PRESETS["h100-sxm"], name=name, gpu_memory_bytes=int(props.total_memory))
+        return PRESETS["cpu"]
+    if isinstance(hardware, str):
+        if hardware in PRESETS:
+            return PRESETS[hardware]
+        if Path(hardware).is_file():
+            return Hardware.load(hardware)
+        raise ValueError(f"unknown hardware {hardware!r}: a preset ({', '.join(PRESETS)}) or a profile JSON path")
+    raise TypeError(f"hardware must be None, a preset name, a path or a slidedp.Hardware, got {type(hardware).__name__}")

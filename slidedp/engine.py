@@ -1,0 +1,232 @@
+"""The Engine: one synchronous optimizer step on a global batch, over a streamed executor."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slidedp.backend import cpu_adamw
+from slidedp.backend.executor import MicroBatch, StreamedExecutor
+from slidedp.backend.host_state import HostState
+from slidedp.ir.graph import LayerGraph
+from slidedp.optim import AdamW
+from slidedp.scheduler.plan import Plan
+
+log = logging.getLogger("slidedp")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int  # optimizer steps taken so far
+    loss: float
+    grad_norm: float
+    clip_coef: float
+    skipped: bool  # non-finite gradient: nothing was updated
+    tokens: int  # tokens that carried a label in this step
+
+
+class Engine:
+    """Created by `slidedp.compile`; owns the host state, device buffers and optimizer."""
+
+    def __init__(self, *, model: nn.Module, graph: LayerGraph, plan: Plan, host: HostState,
+                 executor: StreamedExecutor, optimizer: AdamW, max_grad_norm: float | None,
+                 device: torch.device, precision: str):
+        self.model = model
+        self.graph = graph
+        self.plan = plan
+        self.host = host
+        self.executor = executor
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.device = device
+        self.precision = precision
+        self.skipped_steps = 0
+        self.last_step: StepInfo | None = None
+        self._staging: list[torch.Tensor] | None = None
+        self._decay_segments = [_decay_segments(layer, optimizer) for layer in graph.layers]
+        self._resident_stale = True
+        self._closed = False
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> float:
+        """One optimizer step on the global batch; returns the token-weighted mean loss."""
+        self._check_open()
+        input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)
+        tokens = int((labels[:, 1:] != -100).sum())
+        if tokens == 0:
+            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to train on")
+        w = self.plan.workload
+        rows_per_mb = w.batch_size
+        mbs = [
+            MicroBatch(
+                input_ids[r : r + rows_per_mb].to(self.device, non_blocking=True),
+                labels[r : r + rows_per_mb].to(self.device, non_blocking=True),
+                None if attention_mask is None else attention_mask[r : r + rows_per_mb].to(self.device),
+            )
+            for r in range(0, input_ids.shape[0], rows_per_mb)
+        ]
+        passes = [mbs[i : i + w.micro_batches] for i in range(0, len(mbs), w.micro_batches)]
+        if self._resident_stale:
+            self.executor.load_resident()
+            self._resident_stale = False
+
+        grads = [layer.grad for layer in self.host.layers]
+        loss = torch.zeros((), dtype=torch.float64)
+        sumsq_device = None
+        for k, group in enumerate(passes):
+            targets = grads if k == 0 else self._staging_buffers()
+            result = self.executor.run_pass(group, tokens, targets)
+            loss += result.loss_sum.double().cpu()
+            if k > 0:  # accumulate on the host, in the host gradient's dtype (fp32 sums inside)
+                for layer_grad, staged, guard in zip(grads, targets, result.d2h):
+                    guard.host_wait()
+                    layer_grad.add_(staged)
+            sumsq_device = result.sumsq if len(passes) == 1 else None
+            d2h = result.d2h
+        if sumsq_device is not None:
+            sumsq = torch.stack([s.float() for s in sumsq_device]).double().cpu()
+        else:
+            sumsq = torch.stack([torch.linalg.vector_norm(g.float()).double() ** 2 for g in grads])
+        norm = float(sumsq.sum().sqrt())
+        loss_value = float(loss)
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            for guard in d2h:
+                guard.host_wait()
+            log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far", norm, self.skipped_steps)
+            self.last_step = StepInfo(self.host.step, loss_value, norm, 0.0, True, tokens)
+            return loss_value
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        self._update(d2h, clip)
+        self.last_step = StepInfo(self.host.step, loss_value, norm, clip, False, tokens)
+        return loss_value
+
+    def _update(self, d2h, clip: float) -> None:
+        """AdamW on every layer's fp32 master, writing the bf16 delivery copy (Numba, GIL released)."""
+        self.host.step += 1
+        opt = self.optimizer
+        for layer, guard, segments in zip(self.host.layers, d2h, self._decay_segments):
+            guard.host_wait()
+            arrays = [self.host.numpy(t) if t is not None else None
+                      for t in (layer.master, layer.grad, layer.exp_avg, layer.exp_avg_sq, layer.delivery)]
+            for start, end, decay in segments:
+                p, g, m, v, out = (a[start:end] if a is not None else None for a in arrays)
+                cpu_adamw.adamw_step(
+                    p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                    weight_decay=opt.weight_decay if decay else 0.0, step=self.host.step, grad_scale=clip,
+                )
+        self._resident_stale = True
+
+    def _staging_buffers(self) -> list[torch.Tensor]:
+        if self._staging is None:
+            self._staging = [torch.empty_like(layer.grad) for layer in self.host.layers]
+            if self.device.type == "cuda":
+                self._staging = [t.pin_memory() for t in self._staging]
+        return self._staging
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def _validate(self, input_ids, labels, attention_mask):
+        w = self.plan.workload
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2:
+            raise TypeError(f"input_ids must be a 2-D integer tensor [rows, seq_len], got {input_ids.dtype} "
+                            f"of shape {tuple(input_ids.shape)}")
+        rows, seq = input_ids.shape
+        if seq != w.seq_len:
+            raise ValueError(f"input_ids has sequence length {seq}, but the engine was compiled for seq_len={w.seq_len}")
+        unit = w.batch_size * w.world_size
+        if rows == 0 or rows % unit:
+            raise ValueError(f"input_ids has {rows} rows; it must be a positive multiple of "
+                             f"batch_size x world_size = {w.batch_size} x {w.world_size} = {unit}")
+        vocab = self.graph.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids has token ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
+        input_ids = input_ids.long()
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask must be a tensor of shape {tuple(input_ids.shape)}")
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("attention_mask must contain only 0 and 1")
+            attention_mask = attention_mask.long()
+        if labels is None:
+            labels = input_ids.clone()
+            if attention_mask is not None:
+                labels[attention_mask == 0] = -100
+        else:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, "
+                                 f"got {getattr(labels, 'shape', type(labels).__name__)}")
+            labels = labels.long()
+            bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
+            if bool(bad.any()):
+                raise ValueError(f"labels must be -100 or token ids in [0, {vocab}); found {int(labels[bad][0])}")
+        return input_ids, labels, attention_mask
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
+        self._check_open()
+        out = {}
+        for layer in self.graph.layers:
+            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            for p in layer.params:
+                value = views[p.name].clone()
+                for name in (p.name, *p.aliases):
+                    out[name] = value
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if not p.requires_grad and name not in out:
+                out[name] = p.detach().float().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        """Free device buffers and the host state; the model keeps copies of the trained weights."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self.model.parameters():
+            if p.requires_grad and p.device.type == "cpu":
+                p.data = p.data.clone()
+        self.executor = None
+        self.host.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this slidedp engine is closed")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def _decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:
+    """Runs of consecutive parameters sharing a weight-decay setting: (start, end, decay)."""
+    segments: list[tuple[int, int, bool]] = []
+    start = 0
+    for p in layer.params:
+        decay = not (optimizer.no_decay_groups and p.no_decay)
+        end = start + p.numel
+        if segments and segments[-1][2] == decay and segments[-1][1] == start:
+            segments[-1] = (segments[-1][0], end, decay)
+        else:
+            segments.append((start, end, decay))
+        start = end
+    return segments

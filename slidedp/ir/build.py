@@ -1,0 +1,309 @@
+"""Build a `LayerGraph` from an nn.Module, without touching real weights.
+
+Everything runs under FakeTensorMode: the model's forward is called with its blocks replaced by
+proxies (which records the modules used before and after the blocks, and what each block is
+given), then one block of each distinct shape is run forward and backward under FlopCounterMode
+and saved-tensor hooks to count its FLOPs and the activation bytes it saves for backward. Works
+for models on the meta device (an 8B shape builds in seconds).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from slidedp.errors import UnsupportedModelError
+from slidedp.ir.blocks import (
+    BlockCall,
+    StopForward,
+    find_blocks,
+    logits_of,
+    proxied_blocks,
+    unwrap_block_output,
+    wrap_block_output,
+)
+from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE, Layer, LayerCosts, LayerGraph, ParamInfo
+
+_NO_DECAY_CLASSES = ("Norm", "Embedding")
+
+
+def forward_kwargs(model: nn.Module) -> tuple[str, ...]:
+    """The keyword arguments of the model's forward that slidedp may pass."""
+    params = inspect.signature(model.forward).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return tuple(k for k in ("attention_mask", "use_cache") if k in params or var_kw)
+
+
+def model_forward(model: nn.Module, input_ids, attention_mask, kwargs_allowed: tuple[str, ...]):
+    kwargs = {}
+    if "use_cache" in kwargs_allowed:
+        kwargs["use_cache"] = False
+    if attention_mask is not None:
+        if "attention_mask" not in kwargs_allowed:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward takes no attention_mask, but one was given"
+            )
+        kwargs["attention_mask"] = attention_mask
+    return model(input_ids, **kwargs)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab:
+        return int(vocab)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise UnsupportedModelError(f"{type(model).__name__} has no nn.Embedding (token embedding)")
+    return int(embeddings[0].num_embeddings)
+
+
+def _fake_state(
+    model: nn.Module, dtype: torch.dtype, requires_grad: bool, skip_prefix: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Fake stand-ins for every parameter and buffer not under `skip_prefix` (in FakeTensorMode)."""
+    state = {}
+    for name, p in model.named_parameters():
+        if skip_prefix is None or not name.startswith(skip_prefix):
+            dt = dtype if p.is_floating_point() else p.dtype
+            state[name] = torch.empty(p.shape, dtype=dt).requires_grad_(requires_grad and p.requires_grad)
+    for name, b in model.named_buffers():
+        if skip_prefix is None or not name.startswith(skip_prefix):
+            state[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype)
+    return state
+
+
+def _no_decay(module: nn.Module, param_name: str) -> bool:
+    cls = type(module).__name__
+    return param_name.endswith("bias") or any(s in cls for s in _NO_DECAY_CLASSES)
+
+
+def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple[LayerCosts, str]:
+    """FLOPs and saved-activation bytes of one block on fake tensors; also its output kind."""
+    params = _fake_state(block, dtype, requires_grad=True)
+    hidden = call.hidden.detach().requires_grad_(True)
+    args, kwargs = call.with_hidden(hidden)
+    param_storages = {id(t.untyped_storage()) for t in params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        sid = id(t.untyped_storage())
+        if sid not in param_storages:
+            saved[sid] = max(saved.get(sid, 0), t.untyped_storage().nbytes())
+        return t
+
+    with FlopCounterMode(display=False) as fwd_counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(block, params, args, kwargs)
+    out_hidden, kind = unwrap_block_output(out)
+    grads_of = [hidden] + [p for p in params.values() if p.requires_grad]
+    with FlopCounterMode(display=False) as bwd_counter:
+        torch.autograd.grad(out_hidden, grads_of, torch.ones_like(out_hidden), allow_unused=True)
+    boundary = out_hidden.numel() * out_hidden.element_size()
+    costs = LayerCosts(
+        flops_fwd=float(fwd_counter.get_total_flops()),
+        flops_bwd=float(bwd_counter.get_total_flops()),
+        boundary_activation_bytes=boundary,
+        saved_activation_bytes=int(sum(saved.values())),
+        peak_workspace_bytes=int(max(saved.values(), default=0)) + 2 * boundary,
+    )
+    return costs, kind
+
+
+def build_layer_graph(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    seq_len: int,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> LayerGraph:
+    """Trace `model` for micro-batches of `batch_size` x `seq_len` tokens into a LayerGraph."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    blocks_path, blocks = find_blocks(model)
+    n_blocks = len(blocks)
+    vocab = _vocab_size(model)
+    allowed = forward_kwargs(model)
+
+    # 1. The model's forward with proxied blocks: which modules run before/after the blocks.
+    module_names = {id(m): n for n, m in model.named_modules()}
+    block_module_ids = {id(m) for m in blocks.modules()}
+    phase = {"now": PROLOGUE}
+    first_phase: dict[str, str] = OrderedDict()
+    calls: list[BlockCall] = []
+
+    def pre_hook(module, _args):
+        if id(module) in block_module_ids:
+            return
+        name = module_names.get(id(module))
+        if name is not None and name not in first_phase:
+            first_phase[name] = phase["now"]
+
+    def handler(index: int, call: BlockCall):
+        if index != len(calls):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward called block {index} after {len(calls)} blocks; "
+                "slidedp needs every block called once, in order"
+            )
+        calls.append(call)
+        if index == n_blocks - 1:
+            phase["now"] = EPILOGUE
+        return wrap_block_output(call.hidden, block_kind["kind"])
+
+    block_kind = {"kind": "tensor"}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = _fake_state(model, compute_dtype, requires_grad=False, skip_prefix=blocks_path + ".")
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        # The block's output kind is needed by the proxies: trace block 0 on its own first.
+        with proxied_blocks(model, blocks_path, _capture_first(calls_first := [])):
+            try:
+                torch.func.functional_call(model, fake, (ids,), _kw(allowed))
+            except StopForward:
+                pass
+            except Exception as exc:  # noqa: BLE001 - report what the model needs
+                raise UnsupportedModelError(
+                    f"tracing {type(model).__name__}.forward with proxied blocks failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        if not calls_first:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward never called its blocks ({blocks_path})"
+            )
+        block_costs: dict[tuple, tuple[LayerCosts, str]] = {}
+        for i, block in enumerate(blocks):
+            key = _block_signature(block)
+            if key not in block_costs:
+                call = calls_first[0]
+                block_costs[key] = _trace_block(block, call, compute_dtype)
+        block_kind["kind"] = block_costs[_block_signature(blocks[0])][1]
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+        try:
+            with proxied_blocks(model, blocks_path, handler):
+                out = torch.func.functional_call(model, fake, (ids,), _kw(allowed))
+            logits = logits_of(out)
+        finally:
+            for h in handles:
+                h.remove()
+        if len(calls) != n_blocks:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.forward called {len(calls)} of its {n_blocks} blocks"
+            )
+        if logits.shape[-1] != vocab or logits.shape[:2] != (batch_size, seq_len):
+            raise UnsupportedModelError(
+                f"logits have shape {tuple(logits.shape)}; expected ({batch_size}, {seq_len}, {vocab})"
+            )
+        hidden_size = int(calls[0].hidden.shape[-1])
+        boundary_bytes = calls[0].hidden.numel() * calls[0].hidden.element_size()
+
+    # 2. Parameters: by identity, canonical name first; owner = first layer that uses them.
+    layers = _assign_params(model, blocks_path, blocks, first_phase)
+    tokens = batch_size * seq_len
+    out_layers = []
+    for layer_id, (kind, name, params, tied, cls, block) in enumerate(layers):
+        if kind == BLOCK:
+            costs = block_costs[_block_signature(block)][0]
+        else:
+            matrix_numel = sum(
+                p.numel for p in params if len(p.shape) == 2 and not p.no_decay
+            ) + sum(_numel_of(model, t) for t in tied)
+            logits_bytes = tokens * vocab * 4 if kind == EPILOGUE else 0
+            costs = LayerCosts(
+                flops_fwd=2.0 * tokens * matrix_numel if kind == EPILOGUE else 0.0,
+                flops_bwd=4.0 * tokens * matrix_numel if kind == EPILOGUE else 0.0,
+                boundary_activation_bytes=boundary_bytes if kind == PROLOGUE else 0,
+                saved_activation_bytes=logits_bytes + (boundary_bytes if kind == EPILOGUE else 0),
+                peak_workspace_bytes=2 * logits_bytes,
+            )
+        out_layers.append(Layer(layer_id, kind, name, params, tied, cls, costs))
+    return LayerGraph(
+        model_class=type(model).__name__,
+        blocks_path=blocks_path,
+        layers=tuple(out_layers),
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        trace_method="module",
+        block_output=block_kind["kind"],
+        forward_kwargs=allowed,
+    )
+
+
+def _kw(allowed: tuple[str, ...]) -> dict:
+    return {"use_cache": False} if "use_cache" in allowed else {}
+
+
+def _capture_first(store: list):
+    def handler(index: int, call: BlockCall):
+        store.append(call)
+        raise StopForward
+    return handler
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    return (type(block).__name__,) + tuple(
+        (n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters()
+    )
+
+
+def _numel_of(model: nn.Module, name: str) -> int:
+    return model.get_parameter(name).numel()
+
+
+def _assign_params(model, blocks_path, blocks, first_phase):
+    """Group trainable parameters into prologue / blocks / epilogue, tied ones stored once."""
+    names_by_id: dict[int, list[str]] = OrderedDict()
+    module_of: dict[str, nn.Module] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            names_by_id.setdefault(id(p), [])
+            if full not in names_by_id[id(p)]:
+                names_by_id[id(p)].append(full)
+            module_of[full] = module
+    params_by_id = {id(p): p for p in model.parameters()}
+
+    prologue, epilogue = [], []
+    block_params: list[list[ParamInfo]] = [[] for _ in blocks]
+    tied_in_epilogue: list[str] = []
+    prefix = blocks_path + "."
+    for pid, names in names_by_id.items():
+        p = params_by_id[pid]
+        if not p.requires_grad:
+            continue  # frozen: a constant, no optimizer state
+        canonical = names[0]
+        info = ParamInfo(
+            name=canonical,
+            shape=tuple(p.shape),
+            numel=p.numel(),
+            dtype=str(p.dtype).removeprefix("torch."),
+            aliases=tuple(names[1:]),
+            no_decay=p.ndim < 2 or _no_decay(module_of[canonical], canonical),
+        )
+        if canonical.startswith(prefix):
+            index = int(canonical[len(prefix):].split(".")[0])
+            if any(not n.startswith(prefix) for n in names):
+                raise UnsupportedModelError(
+                    f"parameter {canonical} of a block is shared outside the blocks ({names})"
+                )
+            block_params[index].append(info)
+            continue
+        phases = {first_phase.get(n.rpartition(".")[0], PROLOGUE) for n in names}
+        if PROLOGUE in phases:
+            prologue.append(info)
+            if EPILOGUE in phases:
+                tied_in_epilogue.append(canonical)
+        else:
+            epilogue.append(info)
+    out = [(PROLOGUE, "prologue", tuple(prologue), (), type(model).__name__, None)]
+    for i, block in enumerate(blocks):
+        out.append((BLOCK, f"{blocks_path}.{i}", tuple(block_params[i]), (), type(block).__name__, block))
+    out.append((EPILOGUE, "epilogue", tuple(epilogue), tuple(tied_in_epilogue), type(model).__name__, None))
+    return out

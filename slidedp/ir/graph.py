@@ -1,0 +1,119 @@
+"""The layer IR: frozen descriptions of a model's layers, free of torch objects.
+
+A `LayerGraph` is an ordered tuple of `Layer`s: one prologue (embeddings and whatever the model's
+forward does before its first block), the blocks, one epilogue (final norm, head, loss). Each layer
+lists the parameters it stores; a parameter used by two layers (a tied head) is stored once, by the
+layer that runs first, and the other layer names it in `tied_param_names`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import networkx as nx
+
+PROLOGUE = "prologue"
+BLOCK = "block"
+EPILOGUE = "epilogue"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One stored parameter. `name` is its canonical (first) name; `aliases` are tied names."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    dtype: str
+    aliases: tuple[str, ...] = ()
+    no_decay: bool = False  # norms, biases and embeddings: the usual no-weight-decay group
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-micro-batch compute and activation costs of one layer, for the traced workload."""
+
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0  # gradient of inputs and parameters, excluding recompute
+    boundary_activation_bytes: int = 0  # the layer's output (the next layer's input)
+    saved_activation_bytes: int = 0  # what autograd saves for backward when activations are kept
+    peak_workspace_bytes: int = 0  # transient memory of one forward+backward beyond the above
+
+
+@dataclass(frozen=True)
+class Layer:
+    id: int
+    kind: str  # PROLOGUE | BLOCK | EPILOGUE
+    name: str  # module path of a block ("model.layers.3"), or "prologue" / "epilogue"
+    params: tuple[ParamInfo, ...]
+    tied_param_names: tuple[str, ...] = ()  # stored by another layer, used here too
+    module_class: str = ""
+    costs: LayerCosts = field(default_factory=LayerCosts)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """The whole model as layers, for one workload (micro-batch shape and dtype)."""
+
+    model_class: str
+    blocks_path: str  # attribute path of the ModuleList of blocks ("model.layers")
+    layers: tuple[Layer, ...]
+    vocab_size: int
+    hidden_size: int
+    batch_size: int
+    seq_len: int
+    compute_dtype: str
+    trace_method: str  # "export" | "module"
+    block_output: str  # "tensor" | "tuple": what a block's forward returns
+    forward_kwargs: tuple[str, ...] = ()  # keyword arguments the model's forward accepts
+
+    @property
+    def blocks(self) -> tuple[Layer, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == BLOCK)
+
+    @property
+    def prologue(self) -> Layer:
+        return self.layers[0]
+
+    @property
+    def epilogue(self) -> Layer:
+        return self.layers[-1]
+
+    @property
+    def numel(self) -> int:
+        return sum(layer.numel for layer in self.layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the IR (structure, shapes, workload): identifies what a plan was made for."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def dag(self) -> nx.DiGraph:
+        """Dependencies over integer node ids: forward chain, backward chain, updates, tied edges.
+
+        Nodes are `(op, layer_id)` with op in {"fwd", "bwd", "update"}.
+        """
+        g = nx.DiGraph()
+        n = len(self.layers)
+        for i in range(n):
+            for op in ("fwd", "bwd", "update"):
+                g.add_node((op, i))
+            if i + 1 < n:
+                g.add_edge(("fwd", i), ("fwd", i + 1), kind="forward")
+                g.add_edge(("bwd", i + 1), ("bwd", i), kind="backward")
+            g.add_edge(("bwd", i), ("update", i), kind="gradient")
+        g.add_edge(("fwd", n - 1), ("bwd", n - 1), kind="loss")
+        owner = {p.name: layer.id for layer in self.layers for p in layer.params}
+        for layer in self.layers:
+            for name in layer.tied_param_names:
+                g.add_edge(("bwd", layer.id), ("update", owner[name]), kind="tied")
+        return g
