@@ -18,7 +18,6 @@ Threading layer: `omp` or `tbb` (`threadsafe` is requested unless the user chose
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numba
@@ -39,8 +38,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------
 # Threading layer: must be chosen before Numba launches its thread pool.
-
-_THREAD_SAFE_LAYERS = ("omp", "tbb", "threadsafe", "safe")
 
 if numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "threadsafe"  # tbb if importable, else omp
@@ -124,7 +121,7 @@ def _apply_num_threads(num_threads: int | None) -> None:
 # ---------------------------------------------------------------------------------------
 # Scalar helpers (inlined into the kernels).
 
-_BLOCK_ELEMS = 1 << 14  # elements per prange block (~450 KB of state touched per block)
+_BLOCK_ELEMS = 1 << 13  # elements per prange block (~230 KB of state touched per block)
 _U32_SIGN_MASK = np.uint32(0x7FFFFFFF)
 _U32_INF_BITS = np.uint32(0x7F800000)
 _U32_ROUND_BIAS = np.uint32(0x7FFF)
@@ -179,11 +176,13 @@ def _load_grad_ov(g, i):
 
 
 @njit(inline="always", **_JIT)
-def _adamw_elem(p, g, m, v, grad_scale, decay, w1, beta2, w2, bc2_sqrt, eps, neg_step):
+def _adamw_elem(p, g, m, v, grad_scale, decay, lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps,
+                neg_step):
     """One element of torch's single-tensor AdamW, float32 throughout."""
     g = g * grad_scale
     p = p * decay
-    m = _fmuladd_f32(w1, g - m, m)  # torch's lerp(m, g, w1) for w1 < 0.5
+    # torch's lerp(m, g, w): fma(w, g - m, m) for w < 0.5, else fma(w - 1, g - m, g).
+    m = _fmuladd_f32(lerp_w, g - m, g if lerp_from_g else m)
     v = _fmuladd_f32(w2 * g, g, v * beta2)  # torch's v.mul_(beta2).addcmul_(g, g, w2)
     denom = np.sqrt(v) / bc2_sqrt + eps
     p = p + neg_step * m / denom
@@ -199,8 +198,8 @@ def _adamw_elem(p, g, m, v, grad_scale, decay, w1, beta2, w2, bc2_sqrt, eps, neg
 
 
 @njit(parallel=True, **_JIT)
-def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, grad_scale, decay, w1, beta2, w2,
-                  bc2_sqrt, eps, neg_step):
+def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, grad_scale, decay, lerp_w, lerp_from_g,
+                  beta2, w2, bc2_sqrt, eps, neg_step):
     n = param.size
     n_blocks = (n + _BLOCK_ELEMS - 1) // _BLOCK_ELEMS
     for b in prange(n_blocks):
@@ -209,15 +208,16 @@ def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, grad_scale, decay, w1, beta2
         p_b, g_b, m_b, v_b = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
         for i in range(hi - lo):
             p, m, v = _adamw_elem(p_b[i], _load_grad(g_b, i), m_b[i], v_b[i],
-                                  grad_scale, decay, w1, beta2, w2, bc2_sqrt, eps, neg_step)
+                                  grad_scale, decay, lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps,
+                                  neg_step)
             p_b[i] = p
             m_b[i] = m
             v_b[i] = v
 
 
 @njit(parallel=True, **_JIT)
-def _adamw_bf16out_kernel(param, grad, exp_avg, exp_avg_sq, out_bf16, grad_scale, decay, w1,
-                          beta2, w2, bc2_sqrt, eps, neg_step):
+def _adamw_bf16out_kernel(param, grad, exp_avg, exp_avg_sq, out_bf16, grad_scale, decay,
+                          lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps, neg_step):
     n = param.size
     n_blocks = (n + _BLOCK_ELEMS - 1) // _BLOCK_ELEMS
     for b in prange(n_blocks):
@@ -227,7 +227,8 @@ def _adamw_bf16out_kernel(param, grad, exp_avg, exp_avg_sq, out_bf16, grad_scale
         o_b = out_bf16[lo:hi]
         for i in range(hi - lo):
             p, m, v = _adamw_elem(p_b[i], _load_grad(g_b, i), m_b[i], v_b[i],
-                                  grad_scale, decay, w1, beta2, w2, bc2_sqrt, eps, neg_step)
+                                  grad_scale, decay, lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps,
+                                  neg_step)
             p_b[i] = p
             m_b[i] = m
             v_b[i] = v
@@ -348,10 +349,13 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     f32 = np.float32
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2 = 1.0 - beta2 ** step
+    w1 = f32(1.0 - beta1)
+    lerp_from_g = bool(w1 >= f32(0.5))
     scalars = (
         f32(grad_scale),
         f32(1.0 - lr * weight_decay),
-        f32(1.0 - beta1),
+        f32(w1 - f32(1.0)) if lerp_from_g else w1,
+        lerp_from_g,
         f32(beta2),
         f32(1.0 - beta2),
         f32(bias_correction2 ** 0.5),

@@ -197,6 +197,7 @@ def pack_sequences(
     With ``cache_path`` the rows are stored in (and later loaded from) a safetensors file keyed by
     the arguments, the tokenizer (vocabulary size, EOS, ids of a probe text) and the documents
     (file path, size and mtime, or the hash of a text); a key mismatch recomputes and overwrites.
+    Fingerprinting materializes ``docs`` (a list of paths is cheap; texts are hashed).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")

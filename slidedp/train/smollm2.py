@@ -21,6 +21,7 @@ Nothing here touches the network: the GGUF file comes from the installed wheel a
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -167,9 +168,19 @@ def _quiet_transformers():
     verbosity = hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # The GGUF de-quantization loop uses tqdm directly, ignoring the switch above.
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - layout of other transformers versions
+        gguf_utils = None
+    saved_tqdm = getattr(gguf_utils, "tqdm", None)
+    if saved_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
     try:
         yield
     finally:
+        if saved_tqdm is not None:
+            gguf_utils.tqdm = saved_tqdm
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
@@ -188,6 +199,12 @@ def convert_gguf(gguf: pathlib.Path, out: pathlib.Path) -> dict:
     Returns the manifest (also written last into ``out``). Not atomic by itself:
     ``ensure_smollm2`` calls it on a temporary folder.
     """
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"converting the SmolLM2 GGUF file needs the package(s) {', '.join(missing)}: "
+            f"`pip install {' '.join(missing)}` (or `pip install 'slidedp[default-job]'`)"
+        )
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
