@@ -1,0 +1,89 @@
+"""The `slidedp` command line: train, plan, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _train(args) -> int:
+    from slidedp.train.config import load_config
+    from slidedp.train.job import run
+
+    cfg = load_config(args.config, args.overrides)
+    run(cfg)
+    return 0
+
+
+def _model_from_spec(spec: str):
+    """A meta-device model from a local Hugging Face folder or a preset shape name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slidedp.train.shapes import preset_config
+
+    config = preset_config(spec) if not os.path.isdir(spec) else AutoConfig.from_pretrained(spec)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _plan(args) -> int:
+    import slidedp
+
+    model = _model_from_spec(args.model)
+    plan = slidedp.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
+                        world_size=args.world_size, precision=args.precision, hardware=args.hardware,
+                        micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto")
+    plan.save(args.out)
+    print(plan.summary())
+    print(f"\nplan written to {args.out}")
+    return 0
+
+
+def _inspect(args) -> int:
+    from slidedp.scheduler.plan import Plan
+
+    print(Plan.load(args.plan).summary())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slidedp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="fine-tune a model (no arguments: the embedded SmolLM2 default job)")
+    p.add_argument("config", nargs="?", help="YAML/TOML/JSON config file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("plan", help="solve a plan offline (no GPU needed) and write it as JSON")
+    p.add_argument("model", help="a local Hugging Face folder or a preset shape (e.g. qwen3-14b)")
+    p.add_argument("--budget", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--hardware", default=None, help="preset name or hardware profile JSON")
+    p.add_argument("--out", default="plan.json")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("inspect", help="print a plan's summary")
+    p.add_argument("plan")
+    p.set_defaults(func=_inspect)
+
+    args = parser.parse_args(argv)
+    # A config file given as `key=value` belongs to the overrides.
+    if args.command == "train" and args.config and "=" in args.config:
+        args.overrides.insert(0, args.config)
+        args.config = None
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"slidedp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Preset model shapes (random init), by name: for planning and benchmarks without downloads."""
+
+from __future__ import annotations
+
+# name: (config class, hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
+PRESETS = {
+    "qwen3-0.6b": ("Qwen3Config", 1024, 3072, 28, 16, 8, 128, 151936, True),
+    "qwen3-4b": ("Qwen3Config", 2560, 9728, 36, 32, 8, 128, 151936, False),
+    "qwen3-8b": ("Qwen3Config", 4096, 12288, 36, 32, 8, 128, 151936, False),
+    "qwen3-14b": ("Qwen3Config", 5120, 17408, 40, 40, 8, 128, 151936, False),
+    "qwen3-32b": ("Qwen3Config", 5120, 25600, 64, 64, 8, 128, 151936, False),
+    "llama3-8b": ("LlamaConfig", 4096, 14336, 32, 32, 8, 128, 128256, False),
+    "llama3-70b": ("LlamaConfig", 8192, 28672, 80, 64, 8, 128, 128256, False),
+}
+
+
+def preset_config(name: str):
+    """The transformers config of a preset shape; a clear error lists the presets."""
+    import transformers
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: a local Hugging Face folder or one of {', '.join(PRESETS)}")
+    cls, hidden, inter, layers, heads, kv, head_dim, vocab, tied = PRESETS[name]
+    return getattr(transformers, cls)(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied,
+        max_position_embeddings=40960,
+    )
