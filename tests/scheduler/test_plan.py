@@ -1,0 +1,71 @@
+"""The default plan: JSON round trip, reuse, refusal of a plan for something else, memory model."""
+
+import json
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.scheduler.plan import Plan
+from tests.models import VOCAB, make_model
+
+
+def test_plan_round_trips_and_is_reused(tmp_path):
+    model = make_model("qwen3")
+    plan = slidedp.plan(model, "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert "predicted step" in plan.summary() and "recompute" in plan.summary()
+    assert plan.predicted_step_time_s > 0 and plan.peak_device_bytes <= 2**30
+    engine = slidedp.compile(model, "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu", plan=path)
+    assert engine.plan == plan
+    engine.step(torch.randint(0, VOCAB, (2, 16)))
+    engine.close()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(seq_len=32), "seq_len"),
+    (dict(batch_size=1), "batch_size"),
+    (dict(precision="bf16"), "precision"),
+])
+def test_plan_for_another_workload_is_refused(tmp_path, change, words):
+    model = make_model("llama")
+    path = tmp_path / "plan.json"
+    slidedp.plan(model, "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu").save(path)
+    kwargs = dict(batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    kwargs.update(change)
+    with pytest.raises(ValueError, match="another workload"):
+        slidedp.compile(model, "1GiB", plan=str(path), **kwargs)
+
+
+def test_plan_for_another_model_or_schema_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    slidedp.plan(make_model("llama"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu").save(path)
+    with pytest.raises(ValueError, match="fingerprint"):
+        slidedp.compile(make_model("gpt2"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu",
+                        plan=path)
+    data = json.loads(path.read_text())
+    data["schema_version"] = 999
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="schema version"):
+        Plan.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a plan"):
+        Plan.load(path)
+
+
+def test_meta_model_plans_without_allocating_and_larger_budget_is_never_slower():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                             vocab_size=151936))
+    small = slidedp.plan(model, "24GiB", batch_size=1, seq_len=4096, hardware="h100-sxm")
+    large = slidedp.plan(model, "60GiB", batch_size=1, seq_len=4096, hardware="h100-sxm")
+    assert small.peak_device_bytes <= 24 * 2**30 and large.peak_device_bytes <= 60 * 2**30
+    assert large.predicted_step_time_s <= small.predicted_step_time_s
+    with pytest.raises(slidedp.UnsupportedModelError, match="meta device"):
+        slidedp.compile(model, "60GiB", batch_size=1, seq_len=4096, device="cpu")

@@ -1,0 +1,48 @@
+"""The command line and the train configuration."""
+
+import json
+
+import pytest
+
+from slidedp.cli import main
+from slidedp.train.config import TrainConfig, load_config
+
+
+def test_config_defaults_files_and_overrides(tmp_path):
+    assert load_config(None, []) == TrainConfig()
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 7\nlr: 0.001\nmodel: some/folder\n")
+    cfg = load_config(str(path), ["max_steps=9", "precision=fp32"])
+    assert (cfg.max_steps, cfg.lr, cfg.model, cfg.precision) == (9, 0.001, "some/folder", "fp32")
+    toml = tmp_path / "run.toml"
+    toml.write_text('batch_size = 2\ndata = "corpus"\n')
+    assert load_config(str(toml), []).batch_size == 2
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["max_stepz=3"], "unknown config key"),
+    (["max_steps=three"], "'max_steps' must be an integer"),
+    (["lr=fast"], "'lr' must be a number"),
+    (["resume=maybe"], "'resume' must be true or false"),
+    (["max_steps=0"], "'max_steps' must be >= 1"),
+    (["precision=fp8"], "'precision'"),
+    (["novalue"], "key=value"),
+])
+def test_bad_config_is_refused_naming_the_key(overrides, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        load_config(None, overrides)
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    assert main(["train", "max_stepz=3"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+
+
+def test_cli_plan_and_inspect(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "qwen3-0.6b", "--budget", "20GiB", "--batch-size", "1", "--seq-len", "1024",
+                 "--hardware", "h100-sxm", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["workload"]["seq_len"] == 1024
+    assert main(["inspect", str(out)]) == 0
+    assert "predicted step" in capsys.readouterr().out
+    assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2
