@@ -5,11 +5,16 @@ proxies (which records the modules used before and after the blocks, and what ea
 given), then one block of each distinct shape is run forward and backward under FlopCounterMode
 and saved-tensor hooks to count its FLOPs and the activation bytes it saves for backward. Works
 for models on the meta device (an 8B shape builds in seconds).
+
+Then `torch.export(strict=False)` of the same forward (`export_trace.py`) must agree: every block
+once, in order, nothing between blocks; it gives `trace_method="export"` and the ops of the model's
+own forward (`forward_ops`). If export fails, the module structure above stands (`"module"`).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import OrderedDict
 
 import torch
@@ -27,9 +32,11 @@ from slidedp.ir.blocks import (
     unwrap_block_output,
     wrap_block_output,
 )
+from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, ExportGroups, export_layer_groups_or_reason
 from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE, Layer, LayerCosts, LayerGraph, ParamInfo
 
 _NO_DECAY_CLASSES = ("Norm", "Embedding")
+log = logging.getLogger(__name__)
 
 
 def forward_kwargs(model: nn.Module) -> tuple[str, ...]:
@@ -97,12 +104,12 @@ def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple
             saved[sid] = max(saved.get(sid, 0), t.untyped_storage().nbytes())
         return t
 
-    with FlopCounterMode(display=False) as fwd_counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as fwd_counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(block, params, args, kwargs)
     out_hidden, kind = unwrap_block_output(out)
     grads_of = [hidden] + [p for p in params.values() if p.requires_grad]
-    with FlopCounterMode(display=False) as bwd_counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter:
         torch.autograd.grad(out_hidden, grads_of, torch.ones_like(out_hidden), allow_unused=True)
     boundary = out_hidden.numel() * out_hidden.element_size()
     costs = LayerCosts(
@@ -201,7 +208,16 @@ def build_layer_graph(
         hidden_size = int(calls[0].hidden.shape[-1])
         boundary_bytes = calls[0].hidden.numel() * calls[0].hidden.element_size()
 
-    # 2. Parameters: by identity, canonical name first; owner = first layer that uses them.
+    # 2. torch.export's view of the same forward: must agree; if export fails, the above stands.
+    groups, why = export_layer_groups_or_reason(
+        model, blocks_path, n_blocks, batch_size, seq_len, block_output=block_kind["kind"]
+    )
+    if groups is None:
+        log.info("torch.export of %s failed, using the module structure: %s", type(model).__name__, why)
+    else:
+        _check_export(model, groups, blocks_path, n_blocks)
+
+    # 3. Parameters: by identity, canonical name first; owner = first layer that uses them.
     layers = _assign_params(model, blocks_path, blocks, first_phase)
     tokens = batch_size * seq_len
     out_layers = []
@@ -230,10 +246,26 @@ def build_layer_graph(
         batch_size=batch_size,
         seq_len=seq_len,
         compute_dtype=str(compute_dtype).removeprefix("torch."),
-        trace_method="module",
+        trace_method="module" if groups is None else "export",
         block_output=block_kind["kind"],
         forward_kwargs=allowed,
+        forward_ops=() if groups is None else groups.forward_ops,
     )
+
+
+def _check_export(model: nn.Module, groups: ExportGroups, blocks_path: str, n_blocks: int) -> None:
+    name = type(model).__name__
+    if groups.block_order != tuple(range(n_blocks)):
+        raise UnsupportedModelError(
+            f"torch.export of {name}.forward runs the blocks of {blocks_path} in the order "
+            f"{list(groups.block_order)}, but the module structure has {n_blocks} blocks that must run "
+            "once each, in order"
+        )
+    if groups.between_ops:
+        raise UnsupportedModelError(
+            f"{name}.forward applies {sorted(set(groups.between_ops))} to the hidden state between blocks "
+            f"of {blocks_path}; slidedp chains the blocks directly and needs no ops between them"
+        )
 
 
 def _kw(allowed: tuple[str, ...]) -> dict:

@@ -15,8 +15,8 @@ Export runs on fake tensors (non-strict export fakifies the parameters; inputs a
 parameters' device, so models on the meta device work too) and never allocates weights.
 
 Speed: export costs a few ms per graph node, about 0.5 s per decoder block of an 8B model, so a
-36-block model would take ~18 s. Only the first `max_traced_blocks` blocks are exported as
-themselves; the others are swapped, for the duration of the export only, for stand-ins that clone
+36-block model would take ~18 s. Only the first `max_traced_blocks` blocks (default 1) are exported
+as themselves; the others are swapped, for the duration of the export only, for stand-ins that clone
 the hidden state (one node each). Their group has `traced=False`, n_nodes=1 and no FLOPs (the block
 costs come from `build.py`'s per-block FakeTensor trace anyway), but count and order are checked for
 every block. Export failures of any kind return None with the reason; they never break the build.
@@ -36,14 +36,38 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from slidedp.ir.blocks import BlockCall, get_submodule_parent, wrap_block_output
 
-MAX_TRACED_BLOCKS = 3
+MAX_TRACED_BLOCKS = 1  # exported as themselves; later blocks are stand-ins (speed)
+
+_aten = torch.ops.aten
+
+
+def _as_is(formula):  # registry formulas already take tensors: keep FlopCounterMode from re-wrapping
+    def f(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    f._get_raw = True
+    return f
+
+
+# FLOP formulas FlopCounterMode lacks: the CPU flash-attention kernels that SDPA dispatches to on
+# CPU (and on fake CPU tensors); without them a block's attention FLOPs count as zero.
+EXTRA_FLOP_FORMULAS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu:
+        _as_is(flop_registry[_aten._scaled_dot_product_flash_attention]),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _as_is(flop_registry[_aten._scaled_dot_product_flash_attention_backward]),
+}
 
 # composite ops that the pre-dispatch (training) IR keeps and FlopCounterMode sees decomposed
-_FLOP_OPS = {str(p) for p in flop_registry} | {
+_FLOP_OPS = {str(p) for p in (*flop_registry, *EXTRA_FLOP_FORMULAS)} | {
     "aten.linear", "aten.matmul", "aten.scaled_dot_product_attention", "aten.einsum", "aten.bilinear",
     "aten.conv1d", "aten.conv2d", "aten.conv3d",
 }
-_TRIVIAL = re.compile(r"^(aten\._assert|aten\.sym_|aten\._local_scalar_dense|getitem$|aten\.alias)")
+# no compute: assertions, symbolic sizes, views, casts; left out of the op lists
+_TRIVIAL = re.compile(
+    r"^(aten\._assert|aten\.sym_|aten\._local_scalar_dense|getitem$|aten\.(alias|view|_unsafe_view|reshape|"
+    r"unsqueeze|squeeze|expand|slice|select|permute|transpose|t|detach|flatten|unflatten|contiguous|to)\.)"
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +75,9 @@ class OpGroup:
     name: str  # "prologue" | "{blocks_path}.{i}" | "epilogue"
     n_nodes: int
     flops: float = 0.0  # forward FLOPs of the group's ops on the export inputs
-    own_ops: tuple[str, ...] = ()  # ops run by the model's own forward (prologue/epilogue)
+    # ops run by the model's own forward (prologue/epilogue), each distinct string once, with the
+    # child modules feeding them: "aten.mul.Tensor(tok)"; views, casts and assertions left out
+    own_ops: tuple[str, ...] = ()
     traced: bool = True  # False: a stand-in block (see the module docstring)
 
 
@@ -60,7 +86,7 @@ class ExportGroups:
     prologue: OpGroup
     blocks: tuple[OpGroup, ...]  # in the order the graph runs them
     epilogue: OpGroup
-    block_order: tuple[int, ...]  # block indices as the graph runs them (consecutive nodes merged)
+    block_order: tuple[int, ...]  # block index of each block call, in the order the graph runs them
     between_ops: tuple[str, ...]  # ops outside the blocks on the hidden path between two blocks
     seconds: float
 
@@ -83,7 +109,9 @@ class _StandIn(nn.Module):
 
 
 def op_name(target) -> str:
-    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
 
 
 def export_layer_groups_or_reason(
@@ -105,6 +133,8 @@ def export_layer_groups_or_reason(
         kwargs = {"use_cache": False} if _accepts(model, "use_cache") else {}
         parent, attr = get_submodule_parent(model, blocks_path)
         original = parent._modules[attr]
+        if len(original) != n_blocks:
+            raise ValueError(f"{blocks_path} holds {len(original)} blocks, not {n_blocks}")
         swapped = nn.ModuleList(
             original[i] if i < max_traced_blocks else _StandIn(block_output) for i in range(len(original))
         )
@@ -113,7 +143,7 @@ def export_layer_groups_or_reason(
             program = torch.export.export(model, (ids,), kwargs, strict=False)
         finally:
             parent._modules[attr] = original
-        groups = _group(program.graph, blocks_path, n_blocks, max_traced_blocks)
+        groups = _group(program.graph, blocks_path, max_traced_blocks)
     except Exception as exc:  # noqa: BLE001 - export failure only means falling back
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     return ExportGroups(**groups, seconds=time.perf_counter() - start), ""
@@ -129,21 +159,21 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in forward_kwargs(model)
 
 
-def _group(graph: torch.fx.Graph, blocks_path: str, n_blocks: int, max_traced: int) -> dict:
+def _group(graph: torch.fx.Graph, blocks_path: str, max_traced: int) -> dict:
     block_re = re.compile(re.escape(blocks_path) + r"\.(\d+)$")
     # the model's own forward: the root and the containers of the block list ("", "model", ...)
     own_paths = {""} | {blocks_path.rsplit(".", k)[0] for k in range(1, blocks_path.count(".") + 1)}
 
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     block_of: dict[torch.fx.Node, int] = {}
+    call_of: dict[torch.fx.Node, str] = {}  # stack key of the block call: "...trunk.1@1" on a 2nd call
     innermost: dict[torch.fx.Node, str] = {}
     for n in nodes:
-        paths = [p for p, _cls in (n.meta.get("nn_module_stack") or {}).values()]
-        innermost[n] = paths[-1] if paths else ""
-        for p in paths:
-            m = block_re.match(p)
-            if m:
-                block_of[n] = int(m.group(1))
+        stack = (n.meta.get("nn_module_stack") or {}).items()
+        innermost[n] = list(stack)[-1][1][0] if stack else ""
+        for key, (path, _cls) in stack:
+            if m := block_re.match(path):
+                block_of[n], call_of[n] = int(m.group(1)), key
                 break
     if not block_of:
         raise RuntimeError(f"no exported node ran inside {blocks_path}")
@@ -152,12 +182,13 @@ def _group(graph: torch.fx.Graph, blocks_path: str, n_blocks: int, max_traced: i
 
     order: list[int] = []
     members: dict[int, list[torch.fx.Node]] = {}
+    call = None
     for n in nodes[first : last + 1]:
         if n in block_of:
-            b = block_of[n]
-            if not order or order[-1] != b:
-                order.append(b)
-            members.setdefault(b, []).append(n)
+            if call_of[n] != call:
+                call = call_of[n]
+                order.append(block_of[n])
+            members.setdefault(block_of[n], []).append(n)
 
     # ops outside the blocks whose inputs come from a block: they would change the hidden state
     on_path = set(block_of)
@@ -168,11 +199,25 @@ def _group(graph: torch.fx.Graph, blocks_path: str, n_blocks: int, max_traced: i
             if not _TRIVIAL.match(op_name(n.target)):
                 between.append(op_name(n.target))
 
-    def own(ns):
-        return tuple(
-            op_name(n.target) for n in ns
-            if innermost[n] in own_paths and not _TRIVIAL.match(op_name(n.target))
+    def sources(n, seen) -> list[str]:
+        """Child modules whose outputs reach `n` directly or through views and casts."""
+        out = []
+        for a in n.all_input_nodes:
+            if a.op != "call_function" or a in seen:
+                continue
+            seen.add(a)
+            if innermost[a] not in own_paths:
+                out.append(innermost[a])
+            elif _TRIVIAL.match(op_name(a.target)):
+                out += sources(a, seen)
+        return list(dict.fromkeys(out))
+
+    def own(ns):  # "aten.add.Tensor(transformer.wte,transformer.wpe)", each op string once
+        ops = (
+            op_name(n.target) + (f"({','.join(src)})" if (src := sources(n, set())) else "")
+            for n in ns if innermost[n] in own_paths and not _TRIVIAL.match(op_name(n.target))
         )
+        return tuple(dict.fromkeys(ops))
 
     pro, epi = nodes[:first], nodes[last + 1 :]
     return dict(
@@ -197,14 +242,15 @@ def _flops(nodes: list[torch.fx.Node]) -> float:
     def val(a):
         return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
 
-    fake_mode = next((v.fake_mode for n in todo for v in [n.meta.get("val")] if isinstance(v, FakeTensor)), None)
+    vals = (n.meta.get("val") for n in todo)
+    fake_mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
     if fake_mode is None:
         return 0.0
-    with fake_mode, FlopCounterMode(display=False) as counter:
+    with fake_mode, FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
         for n in todo:
             n.target(*tree_map(val, n.args), **tree_map(val, n.kwargs))
     return float(counter.get_total_flops())
 
 
-__all__ = ["ExportGroups", "OpGroup", "export_layer_groups", "export_layer_groups_or_reason", "op_name",
-           "MAX_TRACED_BLOCKS"]
+__all__ = ["EXTRA_FLOP_FORMULAS", "MAX_TRACED_BLOCKS", "ExportGroups", "OpGroup", "export_layer_groups",
+           "export_layer_groups_or_reason", "op_name"]

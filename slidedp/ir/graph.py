@@ -72,6 +72,9 @@ class LayerGraph:
     trace_method: str  # "export" | "module"
     block_output: str  # "tensor" | "tuple": what a block's forward returns
     forward_kwargs: tuple[str, ...] = ()  # keyword arguments the model's forward accepts
+    # ops of the model's own forward found by torch.export ("prologue:aten.mul.Tensor(tok)"); () if
+    # trace_method == "module"
+    forward_ops: tuple[str, ...] = ()
 
     @property
     def blocks(self) -> tuple[Layer, ...]:
