@@ -33,6 +33,28 @@ class LayerDecision:
 
 
 @dataclass(frozen=True)
+class TimelineEvent:
+    """One predicted operation on one lane of one rank (seconds from the step's start)."""
+
+    rank: int
+    lane: str  # "compute" | "h2d" | "d2h" | "collective" | "cpu_update"
+    name: str  # e.g. "fwd L3", "h2d L3 c1", "update L3 c0"
+    layer_id: int
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Predicted memory from `t_s` on (until the next point)."""
+
+    t_s: float
+    device_bytes: int  # per rank
+    pinned_host_bytes: int  # all ranks
+
+
+@dataclass(frozen=True)
 class Workload:
     batch_size: int
     seq_len: int
@@ -57,6 +79,8 @@ class Plan:
     memory: dict  # MemoryBreakdown fields
     peak_device_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    timeline: tuple[TimelineEvent, ...] = ()
+    memory_timeline: tuple[MemoryPoint, ...] = ()
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -78,6 +102,8 @@ class Plan:
         data["workload"] = Workload(**data["workload"])
         data["decisions"] = tuple(LayerDecision(**d) for d in data["decisions"])
         data["notes"] = tuple(data.get("notes", ()))
+        data["timeline"] = tuple(TimelineEvent(**e) for e in data.get("timeline", ()))
+        data["memory_timeline"] = tuple(MemoryPoint(**m) for m in data.get("memory_timeline", ()))
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
