@@ -90,17 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     if n < 1 or threads < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--params, --threads and --repeats must be >= 1, --warmup >= 0")
 
-    torch.set_num_threads(threads)
     cpu_adamw.set_num_threads(threads)
+    cpu_adamw.threading_layer()  # launch Numba's pool first: it must not change torch's threads
+    torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
 
-    # numba side: fp32 state, bf16 grad bits in, bf16 weight bits out.
-    p_np = rng.standard_normal(n, dtype=np.float32)
-    m_np = np.zeros(n, np.float32)
-    v_np = np.zeros(n, np.float32)
+    # numba side: fp32 state, bf16 grad bits in, bf16 weight bits out. Buffers come from
+    # torch's allocator, as slidedp's host state does (64-byte aligned; numpy would give
+    # 16-byte alignment but transparent huge pages, which torch tensors do not get).
+    def host(dtype: torch.dtype) -> np.ndarray:
+        return torch.zeros(n, dtype=dtype).numpy()
+
+    p_np, m_np, v_np = host(torch.float32), host(torch.float32), host(torch.float32)
+    p_np[:] = rng.standard_normal(n, dtype=np.float32)
     g_bf16 = torch.from_numpy(rng.standard_normal(n, dtype=np.float32)).to(torch.bfloat16)
-    g_np = g_bf16.view(torch.uint16).numpy()
-    w_np = np.empty(n, np.uint16)
+    g_np = host(torch.int16).view(np.uint16)
+    g_np[:] = g_bf16.view(torch.uint16).numpy()
+    w_np = host(torch.int16).view(np.uint16)
 
     # torch side: same values, fp32 grad (the bf16 gradient upcast), bf16 weight copy.
     p_t = torch.nn.Parameter(torch.from_numpy(p_np.copy()))
@@ -138,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - t0)
 
     load_1min = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if torch.get_num_threads() != threads:
+        raise SystemExit(f"torch ran with {torch.get_num_threads()} threads, not {threads}")
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     rates = {name: n / medians[name] / 1e9 for name in medians}
     torch_name = cases[1][0]

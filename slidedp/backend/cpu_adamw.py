@@ -1,23 +1,27 @@
 """Numba CPU AdamW on flat fp32 host state, with bf16 gradients in and bf16 weights out.
 
-`adamw_step` updates fp32 master weights and AdamW moments in place, exactly as the
-single-tensor `torch.optim.AdamW` (decoupled weight decay, bias correction), computed in
-float32, and can write the updated weights rounded to bfloat16 (round-to-nearest-even,
-bit-exact with `torch.Tensor.to(torch.bfloat16)`) in the same pass. bfloat16 values are
-passed as `uint16` arrays holding the bit patterns (numpy has no bfloat16 type; get them
-from torch with `t.view(torch.uint16).numpy()`).
+`adamw_step` updates fp32 master weights and AdamW moments in place with the float32 math
+of the single-tensor `torch.optim.AdamW` (decoupled weight decay, bias correction), and can
+write the updated weights rounded to bfloat16 in the same pass (round-to-nearest-even,
+bit-exact with `torch.Tensor.to(torch.bfloat16)`; any NaN becomes 0xFFFF as there).
+Results match torch to 1 ulp: the moments bit for bit on AVX2 builds, the weights up to
+torch's CPU sqrt (MKL), which is itself up to 1 ulp off the correctly rounded one used here.
+bfloat16 values travel as `uint16` arrays of bit patterns (numpy has no bfloat16; from
+torch: `t.view(torch.uint16).numpy()`).
 
 Any contiguous 1-D slice can be updated on its own, so a layer can be updated chunk by
 chunk. The kernels release the GIL: several Python threads may update different chunks at
-once. Each call runs on the calling thread's Numba thread team; the team size is
-thread-local (`num_threads=` per call, or the module default from `set_num_threads`).
+once, each on its own Numba thread team, whose size is thread-local (`num_threads=` per
+call, or the module default from `set_num_threads`). Blocks are scheduled dynamically, so
+a thread slowed by other work on its core does not hold back the rest.
 
-Threading layer: `omp` or `tbb` (`threadsafe` is requested unless the user chose `omp`,
-`tbb` or `safe`); `workqueue` is refused because it aborts when two threads call in.
+Threading layer: `omp` or `tbb` (`threadsafe` is requested unless NUMBA_THREADING_LAYER
+says otherwise); `workqueue` is refused because it aborts when two threads call in.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numba
@@ -56,7 +60,13 @@ def _ensure_thread_safe_layer() -> None:
         if _layer_checked:
             return
         requested = numba.config.THREADING_LAYER
+        # Launching Numba's OpenMP pool resets the caller's OpenMP max-threads, which torch
+        # (sharing the same libgomp) reads as its intra-op thread count: keep torch's.
+        torch = sys.modules.get("torch")
+        torch_threads = torch.get_num_threads() if torch is not None else None
         numba.get_num_threads()  # launches the pool with the configured layer
+        if torch is not None and torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         layer = numba.threading_layer()
         if layer not in ("omp", "tbb"):
             raise RuntimeError(
@@ -106,6 +116,19 @@ def _check_num_threads(n) -> None:
         )
 
 
+def _launch(kernel, *args) -> None:
+    """Run a parallel kernel with dynamic scheduling of `_CHUNK_BLOCKS` blocks at a time.
+
+    Numba's chunk size is thread-local, set here rather than in the kernel (a kernel that
+    sets it cannot be cached) and restored afterwards.
+    """
+    old = numba.set_parallel_chunksize(_CHUNK_BLOCKS)
+    try:
+        kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(old)
+
+
 def _apply_num_threads(num_threads: int | None) -> None:
     """Set the calling thread's Numba team size (Numba keeps it thread-local)."""
     _ensure_thread_safe_layer()
@@ -119,17 +142,22 @@ def _apply_num_threads(num_threads: int | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Scalar helpers (inlined into the kernels).
+# Kernel constants and scalar helpers (inlined into the kernels).
 
 _BLOCK_ELEMS = 1 << 13  # elements per prange block (~230 KB of state touched per block)
+# Blocks a thread takes at a time (dynamic scheduling): a thread slowed down by other work
+# on its core (H2D copies, other ranks) no longer holds back the whole update.
+_CHUNK_BLOCKS = 4
 _U32_SIGN_MASK = np.uint32(0x7FFFFFFF)
 _U32_INF_BITS = np.uint32(0x7F800000)
 _U32_ROUND_BIAS = np.uint32(0x7FFF)
 _U32_ONE = np.uint32(1)
 _U16_NAN = np.uint16(0xFFFF)  # what torch's vectorised float->bf16 writes for any NaN
 
-# No fastmath: IEEE float32 everywhere except the explicit multiply-adds below, which are
-# fused exactly where torch's AVX2/AVX-512 kernels fuse them (lerp and addcmul).
+# No fastmath flags: the loops vectorise without them (8 floats per AVX2 op), 'contract'
+# would fuse other multiply-adds than torch does, and 'nnan'/'ninf'/'afn'/'arcp' would break
+# NaN handling or IEEE sqrt/div. The multiply-adds that torch's AVX2/AVX-512 kernels fuse
+# (lerp, addcmul) are fused explicitly, so m and v match torch bit for bit there.
 _JIT = dict(nogil=True, cache=True, error_model="numpy", fastmath=False)
 
 
@@ -335,8 +363,10 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     else:
         _check_same_length(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         _check_no_overlap(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (1-based), got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (1-based), got {step}")
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"betas must be in [0, 1), got beta1={beta1}, beta2={beta2}")
     if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
@@ -364,9 +394,9 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     )
     _apply_num_threads(num_threads)
     if out_bf16 is None:
-        _adamw_kernel(param, grad, exp_avg, exp_avg_sq, *scalars)
+        _launch(_adamw_kernel, param, grad, exp_avg, exp_avg_sq, *scalars)
     else:
-        _adamw_bf16out_kernel(param, grad, exp_avg, exp_avg_sq, out_bf16, *scalars)
+        _launch(_adamw_bf16out_kernel, param, grad, exp_avg, exp_avg_sq, out_bf16, *scalars)
 
 
 def bf16_bits_to_float32(u16: np.ndarray, out: np.ndarray | None = None, *,
@@ -378,9 +408,10 @@ def bf16_bits_to_float32(u16: np.ndarray, out: np.ndarray | None = None, *,
     else:
         _check_array("out", out, _F32, True)
         _check_same_length(u16=u16, out=out)
+        _check_no_overlap(u16=u16, out=out)
     if u16.size:
         _apply_num_threads(num_threads)
-        _bf16_to_f32_kernel(u16, out)
+        _launch(_bf16_to_f32_kernel, u16, out)
     return out
 
 
@@ -401,5 +432,5 @@ def float32_to_bf16_bits(f32: np.ndarray, out: np.ndarray | None = None, *,
         _check_no_overlap(f32=f32, out=out)
     if f32.size:
         _apply_num_threads(num_threads)
-        _f32_to_bf16_kernel(f32, out)
+        _launch(_f32_to_bf16_kernel, f32, out)
     return out

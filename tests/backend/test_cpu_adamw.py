@@ -230,6 +230,8 @@ def test_bad_scalars_and_aliasing_raise():
     a = _args()
     with pytest.raises(ValueError, match="step"):
         adamw_step(**a, step=0, weight_decay=0.0, **HYPER)
+    with pytest.raises(TypeError, match="step"):
+        adamw_step(**a, step=1.5, weight_decay=0.0, **HYPER)
     a = _args()
     a["exp_avg"] = a["param"]
     with pytest.raises(ValueError, match="overlap"):
