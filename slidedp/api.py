@@ -15,7 +15,7 @@ from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.engine import Engine
 from slidedp.errors import UnsupportedModelError
 from slidedp.ir.build import build_layer_graph
-from slidedp.ir.graph import LayerGraph
+from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.optim import AdamW
 from slidedp.scheduler.plan import Plan, default_plan
 
@@ -132,14 +132,24 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         _load_weights(model, graph, host, bf16=bf16)
         if dev.type == "cuda":
             host.pin()
-        executor = StreamedExecutor(model, graph, host, device=dev, compute_dtype=_PRECISIONS[precision],
-                                    window=the_plan.window)
+        executor = StreamedExecutor(
+            model, graph, host, device=dev, compute_dtype=_PRECISIONS[precision], window=the_plan.window,
+            activation={d.layer_id: d.activation for d in the_plan.decisions if d.kind == BLOCK},
+            chunks={d.layer_id: d.chunks for d in the_plan.decisions},
+            loss_chunk_rows=_loss_chunk_rows(the_plan, seq_len),
+        )
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
     except BaseException:
         host.close()
         raise
     return Engine(model=model, graph=graph, plan=the_plan, host=host, executor=executor, optimizer=optimizer,
                   max_grad_norm=max_grad_norm, device=dev, precision=precision)
+
+
+def _loss_chunk_rows(plan: Plan, seq_len: int) -> int | None:
+    """Rows per loss chunk: the plan's `loss_chunk_tokens` in whole sequences (at least one)."""
+    tokens = getattr(plan, "loss_chunk_tokens", None)
+    return None if not tokens else max(1, tokens // seq_len)
 
 
 @torch.no_grad()

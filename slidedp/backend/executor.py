@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slidedp.backend.host_state import HostState
+from slidedp.backend.saved_activations import SavedActivations
 from slidedp.backend.streams import Guard, Streams
 from slidedp.backend.weight_window import schedule_window
 from slidedp.ir.blocks import (
@@ -59,7 +60,8 @@ class StreamedExecutor:
     """Owns the device-side buffers of one rank and runs passes over the weights."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, *, device: torch.device,
-                 compute_dtype: torch.dtype, window: int):
+                 compute_dtype: torch.dtype, window: int, activation: dict[int, str] | None = None,
+                 chunks: dict[int, int] | None = None, loss_chunk_rows: int | None = None):
         self.model = model
         self.graph = graph
         self.host = host
@@ -71,6 +73,15 @@ class StreamedExecutor:
         self.n_blocks = len(self.block_layers)
         self.resident_ids = (graph.prologue.id, graph.epilogue.id)
         self.window = window
+        activation = activation or {}
+        self.activation = [activation.get(layer.id, "recompute") for layer in self.block_layers]
+        unknown = set(self.activation) - {"recompute", "keep", "offload"}
+        if unknown:
+            raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
+        self.chunks = {layer.id: max(1, (chunks or {}).get(layer.id, 1)) for layer in graph.layers}
+        self.loss_chunk_rows = loss_chunk_rows
+        self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
+        self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
         self.schedule = schedule_window(
             list(range(self.n_blocks)) + list(range(self.n_blocks - 1, -1, -1)), window
         )
@@ -110,10 +121,13 @@ class StreamedExecutor:
             self.streams.wait("compute", guard.event)
 
     def _issue_load(self, load) -> None:
+        """H2D of a block's weights into its slot, in the plan's number of chunks."""
         layer = self.block_layers[load.block]
         src = self.host.layers[layer.id].source
         dst = self.slots[load.slot][: layer.numel]
-        guard = self.streams.copy("h2d", dst, src, after=self.slot_free[load.slot])
+        self.streams.wait("h2d", self.slot_free[load.slot])
+        for lo, hi in chunk_bounds(layer.numel, self.chunks[layer.id]):
+            guard = self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
         self._slot_ready[load.slot] = guard.event
 
     def _block_params(self, block: int, slot: int, requires_grad: bool) -> dict[str, torch.Tensor]:
@@ -135,6 +149,7 @@ class StreamedExecutor:
         """One pass over the weights; layer i's gradient is copied into `grad_targets[i]` (host)."""
         g = self.graph
         self._targets = grad_targets
+        self.offloaded_bytes = 0
         kw = g.forward_kwargs
         leaves = {
             name: self.resident[lid][start : start + numel].view(self.model.get_parameter(name).shape)
@@ -171,6 +186,7 @@ class StreamedExecutor:
         pending = list(sched.loads)
         self._issue_ready_loads(pending, issued_position=-1)
         stash: list[list[torch.Tensor | None]] = [[None] * len(micro_batches) for _ in range(self.n_blocks)]
+        kept: list[list[KeptForward | None]] = [[None] * len(micro_batches) for _ in range(self.n_blocks)]
         sumsq: list[torch.Tensor | None] = [None] * len(g.layers)
         d2h: list[Guard | None] = [None] * len(g.layers)
         grad_h: list[torch.Tensor] = []
@@ -181,30 +197,51 @@ class StreamedExecutor:
             module = self.blocks[block]
             name = self.block_layers[block].name
             if position < self.n_blocks:  # forward
-                params = self._block_params(block, slot, requires_grad=False)
-                with self.streams.range(f"fwd {name}"), torch.no_grad():
+                policy = self.activation[block]
+                params = self._block_params(block, slot, requires_grad=policy != "recompute")
+                with self.streams.range(f"fwd {name}"):
                     for m, call in enumerate(calls):
-                        stash[block][m] = hidden[m]
-                        args, kwargs = call[block].with_hidden(hidden[m])
-                        out = torch.func.functional_call(module, params, args, kwargs)
-                        hidden[m] = unwrap_block_output(out)[0]
+                        if policy == "recompute":  # keep only the input; recompute in backward
+                            stash[block][m] = hidden[m]
+                            args, kwargs = call[block].with_hidden(hidden[m])
+                            with torch.no_grad():
+                                out = torch.func.functional_call(module, params, args, kwargs)
+                            hidden[m] = unwrap_block_output(out)[0]
+                            continue
+                        x = hidden[m].detach().requires_grad_(True)
+                        saved = SavedActivations(self.slots[slot], self.streams, offload=policy == "offload",
+                                                 min_offload_bytes=self.min_offload_bytes)
+                        args, kwargs = call[block].with_hidden(x)
+                        with torch.enable_grad(), saved.hooks():
+                            out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                        kept[block][m] = KeptForward(x, out, params, saved)
+                        self.offloaded_bytes += saved.offloaded_bytes
+                        hidden[m] = out.detach()
                 if position == self.n_blocks - 1:
                     # 3. epilogue, while the last blocks' weights stay in their slots
                     grad_h, loss_sum = self._epilogue(micro_batches, calls, hidden, top, leaves,
                                                       resident_acc, global_tokens)
             else:  # backward
-                params = self._block_params(block, slot, requires_grad=True)
                 layer = self.block_layers[block]
                 acc = torch.zeros(layer.numel, dtype=torch.float32, device=self.device)
                 offsets = [(start, numel) for _, start, numel, _ in self.host.layouts[layer.id].param_offsets]
-                trainable = list(params.values())[: len(offsets)]
+                if self.activation[block] == "recompute":
+                    params = self._block_params(block, slot, requires_grad=True)
                 with self.streams.range(f"bwd {name}"):
                     for m, call in enumerate(calls):
-                        x = stash[block][m].detach().requires_grad_(True)
-                        stash[block][m] = None
-                        args, kwargs = call[block].with_hidden(x)
-                        with torch.enable_grad():
-                            out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                        if self.activation[block] == "recompute":
+                            x = stash[block][m].detach().requires_grad_(True)
+                            stash[block][m] = None
+                            args, kwargs = call[block].with_hidden(x)
+                            with torch.enable_grad():
+                                out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                            block_leaves = params
+                        else:  # the forward's graph, its weights read from this slot
+                            fwd = kept[block][m]
+                            kept[block][m] = None
+                            fwd.saved.slot = self.slots[slot]
+                            x, out, block_leaves = fwd.x, fwd.out, fwd.params
+                        trainable = list(block_leaves.values())[: len(offsets)]
                         grads = torch.autograd.grad(out, [x] + trainable, grad_h[m], allow_unused=True)
                         grad_h[m] = grads[0]
                         for (start, numel), gp in zip(offsets, grads[1:]):
@@ -237,21 +274,29 @@ class StreamedExecutor:
         epi_names = [p.name for p in g.epilogue.params] + list(g.epilogue.tied_param_names)
         grad_h, loss_sum = [], torch.zeros((), dtype=torch.float32, device=self.device)
         for m, mb in enumerate(micro_batches):
-            last = hidden[m].detach().requires_grad_(True)
+            rows = mb.input_ids.shape[0]
+            step = min(rows, self.loss_chunk_rows or rows)
+            grad_parts = []
+            for r0 in range(0, rows, step):  # the loss in row chunks: logits of `step` rows at a time
+                part = MicroBatch(mb.input_ids[r0 : r0 + step], mb.labels[r0 : r0 + step],
+                                  None if mb.attention_mask is None else mb.attention_mask[r0 : r0 + step])
+                last = hidden[m][r0 : r0 + step].detach().requires_grad_(True)
+
+                def tail(index: int, call: BlockCall, last=last):
+                    return wrap_block_output(last if index == self.n_blocks - 1 else call.hidden, g.block_output)
+
+                with self.streams.range("epilogue"), proxied_blocks(self.model, g.blocks_path, tail):
+                    with torch.enable_grad():
+                        logits = logits_of(torch.func.functional_call(self.model, top, (part.input_ids,),
+                                                                      _kwargs(g.forward_kwargs, part)))
+                        loss = token_loss_sum(logits, part.labels) / global_tokens
+                    del logits
+                    grads = torch.autograd.grad(loss, [last] + [leaves[n] for n in epi_names], allow_unused=True)
+                grad_parts.append(grads[0] if grads[0] is not None else torch.zeros_like(last))
+                self._accumulate(resident_acc, epi_names, grads[1:])
+                loss_sum = loss_sum + loss.detach()
             hidden[m] = None
-
-            def tail(index: int, call: BlockCall, last=last):
-                return wrap_block_output(last if index == self.n_blocks - 1 else call.hidden, g.block_output)
-
-            with self.streams.range("epilogue"), proxied_blocks(self.model, g.blocks_path, tail):
-                with torch.enable_grad():
-                    logits = logits_of(torch.func.functional_call(self.model, top, (mb.input_ids,),
-                                                                  _kwargs(g.forward_kwargs, mb)))
-                    loss = token_loss_sum(logits, mb.labels) / global_tokens
-                grads = torch.autograd.grad(loss, [last] + [leaves[n] for n in epi_names], allow_unused=True)
-            grad_h.append(grads[0] if grads[0] is not None else torch.zeros_like(last))
-            self._accumulate(resident_acc, epi_names, grads[1:])
-            loss_sum = loss_sum + loss.detach()
+            grad_h.append(torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0])
         return grad_h, loss_sum
 
     def _accumulate(self, resident_acc, names, grads) -> None:
@@ -265,9 +310,28 @@ class StreamedExecutor:
         sumsq = torch.dot(acc, acc) if acc.numel() else torch.zeros((), device=self.device)
         host_grad = self.host.layers[layer_id].grad
         src = acc if host_grad.dtype == torch.float32 else acc.to(host_grad.dtype)
-        after = self.streams.record("compute")
-        guard = self.streams.copy("d2h", self._targets[layer_id], src, after=after)
+        self.streams.wait("d2h", self.streams.record("compute"))
+        dst = self._targets[layer_id]
+        for lo, hi in chunk_bounds(acc.numel(), self.chunks[layer_id]):
+            guard = self.streams.copy("d2h", dst[lo:hi], src[lo:hi])
         return sumsq, guard
+
+
+@dataclass
+class KeptForward:
+    """A kept block's forward for one micro-batch: its input leaf, output and graph's weights."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    params: dict[str, torch.Tensor]
+    saved: SavedActivations
+
+
+def chunk_bounds(numel: int, chunks: int) -> list[tuple[int, int]]:
+    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
+    chunks = max(1, min(chunks, numel)) if numel else 1
+    size = -(-numel // chunks)
+    return [(lo, min(lo + size, numel)) for lo in range(0, max(numel, 1), size)] if numel else [(0, 0)]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
