@@ -10,6 +10,8 @@ from torch import nn
 from slidedp import __version__
 from slidedp.backend.executor import StreamedExecutor
 from slidedp.backend.host_state import HostState
+from slidedp.backend.program import Program, lower
+from slidedp.backend.simulate import simulate
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.engine import Engine
@@ -126,24 +128,29 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             f"compile needs the model's weights, but {len(meta)} parameters are on the meta device "
             f"(e.g. {meta[0]}); use slidedp.plan() to plan for a meta-device model"
         )
+    program = lower_plan(graph, the_plan)
+    simulate(program)  # happens-before and buffer lifetimes, before anything is allocated
     bf16 = precision == "bf16"
     host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32")
     try:
         _load_weights(model, graph, host, bf16=bf16)
         if dev.type == "cuda":
             host.pin()
-        executor = StreamedExecutor(
-            model, graph, host, device=dev, compute_dtype=_PRECISIONS[precision], window=the_plan.window,
-            activation={d.layer_id: d.activation for d in the_plan.decisions if d.kind == BLOCK},
-            chunks={d.layer_id: d.chunks for d in the_plan.decisions},
-            loss_chunk_rows=_loss_chunk_rows(the_plan, seq_len),
-        )
+        executor = StreamedExecutor(model, graph, host, program, device=dev, compute_dtype=_PRECISIONS[precision],
+                                    loss_chunk_rows=_loss_chunk_rows(the_plan, seq_len))
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
     except BaseException:
         host.close()
         raise
     return Engine(model=model, graph=graph, plan=the_plan, host=host, executor=executor, optimizer=optimizer,
                   max_grad_norm=max_grad_norm, device=dev, precision=precision)
+
+
+def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
+    """The Program of one pass over the weights, as the plan decides it."""
+    return lower(graph, window=plan.window, micro_batches=plan.workload.micro_batches,
+                 activation={d.layer_id: d.activation for d in plan.decisions if d.kind == BLOCK},
+                 chunks={d.layer_id: d.chunks for d in plan.decisions})
 
 
 def _loss_chunk_rows(plan: Plan, seq_len: int) -> int | None:

@@ -1,4 +1,4 @@
-"""The streamed step: forward and backward layer by layer, gradients drained to the host state.
+"""The streamed step: runs a lowered Program (see program.py) with the model's own modules.
 
 Order within one pass over the weights (layer-major, so each block is loaded once per pass for
 forward and at most once more for backward, whatever the number of micro-batches):
@@ -28,7 +28,9 @@ from torch import nn
 from slidedp.backend.host_state import HostState
 from slidedp.backend.saved_activations import SavedActivations
 from slidedp.backend.streams import Guard, Streams
-from slidedp.backend.weight_window import schedule_window
+from slidedp.backend.program import (
+    ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
+)
 from slidedp.ir.blocks import (
     BlockCall,
     StopForward,
@@ -38,7 +40,6 @@ from slidedp.ir.blocks import (
     unwrap_block_output,
     wrap_block_output,
 )
-from slidedp.ir.build import model_forward
 from slidedp.ir.graph import BLOCK, LayerGraph
 
 
@@ -59,12 +60,12 @@ class PassResult:
 class StreamedExecutor:
     """Owns the device-side buffers of one rank and runs passes over the weights."""
 
-    def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, *, device: torch.device,
-                 compute_dtype: torch.dtype, window: int, activation: dict[int, str] | None = None,
-                 chunks: dict[int, int] | None = None, loss_chunk_rows: int | None = None):
+    def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, program: Program, *,
+                 device: torch.device, compute_dtype: torch.dtype, loss_chunk_rows: int | None = None):
         self.model = model
         self.graph = graph
         self.host = host
+        self.program = program
         self.device = device
         self.dtype = compute_dtype
         self.streams = Streams(device)
@@ -72,19 +73,11 @@ class StreamedExecutor:
         self.block_layers = [layer for layer in graph.layers if layer.kind == BLOCK]
         self.n_blocks = len(self.block_layers)
         self.resident_ids = (graph.prologue.id, graph.epilogue.id)
-        self.window = window
-        activation = activation or {}
-        self.activation = [activation.get(layer.id, "recompute") for layer in self.block_layers]
-        unknown = set(self.activation) - {"recompute", "keep", "offload"}
-        if unknown:
-            raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
-        self.chunks = {layer.id: max(1, (chunks or {}).get(layer.id, 1)) for layer in graph.layers}
+        self.window = program.n_slots
+        self.activation = [op.policy for op in program.ops if op.kind == FWD]
         self.loss_chunk_rows = loss_chunk_rows
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
         self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
-        self.schedule = schedule_window(
-            list(range(self.n_blocks)) + list(range(self.n_blocks - 1, -1, -1)), window
-        )
         # Where each stored parameter lives: name -> (layer id, start, numel).
         self.locate = {
             name: (layout.layer_id, start, numel)
@@ -97,8 +90,7 @@ class StreamedExecutor:
             for lid in self.resident_ids
         }
         max_block = max(layer.numel for layer in self.block_layers)
-        self.slots = [torch.empty(max_block, dtype=compute_dtype, device=device) for _ in range(window)]
-        self.slot_free: list = [None] * window  # event: compute's last read of the slot
+        self.slots = [torch.empty(max_block, dtype=compute_dtype, device=device) for _ in range(self.window)]
         # Constants: buffers and frozen parameters, on the device once.
         prefix = graph.blocks_path + "."
         self.top_constants = {
@@ -117,18 +109,8 @@ class StreamedExecutor:
     def load_resident(self) -> None:
         """H2D of the prologue/epilogue weights from the host delivery copy (after an update)."""
         for lid, flat in self.resident.items():
-            guard = self.streams.copy("h2d", flat, self.host.layers[lid].source)
-            self.streams.wait("compute", guard.event)
-
-    def _issue_load(self, load) -> None:
-        """H2D of a block's weights into its slot, in the plan's number of chunks."""
-        layer = self.block_layers[load.block]
-        src = self.host.layers[layer.id].source
-        dst = self.slots[load.slot][: layer.numel]
-        self.streams.wait("h2d", self.slot_free[load.slot])
-        for lo, hi in chunk_bounds(layer.numel, self.chunks[layer.id]):
-            guard = self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
-        self._slot_ready[load.slot] = guard.event
+            self.streams.copy("h2d", flat, self.host.layers[lid].source)
+        self.streams.wait("compute", self.streams.record("h2d"))
 
     def _block_params(self, block: int, slot: int, requires_grad: bool) -> dict[str, torch.Tensor]:
         layer = self.block_layers[block]
@@ -143,26 +125,35 @@ class StreamedExecutor:
         out.update(self.block_constants[block])
         return out
 
-    # -- the pass ------------------------------------------------------------------------------
+    # -- the pass: interpret the program --------------------------------------------------------
     def run_pass(self, micro_batches: list[MicroBatch], global_tokens: int,
                  grad_targets: list[torch.Tensor]) -> PassResult:
         """One pass over the weights; layer i's gradient is copied into `grad_targets[i]` (host)."""
-        g = self.graph
-        self._targets = grad_targets
+        st = _PassState(self, micro_batches, global_tokens, grad_targets)
         self.offloaded_bytes = 0
-        kw = g.forward_kwargs
-        leaves = {
-            name: self.resident[lid][start : start + numel].view(self.model.get_parameter(name).shape)
-            .detach().requires_grad_(True)
-            for name, (lid, start, numel) in self.locate.items() if lid in self.resident_ids
+        events: dict[int, object] = {}
+        handlers = {
+            PROLOGUE: self._op_prologue, H2D_WEIGHTS: self._op_h2d_weights, FWD: self._op_fwd,
+            EPILOGUE: self._op_epilogue, BWD: self._op_bwd, PROLOGUE_BWD: self._op_prologue_bwd,
+            D2H_GRAD: self._op_d2h_grad, ALLOC: None, FREE: None,  # the caching allocator does these
         }
-        top = {**leaves, **self.top_constants}
-        resident_acc = {lid: torch.zeros(self.resident[lid].numel(), dtype=torch.float32, device=self.device)
-                        for lid in self.resident_ids}
+        for op in self.program.ops:
+            for e in op.waits:
+                self.streams.wait(op.stream, events[e])
+            handler = handlers[op.kind]
+            if handler is not None:
+                with self.streams.range(op.text().split(None, 1)[1]):
+                    handler(op, st)
+            if op.record is not None:
+                events[op.record] = self.streams.record(op.stream)
+                if op.kind == D2H_GRAD:
+                    st.d2h[op.layer_id] = Guard(grad_targets[op.layer_id], events[op.record])
+        return PassResult(loss_sum=st.loss_sum, sumsq=st.sumsq, d2h=st.d2h)
 
-        # 1. prologue
-        calls: list[list[BlockCall]] = []
-        for mb in micro_batches:
+    def _op_prologue(self, op, st: "_PassState") -> None:
+        """The model's forward up to the last block, per micro-batch: records every block's inputs."""
+        g = self.graph
+        for mb in st.micro_batches:
             recorded: list[BlockCall] = []
 
             def capture(index: int, call: BlockCall, recorded=recorded):
@@ -171,133 +162,116 @@ class StreamedExecutor:
                     raise StopForward
                 return wrap_block_output(call.hidden, g.block_output)
 
-            with self.streams.range("prologue"), proxied_blocks(self.model, g.blocks_path, capture):
+            with proxied_blocks(self.model, g.blocks_path, capture):
                 try:
-                    torch.func.functional_call(self.model, top, (mb.input_ids,), _kwargs(kw, mb))
+                    torch.func.functional_call(self.model, st.top, (mb.input_ids,), _kwargs(g.forward_kwargs, mb))
                 except StopForward:
                     pass
-            calls.append(recorded)
-        h0 = [c[0].hidden for c in calls]
-        hidden = [h.detach() for h in h0]
+            st.calls.append(recorded)
+        st.h0 = [c[0].hidden for c in st.calls]
+        st.hidden = [h.detach() for h in st.h0]
 
-        # 2. blocks forward, 4. blocks backward: one walk over the window schedule.
-        sched = self.schedule
-        self._slot_ready = [None] * self.window
-        pending = list(sched.loads)
-        self._issue_ready_loads(pending, issued_position=-1)
-        stash: list[list[torch.Tensor | None]] = [[None] * len(micro_batches) for _ in range(self.n_blocks)]
-        kept: list[list[KeptForward | None]] = [[None] * len(micro_batches) for _ in range(self.n_blocks)]
-        sumsq: list[torch.Tensor | None] = [None] * len(g.layers)
-        d2h: list[Guard | None] = [None] * len(g.layers)
-        grad_h: list[torch.Tensor] = []
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for position, block in enumerate(sched.sequence):
-            slot = sched.slot_of[position]
-            self.streams.wait("compute", self._slot_ready[slot])
-            module = self.blocks[block]
-            name = self.block_layers[block].name
-            if position < self.n_blocks:  # forward
-                policy = self.activation[block]
-                params = self._block_params(block, slot, requires_grad=policy != "recompute")
-                with self.streams.range(f"fwd {name}"):
-                    for m, call in enumerate(calls):
-                        if policy == "recompute":  # keep only the input; recompute in backward
-                            stash[block][m] = hidden[m]
-                            args, kwargs = call[block].with_hidden(hidden[m])
-                            with torch.no_grad():
-                                out = torch.func.functional_call(module, params, args, kwargs)
-                            hidden[m] = unwrap_block_output(out)[0]
-                            continue
-                        x = hidden[m].detach().requires_grad_(True)
-                        saved = SavedActivations(self.slots[slot], self.streams, offload=policy == "offload",
-                                                 min_offload_bytes=self.min_offload_bytes)
-                        args, kwargs = call[block].with_hidden(x)
-                        with torch.enable_grad(), saved.hooks():
-                            out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
-                        kept[block][m] = KeptForward(x, out, params, saved)
-                        self.offloaded_bytes += saved.offloaded_bytes
-                        hidden[m] = out.detach()
-                if position == self.n_blocks - 1:
-                    # 3. epilogue, while the last blocks' weights stay in their slots
-                    grad_h, loss_sum = self._epilogue(micro_batches, calls, hidden, top, leaves,
-                                                      resident_acc, global_tokens)
-            else:  # backward
-                layer = self.block_layers[block]
-                acc = torch.zeros(layer.numel, dtype=torch.float32, device=self.device)
-                offsets = [(start, numel) for _, start, numel, _ in self.host.layouts[layer.id].param_offsets]
-                if self.activation[block] == "recompute":
-                    params = self._block_params(block, slot, requires_grad=True)
-                with self.streams.range(f"bwd {name}"):
-                    for m, call in enumerate(calls):
-                        if self.activation[block] == "recompute":
-                            x = stash[block][m].detach().requires_grad_(True)
-                            stash[block][m] = None
-                            args, kwargs = call[block].with_hidden(x)
-                            with torch.enable_grad():
-                                out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
-                            block_leaves = params
-                        else:  # the forward's graph, its weights read from this slot
-                            fwd = kept[block][m]
-                            kept[block][m] = None
-                            fwd.saved.slot = self.slots[slot]
-                            x, out, block_leaves = fwd.x, fwd.out, fwd.params
-                        trainable = list(block_leaves.values())[: len(offsets)]
-                        grads = torch.autograd.grad(out, [x] + trainable, grad_h[m], allow_unused=True)
-                        grad_h[m] = grads[0]
-                        for (start, numel), gp in zip(offsets, grads[1:]):
-                            if gp is not None:
-                                acc[start : start + numel].add_(gp.reshape(-1))
-                sumsq[layer.id], d2h[layer.id] = self._drain(layer.id, acc)
-            self.slot_free[slot] = self.streams.record("compute")
-            self._issue_ready_loads(pending, issued_position=position)
+    def _op_h2d_weights(self, op, st: "_PassState") -> None:
+        layer = self.block_layers[op.block]
+        src = self.host.layers[layer.id].source
+        dst = self.slots[op.slot]
+        for lo, hi in op.chunks:
+            self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
 
-        # 5. prologue backward, then the resident layers' gradients.
-        pro = self.graph.prologue
-        pro_names = [p.name for p in pro.params]
-        if pro_names:
-            with self.streams.range("prologue backward"):
-                for m, h in enumerate(h0):
-                    if h.requires_grad:
-                        grads = torch.autograd.grad(h, [leaves[n] for n in pro_names], grad_h[m],
-                                                    allow_unused=True)
-                        self._accumulate(resident_acc, pro_names, grads)
-        for lid in self.resident_ids:
-            sumsq[lid], d2h[lid] = self._drain(lid, resident_acc[lid])
-        return PassResult(loss_sum=loss_sum, sumsq=sumsq, d2h=d2h)
+    def _op_fwd(self, op, st: "_PassState") -> None:
+        """Forward of one block for every micro-batch, under the plan's activation policy."""
+        k, policy = op.block, op.policy
+        module = self.blocks[k]
+        params = self._block_params(k, op.slot, requires_grad=policy != "recompute")
+        for m, call in enumerate(st.calls):
+            if policy == "recompute":  # keep only the input; recompute in backward
+                st.stash[k][m] = st.hidden[m]
+                args, kwargs = call[k].with_hidden(st.hidden[m])
+                with torch.no_grad():
+                    out = torch.func.functional_call(module, params, args, kwargs)
+                st.hidden[m] = unwrap_block_output(out)[0]
+                continue
+            x = st.hidden[m].detach().requires_grad_(True)
+            saved = SavedActivations(self.slots[op.slot], self.streams, offload=policy == "offload",
+                                     min_offload_bytes=self.min_offload_bytes)
+            args, kwargs = call[k].with_hidden(x)
+            with torch.enable_grad(), saved.hooks():
+                out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+            st.kept[k][m] = KeptForward(x, out, params, saved)
+            self.offloaded_bytes += saved.offloaded_bytes
+            st.hidden[m] = out.detach()
 
-    def _issue_ready_loads(self, pending: list, issued_position: int) -> None:
-        while pending and pending[0].issue_after <= issued_position:
-            self._issue_load(pending.pop(0))
-
-    def _epilogue(self, micro_batches, calls, hidden, top, leaves, resident_acc, global_tokens):
+    def _op_epilogue(self, op, st: "_PassState") -> None:
+        """Head and token-weighted loss per micro-batch, in row chunks; gradient of the last hidden."""
         g = self.graph
         epi_names = [p.name for p in g.epilogue.params] + list(g.epilogue.tied_param_names)
-        grad_h, loss_sum = [], torch.zeros((), dtype=torch.float32, device=self.device)
-        for m, mb in enumerate(micro_batches):
+        for m, mb in enumerate(st.micro_batches):
             rows = mb.input_ids.shape[0]
             step = min(rows, self.loss_chunk_rows or rows)
             grad_parts = []
-            for r0 in range(0, rows, step):  # the loss in row chunks: logits of `step` rows at a time
+            for r0 in range(0, rows, step):
                 part = MicroBatch(mb.input_ids[r0 : r0 + step], mb.labels[r0 : r0 + step],
                                   None if mb.attention_mask is None else mb.attention_mask[r0 : r0 + step])
-                last = hidden[m][r0 : r0 + step].detach().requires_grad_(True)
+                last = st.hidden[m][r0 : r0 + step].detach().requires_grad_(True)
 
                 def tail(index: int, call: BlockCall, last=last):
                     return wrap_block_output(last if index == self.n_blocks - 1 else call.hidden, g.block_output)
 
-                with self.streams.range("epilogue"), proxied_blocks(self.model, g.blocks_path, tail):
-                    with torch.enable_grad():
-                        logits = logits_of(torch.func.functional_call(self.model, top, (part.input_ids,),
-                                                                      _kwargs(g.forward_kwargs, part)))
-                        loss = token_loss_sum(logits, part.labels) / global_tokens
+                with proxied_blocks(self.model, g.blocks_path, tail), torch.enable_grad():
+                    logits = logits_of(torch.func.functional_call(self.model, st.top, (part.input_ids,),
+                                                                  _kwargs(g.forward_kwargs, part)))
+                    loss = token_loss_sum(logits, part.labels) / st.global_tokens
                     del logits
-                    grads = torch.autograd.grad(loss, [last] + [leaves[n] for n in epi_names], allow_unused=True)
+                grads = torch.autograd.grad(loss, [last] + [st.leaves[n] for n in epi_names], allow_unused=True)
                 grad_parts.append(grads[0] if grads[0] is not None else torch.zeros_like(last))
-                self._accumulate(resident_acc, epi_names, grads[1:])
-                loss_sum = loss_sum + loss.detach()
-            hidden[m] = None
-            grad_h.append(torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0])
-        return grad_h, loss_sum
+                self._accumulate(st.resident_acc, epi_names, grads[1:])
+                st.loss_sum = st.loss_sum + loss.detach()
+            st.hidden[m] = None
+            st.grad_h.append(torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0])
+
+    def _op_bwd(self, op, st: "_PassState") -> None:
+        """Backward of one block for every micro-batch; its gradient summed in one fp32 buffer."""
+        k = op.block
+        layer = self.block_layers[k]
+        module = self.blocks[k]
+        acc = torch.zeros(layer.numel, dtype=torch.float32, device=self.device)
+        offsets = [(start, numel) for _, start, numel, _ in self.host.layouts[layer.id].param_offsets]
+        if op.policy == "recompute":
+            params = self._block_params(k, op.slot, requires_grad=True)
+        for m, call in enumerate(st.calls):
+            if op.policy == "recompute":
+                x = st.stash[k][m].detach().requires_grad_(True)
+                st.stash[k][m] = None
+                args, kwargs = call[k].with_hidden(x)
+                with torch.enable_grad():
+                    out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                leaves = params
+            else:  # the forward's graph, its weights read from the slot that holds them now
+                fwd, st.kept[k][m] = st.kept[k][m], None
+                fwd.saved.slot = self.slots[op.slot]
+                x, out, leaves = fwd.x, fwd.out, fwd.params
+            trainable = list(leaves.values())[: len(offsets)]
+            grads = torch.autograd.grad(out, [x] + trainable, st.grad_h[m], allow_unused=True)
+            st.grad_h[m] = grads[0]
+            for (start, numel), gp in zip(offsets, grads[1:]):
+                if gp is not None:
+                    acc[start : start + numel].add_(gp.reshape(-1))
+        st.finish_gradient(layer.id, acc)
+
+    def _op_prologue_bwd(self, op, st: "_PassState") -> None:
+        names = [p.name for p in self.graph.prologue.params]
+        if names:
+            for m, h in enumerate(st.h0):
+                if h.requires_grad:
+                    grads = torch.autograd.grad(h, [st.leaves[n] for n in names], st.grad_h[m], allow_unused=True)
+                    self._accumulate(st.resident_acc, names, grads)
+        for lid in self.resident_ids:
+            st.finish_gradient(lid, st.resident_acc[lid])
+
+    def _op_d2h_grad(self, op, st: "_PassState") -> None:
+        src, dst = st.grad_src.pop(op.layer_id), st.grad_targets[op.layer_id]
+        for lo, hi in op.chunks:
+            self.streams.copy("d2h", dst[lo:hi], src[lo:hi])
 
     def _accumulate(self, resident_acc, names, grads) -> None:
         for name, gp in zip(names, grads):
@@ -305,16 +279,39 @@ class StreamedExecutor:
                 lid, start, numel = self.locate[name]
                 resident_acc[lid][start : start + numel].add_(gp.reshape(-1).float())
 
-    def _drain(self, layer_id: int, acc: torch.Tensor) -> tuple[torch.Tensor, Guard]:
-        """Sum of squares of a layer's gradient, then its D2H copy into the host gradient."""
-        sumsq = torch.dot(acc, acc) if acc.numel() else torch.zeros((), device=self.device)
-        host_grad = self.host.layers[layer_id].grad
-        src = acc if host_grad.dtype == torch.float32 else acc.to(host_grad.dtype)
-        self.streams.wait("d2h", self.streams.record("compute"))
-        dst = self._targets[layer_id]
-        for lo, hi in chunk_bounds(acc.numel(), self.chunks[layer_id]):
-            guard = self.streams.copy("d2h", dst[lo:hi], src[lo:hi])
-        return sumsq, guard
+
+class _PassState:
+    """What one pass carries between its ops: block inputs, activations, gradients, the loss."""
+
+    def __init__(self, ex: StreamedExecutor, micro_batches, global_tokens, grad_targets):
+        n, m = ex.n_blocks, len(micro_batches)
+        self.micro_batches, self.global_tokens, self.grad_targets = micro_batches, global_tokens, grad_targets
+        self.device = ex.device
+        self.leaves = {
+            name: ex.resident[lid][start : start + numel].view(ex.model.get_parameter(name).shape)
+            .detach().requires_grad_(True)
+            for name, (lid, start, numel) in ex.locate.items() if lid in ex.resident_ids
+        }
+        self.top = {**self.leaves, **ex.top_constants}
+        self.resident_acc = {lid: torch.zeros(ex.resident[lid].numel(), dtype=torch.float32, device=ex.device)
+                             for lid in ex.resident_ids}
+        self.calls: list[list[BlockCall]] = []
+        self.h0: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor | None] = []
+        self.stash: list[list[torch.Tensor | None]] = [[None] * m for _ in range(n)]
+        self.kept: list[list[KeptForward | None]] = [[None] * m for _ in range(n)]
+        self.grad_h: list[torch.Tensor] = []
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=ex.device)
+        n_layers = len(ex.graph.layers)
+        self.sumsq: list[torch.Tensor | None] = [None] * n_layers
+        self.d2h: list[Guard | None] = [None] * n_layers
+        self.grad_src: dict[int, torch.Tensor] = {}
+
+    def finish_gradient(self, layer_id: int, acc: torch.Tensor) -> None:
+        """Sum of squares of a layer's gradient, and its copy in the host gradient's dtype."""
+        self.sumsq[layer_id] = torch.dot(acc, acc) if acc.numel() else torch.zeros((), device=self.device)
+        dtype = self.grad_targets[layer_id].dtype
+        self.grad_src[layer_id] = acc if dtype == torch.float32 else acc.to(dtype)
 
 
 @dataclass
@@ -325,13 +322,6 @@ class KeptForward:
     out: torch.Tensor
     params: dict[str, torch.Tensor]
     saved: SavedActivations
-
-
-def chunk_bounds(numel: int, chunks: int) -> list[tuple[int, int]]:
-    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
-    chunks = max(1, min(chunks, numel)) if numel else 1
-    size = -(-numel // chunks)
-    return [(lo, min(lo + size, numel)) for lo in range(0, max(numel, 1), size)] if numel else [(0, 0)]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,10 @@ class SavedActivations:
         if not self.offload or nbytes < self.min_offload_bytes or not t.is_contiguous():
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.streams.cuda)
-        guard = self.streams.copy("d2h", host, t.detach(), after=self.streams.record("compute"))
+        self.streams.wait("d2h", self.streams.record("compute"))
+        self.streams.copy("d2h", host, t.detach())
         self.offloaded_bytes += nbytes
-        return Offloaded(host, guard.event, tuple(t.shape), tuple(t.stride()))
+        return Offloaded(host, self.streams.record("d2h"), tuple(t.shape), tuple(t.stride()))
 
     def unpack(self, packed):
         if isinstance(packed, SlotRef):

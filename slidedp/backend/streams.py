@@ -57,9 +57,8 @@ class Streams:
         with torch.cuda.stream(getattr(self, stream_name)):
             yield
 
-    def copy(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor, after=None) -> Guard:
-        """dst <- src on `stream_name`, after `after` (an event); returns dst guarded by its event."""
-        self.wait(stream_name, after)
+    def copy(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src, enqueued on `stream_name` (asynchronous on CUDA from pinned host memory)."""
         with self.on(stream_name):
             dst.copy_(src, non_blocking=self.cuda)
             if self.cuda:
@@ -68,7 +67,6 @@ class Streams:
                 for t in (dst, src):
                     if t.is_cuda:
                         t.record_stream(getattr(self, stream_name))
-        return Guard(dst, self.record(stream_name))
 
     def range(self, name: str):
         """A profiler range named after the program's operation."""

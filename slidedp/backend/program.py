@@ -1,0 +1,159 @@
+"""The Program: one pass over the weights as ordered operations on streams, with events.
+
+`lower(graph, plan)` turns a plan's decisions (window, activation policy and chunks per layer) into
+a flat list of `Op`s in issue order. Each op runs on one stream, waits for events recorded by
+earlier ops and may record one event; `alloc`/`free` ops describe the device buffers and their
+sizes (from the IR's cost figures), so a simulator can check the program without running it
+(`slidedp.backend.simulate`) and the executor can run it (`slidedp.backend.executor`).
+
+Streams: "compute", "h2d", "d2h". Event ids are small integers, unique in a program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slidedp.backend.weight_window import schedule_window
+from slidedp.costmodel.memory import DTYPE_BYTES
+from slidedp.ir.graph import BLOCK, LayerGraph
+
+# op kinds
+PROLOGUE, FWD, EPILOGUE, BWD, PROLOGUE_BWD = "prologue", "fwd", "epilogue", "bwd", "prologue_bwd"
+H2D_WEIGHTS, D2H_GRAD, ALLOC, FREE = "h2d_weights", "d2h_grad", "alloc", "free"
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    stream: str
+    kind: str
+    layer_id: int = -1
+    block: int = -1  # block index (0..N-1) for block ops
+    slot: int = -1  # weight slot read or written
+    chunks: tuple[tuple[int, int], ...] = ()  # element ranges moved by a copy
+    policy: str = ""  # fwd/bwd: recompute | keep | offload
+    waits: tuple[int, ...] = ()
+    record: int | None = None
+    buffer: str = ""  # alloc/free: buffer name
+    nbytes: int = 0  # alloc: size
+
+    def text(self) -> str:
+        what = {
+            ALLOC: f"alloc {self.buffer} {self.nbytes:,} B",
+            FREE: f"free {self.buffer}",
+        }.get(self.kind, f"{self.kind} L{self.layer_id}" + (f" slot{self.slot}" if self.slot >= 0 else ""))
+        if self.policy:
+            what += f" [{self.policy}]"
+        if self.chunks and len(self.chunks) > 1:
+            what += f" x{len(self.chunks)} chunks"
+        waits = f" wait{list(self.waits)}" if self.waits else ""
+        rec = f" -> e{self.record}" if self.record is not None else ""
+        return f"{self.index:>5} {self.stream:<8} {what}{waits}{rec}"
+
+
+@dataclass(frozen=True)
+class Program:
+    ops: tuple[Op, ...]
+    n_slots: int
+    persistent_bytes: int  # resident weights and gradients, weight slots: allocated at compile
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def text(self) -> str:
+        return "\n".join(op.text() for op in self.ops)
+
+
+def chunk_bounds(numel: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
+    if numel == 0:
+        return ((0, 0),)
+    chunks = max(1, min(chunks, numel))
+    size = -(-numel // chunks)
+    return tuple((lo, min(lo + size, numel)) for lo in range(0, numel, size))
+
+
+class _Builder:
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.next_event = 0
+
+    def event(self) -> int:
+        self.next_event += 1
+        return self.next_event - 1
+
+    def add(self, stream: str, kind: str, record: bool = False, **kw) -> Op:
+        op = Op(index=len(self.ops), stream=stream, kind=kind, record=self.event() if record else None, **kw)
+        self.ops.append(op)
+        return op
+
+
+def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks: dict[int, int],
+          micro_batches: int) -> Program:
+    """The ops of one pass of `micro_batches` micro-batches; see the executor for their semantics."""
+    c = DTYPE_BYTES[graph.compute_dtype]
+    blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
+    unknown = {activation.get(layer.id, "recompute") for layer in blocks} - {"recompute", "keep", "offload"}
+    if unknown:
+        raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
+    n = len(blocks)
+    sched = schedule_window(list(range(n)) + list(range(n - 1, -1, -1)), window)
+    b = _Builder()
+    epi = graph.epilogue
+    max_block = max(layer.numel for layer in blocks)
+    persistent = (graph.prologue.numel + epi.numel) * (c + 4) + window * max_block * c
+
+    b.add("compute", PROLOGUE, layer_id=graph.prologue.id)
+    slot_ready: list[int | None] = [None] * window
+    slot_free: list[int | None] = [None] * window
+    pending = list(sched.loads)
+
+    def issue_loads(after_position: int) -> None:
+        while pending and pending[0].issue_after <= after_position:
+            load = pending.pop(0)
+            layer = blocks[load.block]
+            waits = (slot_free[load.slot],) if slot_free[load.slot] is not None else ()
+            op = b.add("h2d", H2D_WEIGHTS, record=True, layer_id=layer.id, block=load.block, slot=load.slot,
+                       chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)), waits=waits)
+            slot_ready[load.slot] = op.record
+
+    issue_loads(-1)
+    grad_events: dict[int, int] = {}
+    for position, k in enumerate(sched.sequence):
+        layer = blocks[k]
+        slot = sched.slot_of[position]
+        policy = activation.get(layer.id, "recompute")
+        waits = (slot_ready[slot],)
+        costs = layer.costs
+        if position < n:
+            keep_bytes = (costs.boundary_activation_bytes if policy == "recompute"
+                          else costs.saved_activation_bytes if policy == "keep" else costs.boundary_activation_bytes)
+            b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=keep_bytes * micro_batches)
+            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=costs.peak_workspace_bytes)
+            op = b.add("compute", FWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
+            b.add("compute", FREE, buffer=f"work[{k}]")
+            if position == n - 1:
+                logits = epi.costs.saved_activation_bytes + epi.costs.peak_workspace_bytes
+                b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
+                b.add("compute", ALLOC, buffer="epilogue", nbytes=logits)
+                b.add("compute", EPILOGUE, layer_id=epi.id)
+                b.add("compute", FREE, buffer="epilogue")
+        else:
+            work = costs.peak_workspace_bytes + (costs.saved_activation_bytes if policy == "recompute" else 0)
+            b.add("compute", ALLOC, buffer=f"grad[{k}]", nbytes=layer.numel * (4 + c))
+            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work + layer.numel * c)
+            op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
+            b.add("compute", FREE, buffer=f"work[{k}]")
+            b.add("compute", FREE, buffer=f"act[{k}]")
+            d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(op.record,),
+                        chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
+            grad_events[layer.id] = d2h.record
+            b.add("compute", FREE, buffer=f"grad[{k}]", waits=(d2h.record,))
+        slot_free[slot] = op.record
+        issue_loads(position)
+    last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=graph.prologue.id)
+    b.add("compute", FREE, buffer="grad_hidden")
+    for layer in (graph.prologue, epi):
+        d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(last.record,),
+                    chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
+        grad_events[layer.id] = d2h.record
+    return Program(ops=tuple(b.ops), n_slots=window, persistent_bytes=persistent,
+                   notes=(f"{sched.n_loads} weight loads for {n} blocks with window {window}",))

@@ -1,0 +1,80 @@
+"""Lowering a plan to a Program, and the simulator that checks it (and catches broken programs)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from slidedp.backend.program import BWD, D2H_GRAD, FREE, FWD, H2D_WEIGHTS, lower
+from slidedp.backend.simulate import ProgramError, simulate
+from slidedp.ir.build import build_layer_graph
+from tests.models import make_model
+
+
+@pytest.fixture(scope="module")
+def graph():
+    model = make_model("llama")
+    return build_layer_graph(model, batch_size=2, seq_len=16, compute_dtype=torch.float32)
+
+
+def lowered(graph, window=2, policies=("recompute", "keep", "offload"), chunks=2):
+    blocks = graph.blocks
+    return lower(graph, window=window, micro_batches=2,
+                 activation={b.id: p for b, p in zip(blocks, policies)},
+                 chunks={layer.id: chunks for layer in graph.layers})
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4])
+@pytest.mark.parametrize("policies", [("recompute",) * 3, ("keep",) * 3, ("offload", "keep", "recompute")])
+def test_lowered_programs_are_valid(graph, window, policies):
+    program = lowered(graph, window, policies)
+    report = simulate(program)
+    n = len(graph.blocks)
+    assert report.n_loads == 2 * n - min(window, n)
+    assert [op.block for op in program.ops if op.kind == FWD] == list(range(n))
+    assert [op.block for op in program.ops if op.kind == BWD] == list(range(n - 1, -1, -1))
+    assert sum(op.kind == D2H_GRAD for op in program.ops) == len(graph.layers)
+    assert "h2d_weights" in program.text()
+
+
+def test_more_kept_activations_need_more_memory(graph):
+    recompute = simulate(lowered(graph, policies=("recompute",) * 3)).peak_device_bytes
+    keep = simulate(lowered(graph, policies=("keep",) * 3)).peak_device_bytes
+    assert keep > recompute
+    with pytest.raises(ProgramError, match="over the budget"):
+        simulate(lowered(graph, policies=("keep",) * 3), budget_bytes=recompute)
+
+
+def _without(program, predicate, replace):
+    ops = tuple(replace(op) if predicate(op) else op for op in program.ops)
+    return dataclasses.replace(program, ops=ops)
+
+
+def test_simulator_catches_a_missing_wait_for_the_load(graph):
+    program = lowered(graph, window=1)
+    first_fwd = next(op for op in program.ops if op.kind == FWD)
+    broken = _without(program, lambda op: op.index == first_fwd.index, lambda op: dataclasses.replace(op, waits=()))
+    with pytest.raises(ProgramError, match="before its load"):
+        simulate(broken)
+
+
+def test_simulator_catches_a_load_that_overwrites_a_slot_in_use(graph):
+    program = lowered(graph, window=1)
+    second_load = [op for op in program.ops if op.kind == H2D_WEIGHTS][1]
+    broken = _without(program, lambda op: op.index == second_load.index, lambda op: dataclasses.replace(op, waits=()))
+    with pytest.raises(ProgramError, match="finished reading"):
+        simulate(broken)
+
+
+def test_simulator_catches_an_early_gradient_copy_and_leaks(graph):
+    program = lowered(graph)
+    d2h = next(op for op in program.ops if op.kind == D2H_GRAD)
+    broken = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=()))
+    with pytest.raises(ProgramError, match="gradient before it is computed"):
+        simulate(broken)
+    leak = dataclasses.replace(program, ops=tuple(op for op in program.ops if not (op.kind == FREE and op.buffer == "grad_hidden")))
+    with pytest.raises(ProgramError, match="still allocated"):
+        simulate(leak)
+    bad_event = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=(10**6,)))
+    with pytest.raises(ProgramError, match="not recorded"):
+        simulate(bad_event)
