@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import sys
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import slidedp
+from slidedp.backend.simulate import simulate
 from slidedp.ir.blocks import logits_of
 
 SHAPES = {
@@ -58,8 +60,17 @@ def correctness(args) -> dict:
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    engine = slidedp.compile(model, budget, batch_size=args.batch, seq_len=args.seq, device="cuda",
-                             precision="bf16", optimizer=slidedp.AdamW(lr=lr), micro_batches=args.rows // args.batch)
+    kwargs = dict(batch_size=args.batch, seq_len=args.seq, device="cuda", precision="bf16",
+                  optimizer=slidedp.AdamW(lr=lr), micro_batches=args.rows // args.batch)
+    plan = None
+    if args.policy == "mixed":  # cycle keep / offload / recompute over the blocks, 2 chunks per layer
+        plan = slidedp.plan(model, budget, **kwargs)
+        cycle = ["keep", "offload", "recompute"]
+        decisions = tuple(dataclasses.replace(d, chunks=2, activation=cycle[i % 3] if d.kind == "block" else d.activation)
+                          for i, d in enumerate(plan.decisions))
+        plan = dataclasses.replace(plan, decisions=decisions)
+    engine = slidedp.compile(model, budget, plan=plan, **kwargs)
+    simulated_peak = simulate(engine.executor.program).peak_device_bytes
     print(engine.plan.summary(), flush=True)
     w0 = {k: v.clone() for k, v in engine.state_dict().items()}
     losses = [engine.step(ids) for ids in data]
@@ -92,7 +103,8 @@ def correctness(args) -> dict:
         "test": "correctness", "params": n_params, "budget_bytes": budget,
         "bf16_weight_bytes": weights_bf16_bytes, "model_larger_than_budget": weights_bf16_bytes > budget,
         "max_memory_allocated_bytes": int(peak), "under_budget": peak <= budget,
-        "predicted_peak_device_bytes": int(predicted_peak),
+        "predicted_peak_device_bytes": int(predicted_peak), "policy": args.policy,
+        "program_simulated_peak_bytes": int(simulated_peak),
         "losses_slidedp": losses, "losses_reference": ref_losses,
         "loss_rel_diff": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "update_rel_l2_error": (num / den) ** 0.5,
@@ -137,6 +149,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--size", default="4b")
+    p.add_argument("--policy", choices=["recompute", "mixed"], default="recompute")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--out", required=True)
     args = p.parse_args()
