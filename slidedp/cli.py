@@ -1,4 +1,4 @@
-"""The `slidedp` command line: train, plan, inspect."""
+"""The `slidedp` command line: train, plan, inspect, report."""
 
 from __future__ import annotations
 
@@ -48,6 +48,24 @@ def _inspect(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from slidedp.scheduler.plan import Plan
+
+    if not args.html and not args.trace:
+        raise ValueError("nothing to write: give --html OUT.html and/or --trace OUT.json")
+    plan = Plan.load(args.plan)
+    if not plan.timeline:
+        print(f"note: {args.plan} has no predicted timeline (solver {plan.solver.get('method', '?')}); "
+              "the report shows the totals and decisions only", file=sys.stderr)
+    if args.html:
+        plan.to_html(args.html)
+        print(f"HTML report written to {args.html}")
+    if args.trace:
+        plan.to_chrome_trace(args.trace)
+        print(f"Chrome trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slidedp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="print a plan's summary")
     p.add_argument("plan")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("report", help="draw a plan: self-contained HTML report and/or Chrome trace JSON")
+    p.add_argument("plan", help="plan JSON (from `slidedp plan` or Plan.save)")
+    p.add_argument("--html", metavar="OUT.html", help="write the HTML report here")
+    p.add_argument("--trace", metavar="OUT.json", help="write the Perfetto / chrome://tracing JSON here")
+    p.set_defaults(func=_report)
 
     args = parser.parse_args(argv)
     # A config file given as `key=value` belongs to the overrides.

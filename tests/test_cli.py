@@ -46,3 +46,23 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out
     assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2
+
+
+def test_cli_report_writes_html_and_trace_and_needs_an_output(tmp_path, capsys):
+    from slidedp.scheduler.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "qwen3-0.6b", "--budget", "20GiB", "--batch-size", "1", "--seq-len", "1024",
+                 "--hardware", "h100-sxm", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    assert "give --html OUT.html and/or --trace OUT.json" in capsys.readouterr().err
+    html, trace = tmp_path / "r.html", tmp_path / "t.json"
+    assert main(["report", str(out), "--html", str(html), "--trace", str(trace)]) == 0
+    captured = capsys.readouterr()
+    assert str(html) in captured.out and str(trace) in captured.out
+    if not Plan.load(out).timeline:
+        assert "no predicted timeline" in captured.err
+    assert "<svg" in html.read_text() or "no predicted timeline" in html.read_text()
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert main(["report", str(tmp_path / "missing.json"), "--html", str(html)]) == 2

@@ -118,6 +118,18 @@ class Plan:
         return cls.from_dict(data)
 
     # -- presentation -------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """The predicted timeline as Perfetto / chrome://tracing JSON (see slidedp.report)."""
+        from slidedp.report.chrome_trace import to_chrome_trace
+
+        to_chrome_trace(self, path)
+
+    def to_html(self, path: str | Path) -> None:
+        """A self-contained HTML report: swimlanes, memory over time, decisions (see slidedp.report)."""
+        from slidedp.report.html import to_html
+
+        to_html(self, path)
+
     def summary(self) -> str:
         p = self.predicted
         w = self.workload

@@ -26,31 +26,39 @@ def random_batch(gen, rows):
     return ids, labels
 
 
+def train_side_by_side(engine, ref, steps, seed, clip=CLIP, lr=LR, wd=WD):
+    """`steps` steps of the engine and of torch.optim.AdamW on `ref`, on the same random batches;
+    asserts the losses agree, then that every parameter agrees."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids, labels = random_batch(gen, 2 * BATCH)  # 2 micro-batches of accumulation
+        loss = engine.step(ids, labels)
+        ref_loss = reference_loss(ref, ids, labels)
+        opt.zero_grad()
+        ref_loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    state = engine.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+    return state
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_torch_adamw(family, tied, micro_batches):
     model = make_model(family, tied=tied)
     ref = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP,
                              micro_batches=micro_batches)
-    gen = torch.Generator().manual_seed(1)
     with engine:
-        for _ in range(5):
-            ids, labels = random_batch(gen, 2 * BATCH)  # 2 micro-batches of accumulation
-            loss = engine.step(ids, labels)
-            ref_loss = reference_loss(ref, ids, labels)
-            opt.zero_grad()
-            ref_loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-            opt.step()
-            assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        state = train_side_by_side(engine, ref, steps=5, seed=1)
         assert engine.last_step.clip_coef < 1.0, "the test must exercise clipping"
-        state = engine.state_dict()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
         if tied:
             assert len(state) > len(dict(ref.named_parameters()))  # both tied names are reported
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import slidedp
-from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, random_batch, reference_loss
+from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
 from tests.models import make_model
 
 
@@ -35,27 +35,14 @@ def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None):
 def test_policies_are_exact(family, tied, activations, chunks, window):
     model = make_model(family, tied=tied)
     ref = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     plan = edited_plan(model, activations=activations, chunks=chunks, window=window, loss_chunk_tokens=SEQ)
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, plan=plan)
     assert engine.executor.activation == activations and engine.executor.window == window
     engine.executor.min_offload_bytes = 0  # tiny model: offload every saved activation
-    gen = torch.Generator().manual_seed(5)
     with engine:
-        for _ in range(3):
-            ids, labels = random_batch(gen, 2 * BATCH)
-            loss = engine.step(ids, labels)
-            ref_loss = reference_loss(ref, ids, labels)
-            opt.zero_grad()
-            ref_loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-            opt.step()
-            assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-            assert (engine.executor.offloaded_bytes > 0) == ("offload" in activations)
-        state = engine.state_dict()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+        train_side_by_side(engine, ref, steps=3, seed=5)
+        assert (engine.executor.offloaded_bytes > 0) == ("offload" in activations)
 
 
 def test_unknown_policy_is_refused():
