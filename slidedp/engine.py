@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from slidedp.backend import cpu_adamw
 from slidedp.backend.executor import MicroBatch, StreamedExecutor
 from slidedp.backend.host_state import HostState
+from slidedp.backend.update_stream import UpdateStream
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 from slidedp.scheduler.plan import Plan
@@ -48,8 +50,15 @@ class Engine:
         self.last_step: StepInfo | None = None
         self._staging: list[torch.Tensor] | None = None
         self._decay_segments = [_decay_segments(layer, optimizer) for layer in graph.layers]
-        self._resident_stale = True
         self._closed = False
+        # The CPU update of step t runs on its own thread while step t+1 starts; each layer's
+        # update sets its event, and the executor waits for it before it reads the layer's
+        # weights (H2D) or writes its gradient (D2H). See `UpdateStream`.
+        self.updates = UpdateStream(
+            order=[graph.prologue.id] + [b.id for b in graph.blocks] + [graph.epilogue.id],
+            num_threads=_update_threads(device),
+        )
+        executor.wait_for_update = self.updates.wait
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -71,9 +80,6 @@ class Engine:
             for r in range(0, input_ids.shape[0], rows_per_mb)
         ]
         passes = [mbs[i : i + w.micro_batches] for i in range(0, len(mbs), w.micro_batches)]
-        if self._resident_stale:
-            self.executor.load_resident()
-            self._resident_stale = False
 
         grads = [layer.grad for layer in self.host.layers]
         loss = torch.zeros((), dtype=torch.float64)
@@ -96,8 +102,6 @@ class Engine:
         loss_value = float(loss)
         if not math.isfinite(norm):
             self.skipped_steps += 1
-            for guard in d2h:
-                guard.host_wait()
             log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far", norm, self.skipped_steps)
             self.last_step = StepInfo(self.host.step, loss_value, norm, 0.0, True, tokens)
             return loss_value
@@ -109,20 +113,26 @@ class Engine:
         return loss_value
 
     def _update(self, d2h, clip: float) -> None:
-        """AdamW on every layer's fp32 master, writing the bf16 delivery copy (Numba, GIL released)."""
+        """Start AdamW on every layer (fp32 master, bf16 delivery copy written), in update order,
+        on the update thread; returns at once. Each layer first waits for its gradient's D2H."""
         self.host.step += 1
-        opt = self.optimizer
-        for layer, guard, segments in zip(self.host.layers, d2h, self._decay_segments):
-            guard.host_wait()
-            arrays = [self.host.numpy(t) if t is not None else None
+        step, opt, host = self.host.step, self.optimizer, self.host
+
+        def update(layer_id: int, num_threads: int) -> None:
+            d2h[layer_id].host_wait()
+            layer = host.layers[layer_id]
+            arrays = [host.numpy(t) if t is not None else None
                       for t in (layer.master, layer.grad, layer.exp_avg, layer.exp_avg_sq, layer.delivery)]
-            for start, end, decay in segments:
+            for start, end, decay in self._decay_segments[layer_id]:
                 p, g, m, v, out = (a[start:end] if a is not None else None for a in arrays)
                 cpu_adamw.adamw_step(
                     p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                    weight_decay=opt.weight_decay if decay else 0.0, step=self.host.step, grad_scale=clip,
+                    weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=clip,
+                    num_threads=num_threads,
                 )
-        self._resident_stale = True
+
+        self.updates.start(update)
+        self.executor.resident_stale.update(self.executor.resident_ids)
 
     def _staging_buffers(self) -> list[torch.Tensor]:
         if self._staging is None:
@@ -175,6 +185,7 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
         self._check_open()
+        self.updates.flush()
         out = {}
         for layer in self.graph.layers:
             views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
@@ -192,6 +203,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        try:
+            self.updates.flush()
+        finally:
+            self.updates.close()
         for p in self.model.parameters():
             if p.requires_grad and p.device.type == "cpu":
                 p.data = p.data.clone()
@@ -215,6 +230,13 @@ class Engine:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+def _update_threads(device: torch.device) -> int | None:
+    """CPU threads for the optimizer: all but one core when a GPU needs a thread to issue work."""
+    if device.type != "cuda":
+        return None
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def _decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:

@@ -20,6 +20,7 @@ of the streamed weights. Prologue and epilogue weights stay resident for the who
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,9 @@ class StreamedExecutor:
         self.activation = [op.policy for op in program.ops if op.kind == FWD]
         self.loss_chunk_rows = loss_chunk_rows
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
+        # Set by the engine: blocks until a layer's pending CPU update is done (see update_stream.py).
+        self.wait_for_update: Callable[[int], None] = lambda layer_id: None
+        self.resident_stale: set[int] = set(self.resident_ids)  # resident weights to (re)load
         self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
         # Where each stored parameter lives: name -> (layer id, start, numel).
         self.locate = {
@@ -106,11 +110,14 @@ class StreamedExecutor:
         return t.detach().to(self.device)
 
     # -- weights ------------------------------------------------------------------------------
-    def load_resident(self) -> None:
-        """H2D of the prologue/epilogue weights from the host delivery copy (after an update)."""
-        for lid, flat in self.resident.items():
-            self.streams.copy("h2d", flat, self.host.layers[lid].source)
+    def ensure_resident(self, layer_id: int) -> None:
+        """H2D of a prologue/epilogue layer's weights if an update changed them since the last load."""
+        if layer_id not in self.resident_stale:
+            return
+        self.wait_for_update(layer_id)
+        self.streams.copy("h2d", self.resident[layer_id], self.host.layers[layer_id].source)
         self.streams.wait("compute", self.streams.record("h2d"))
+        self.resident_stale.discard(layer_id)
 
     def _block_params(self, block: int, slot: int, requires_grad: bool) -> dict[str, torch.Tensor]:
         layer = self.block_layers[block]
@@ -153,6 +160,7 @@ class StreamedExecutor:
     def _op_prologue(self, op, st: "_PassState") -> None:
         """The model's forward up to the last block, per micro-batch: records every block's inputs."""
         g = self.graph
+        self.ensure_resident(g.prologue.id)
         for mb in st.micro_batches:
             recorded: list[BlockCall] = []
 
@@ -173,6 +181,7 @@ class StreamedExecutor:
 
     def _op_h2d_weights(self, op, st: "_PassState") -> None:
         layer = self.block_layers[op.block]
+        self.wait_for_update(layer.id)
         src = self.host.layers[layer.id].source
         dst = self.slots[op.slot]
         for lo, hi in op.chunks:
@@ -204,6 +213,7 @@ class StreamedExecutor:
     def _op_epilogue(self, op, st: "_PassState") -> None:
         """Head and token-weighted loss per micro-batch, in row chunks; gradient of the last hidden."""
         g = self.graph
+        self.ensure_resident(g.epilogue.id)
         epi_names = [p.name for p in g.epilogue.params] + list(g.epilogue.tied_param_names)
         for m, mb in enumerate(st.micro_batches):
             rows = mb.input_ids.shape[0]
@@ -269,6 +279,7 @@ class StreamedExecutor:
             st.finish_gradient(lid, st.resident_acc[lid])
 
     def _op_d2h_grad(self, op, st: "_PassState") -> None:
+        self.wait_for_update(op.layer_id)  # the previous step's update still reads this gradient
         src, dst = st.grad_src.pop(op.layer_id), st.grad_targets[op.layer_id]
         for lo, hi in op.chunks:
             self.streams.copy("d2h", dst[lo:hi], src[lo:hi])
