@@ -5,7 +5,6 @@ import copy
 import dataclasses
 
 import pytest
-import torch
 
 import slidedp
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
