@@ -19,7 +19,8 @@ from slidedp.errors import UnsupportedModelError
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.optim import AdamW
-from slidedp.scheduler.plan import Plan, default_plan
+from slidedp.scheduler.plan import Plan
+from slidedp.scheduler.solve import solve_plan
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -63,11 +64,6 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     dev = _resolve_device(device)
-    if world_size != 1:
-        raise ValueError(
-            f"world_size={world_size}: this version of slidedp runs one rank; data parallelism is not "
-            "available yet"
-        )
     hw = resolve_hardware(hardware, dev.type)
     graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
                               compute_dtype=_PRECISIONS[precision])
@@ -77,8 +73,8 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             raise TypeError(f"plan must be a slidedp.Plan or a path, got {type(plan).__name__}")
         check_plan_matches(the_plan, graph, world_size=world_size, precision=precision)
     else:
-        the_plan = default_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
-                                precision=precision, micro_batches=micro_batches, version=__version__)
+        the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
+                              precision=precision, micro_batches=micro_batches, version=__version__)
     return graph, the_plan, dev, optimizer, max_grad_norm
 
 
@@ -118,6 +114,11 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
     """
+    if world_size != 1:
+        raise ValueError(
+            f"world_size={world_size}: this version of slidedp runs one rank; data parallelism is not "
+            "available yet (slidedp.plan can plan for several ranks)"
+        )
     graph, the_plan, dev, optimizer, max_grad_norm = _prepare(
         model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
         precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm, hardware=hardware,

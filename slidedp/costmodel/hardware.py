@@ -9,6 +9,14 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+# H2D efficiency by transfer size, measured on an H200 host (DESIGN.md §5: 64 KiB 2.4, 1 MiB 30,
+# 4 MiB 46, 16 MiB 52, 64 MiB 54 GB/s against 55 GB/s for large copies), as (bytes, fraction of the
+# large-copy bandwidth). Other hosts scale the same curve to their own bandwidth until calibrated.
+H200_TRANSFER_EFFICIENCY: tuple[tuple[int, float], ...] = (
+    (64 * 2**10, 2.4 / 55), (2**20, 30 / 55), (4 * 2**20, 46 / 55), (16 * 2**20, 52 / 55),
+    (64 * 2**20, 54 / 55), (2**30, 1.0),
+)
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -25,9 +33,23 @@ class Hardware:
     cpu_cores: int
     gpu_p2p_bytes_per_s: float  # GPU-to-GPU, 0 without peer-to-peer
     gpus_per_root_complex: int = 1
+    # (transfer bytes, fraction of h2d/d2h_bytes_per_s reached), increasing sizes; see ops.py
+    transfer_efficiency: tuple[tuple[int, float], ...] = H200_TRANSFER_EFFICIENCY
+
+    def __post_init__(self):
+        # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
+        curve = tuple((int(b), float(f)) for b, f in self.transfer_efficiency)
+        if not curve or any(b <= 0 or not 0 < f <= 1 for b, f in curve) or \
+                any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+            raise ValueError(f"transfer_efficiency must be (bytes, fraction in (0, 1]) pairs by increasing "
+                             f"size, got {self.transfer_efficiency!r}")
+        object.__setattr__(self, "transfer_efficiency", curve)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-native: the efficiency curve as lists, so a dict survives a JSON round trip unchanged."""
+        data = asdict(self)
+        data["transfer_efficiency"] = [list(point) for point in self.transfer_efficiency]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Hardware":

@@ -1,56 +1,50 @@
-"""Device memory of one rank under a set of decisions, buffer by buffer (bytes)."""
+"""The device buffers of the streamed program, each a small function of its size (bytes per rank).
+
+The scheduler (scheduler/footprint.py) places them in program order to get memory over a step.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-from slidedp.ir.graph import BLOCK, LayerGraph
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    resident_params_bytes: int  # prologue + epilogue weights, all step
-    resident_grads_bytes: int  # their fp32 gradient accumulators
-    weight_slots_bytes: int  # window x the largest block, compute dtype
-    block_grad_bytes: int  # fp32 accumulator + per-parameter grads + D2H staging
-    boundary_stash_bytes: int  # every block's input, per micro-batch in flight
-    block_activation_bytes: int  # one block's forward+backward working set
-    epilogue_activation_bytes: int  # logits, their fp32 copy and gradient
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(getattr(self, f) for f in self.__dataclass_fields__)
+def resident_layer_bytes(numel: int, elem_bytes: int) -> tuple[int, int]:
+    """Prologue + epilogue: weights in the compute dtype and their fp32 gradient accumulator,
+    (numel * elem, numel * 4), held the whole step."""
+    return numel * elem_bytes, numel * 4
 
 
-def device_memory(
-    graph: LayerGraph, *, window: int, micro_batches: int, activation: dict[int, str]
-) -> MemoryBreakdown:
-    """Peak device bytes: resident set + weight window + gradient path + activations.
+def weight_slots_bytes(max_block_numel: int, elem_bytes: int, window: int) -> int:
+    """`window` device slots, each the largest block in the compute dtype: window * numel * elem."""
+    return window * max_block_numel * elem_bytes
 
-    stash = (n_blocks + 1) x micro_batches x boundary; a kept block adds its saved bytes per
-    micro-batch; a recomputed block costs its saved bytes once, while it is being recomputed.
+
+def grad_accumulators_bytes(max_block_numel: int) -> int:
+    """Two fp32 gradient accumulators (one filling, one draining): 2 * numel * 4."""
+    return 2 * max_block_numel * 4
+
+
+def grad_staging_bytes(numel: int, elem_bytes: int, chunks: int, world_size: int, reduction: str) -> int:
+    """Device staging of one layer's gradient on its way to the host.
+
+    cpu reduction: the fp32 accumulator is cast chunk by chunk into two chunk buffers (one cast
+    while the other copies), 2 * ceil(numel / chunks) * elem; nothing in fp32 (copied directly).
+    gpu reduction: the cast copy (numel * elem, none in fp32) plus the summed shard after the
+    reduce-scatter, ceil(numel / W) * elem.
     """
-    c = DTYPE_BYTES[graph.compute_dtype]
-    blocks = graph.blocks
-    resident_numel = graph.prologue.numel + graph.epilogue.numel
-    max_block = max(b.numel for b in blocks)
-    boundary = max(b.costs.boundary_activation_bytes for b in blocks)
-    kept = sum(b.costs.saved_activation_bytes for b in blocks if activation.get(b.id) == "keep")
-    working = max(b.costs.saved_activation_bytes + b.costs.peak_workspace_bytes for b in blocks)
-    epi = graph.epilogue.costs
-    staging = 2 * max_block * 2 if c == 2 else 0
-    return MemoryBreakdown(
-        resident_params_bytes=resident_numel * c,
-        resident_grads_bytes=resident_numel * 4,
-        weight_slots_bytes=window * max_block * c,
-        block_grad_bytes=2 * max_block * 4 + max_block * c + staging,
-        boundary_stash_bytes=(len(blocks) + 3) * micro_batches * boundary,
-        block_activation_bytes=kept * micro_batches + working,
-        epilogue_activation_bytes=epi.saved_activation_bytes * 2 + epi.peak_workspace_bytes,
-    )
+    if reduction == "cpu":
+        return 0 if elem_bytes == 4 else 2 * -(-numel // chunks) * elem_bytes
+    cast = 0 if elem_bytes == 4 else numel * elem_bytes
+    return cast + -(-numel // world_size) * elem_bytes
 
 
-def is_block(graph: LayerGraph, layer_id: int) -> bool:
-    return graph.layers[layer_id].kind == BLOCK
+def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
+                           loss_chunk_tokens: int) -> int:
+    """Final norm, head and chunked cross-entropy of one micro-batch.
+
+    3 * tokens * hidden * elem (final hidden state, its norm, its gradient) plus, for one chunk of
+    T = min(loss_chunk_tokens, tokens) tokens, T * vocab * (2 * elem + 8): the logits and their
+    gradient in the compute dtype, the fp32 log-softmax and its gradient.
+    """
+    chunk = min(loss_chunk_tokens, tokens)
+    return 3 * tokens * hidden_size * elem_bytes + chunk * vocab_size * (2 * elem_bytes + 8)

@@ -1,7 +1,20 @@
 """The Plan: decisions per layer plus the predictions they lead to. Plain data, JSON round-trip.
 
-Until the CP-SAT scheduler lands, `default_plan` makes the fixed schedule: one chunk per layer,
-every block recomputed, double-buffered weights (window 2, or 1 if 2 does not fit the budget).
+Plans are made by `slidedp.scheduler.solve.solve_plan` (CP-SAT) or by a baseline
+(`slidedp.scheduler.baselines`); `default_plan` is the fixed baseline schedule: one chunk per
+layer, every block recomputed, window 2 (or 1 if 2 does not fit the budget).
+
+What the executor must honour (the predicted timing and memory assume it):
+  window                  weight slots; loads follow `scheduler.program.window_loads(N, window)`
+  decisions[i].chunks     layer i's H2D, D2H and CPU update move in this many equal chunks
+  decisions[i].activation recompute | keep (saved tensors stay on the device until the backward)
+                          | offload (copied to pinned host after the forward, back before the
+                          backward) | resident (prologue, epilogue)
+  decisions[i].delivery / reduction, owners: routes, and the rank updating each chunk
+  update_order            layer ids in the order the CPU updates them after the step boundary; the
+                          next step's load of a layer waits for its update
+  loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
+  workload.micro_batches  micro-batches per rank sharing one pass over the weights
 """
 
 from __future__ import annotations
@@ -12,12 +25,9 @@ from pathlib import Path
 
 from slidedp.budget import format_bytes
 from slidedp.costmodel.hardware import Hardware
-from slidedp.costmodel.memory import MemoryBreakdown, device_memory
-from slidedp.costmodel.step_time import StepTime, step_time
-from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import BLOCK, LayerGraph
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,7 @@ class LayerDecision:
     activation: str  # "recompute" | "keep" | "resident" (prologue/epilogue)
     delivery: str = "replicated"  # "replicated" | "sharded"
     reduction: str = "cpu"  # "cpu" | "gpu"
+    owners: tuple[int, ...] = ()  # rank whose CPU threads update each chunk (() : rank 0)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,38 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class GroupPrediction:
+    """Predicted work of a group of consecutive layers with the same decisions (rank 0, one step)."""
+
+    label: str
+    layer_ids: tuple[int, ...]
+    h2d_bytes: int  # weights and activations copied up, per rank
+    d2h_bytes: int  # gradients and activations copied down, per rank
+    collective_bytes: int  # all-gather + reduce-scatter payload, per rank
+    host_dram_bytes: int  # host memory traffic of delivery and reduction, all ranks
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    collective_s: float
+    cpu_update_s: float
+    exposed_s: float  # time the compute lane waits before this group's compute ops
+    bottleneck: str  # the lane this group keeps busiest
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A decision of the plan against its runner-up, both simulated (None: does not fit)."""
+
+    decision: str  # e.g. "activation of blocks 1-40"
+    chosen: str
+    runner_up: str
+    chosen_step_s: float
+    runner_up_step_s: float | None
+    runner_up_peak_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     schema_version: int
     slidedp_version: str
@@ -75,12 +118,16 @@ class Plan:
     solver: dict
     window: int  # blocks whose weights are resident at once
     decisions: tuple[LayerDecision, ...]
-    predicted: dict  # StepTime fields
-    memory: dict  # MemoryBreakdown fields
+    predicted: dict  # step_s, compute_s, h2d_s, d2h_s, collective_s, cpu_update_s, exposed_s, bottleneck
+    memory: dict  # device bytes at the peak, by buffer (scheduler.footprint.CATEGORIES)
     peak_device_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
     timeline: tuple[TimelineEvent, ...] = ()
     memory_timeline: tuple[MemoryPoint, ...] = ()
+    update_order: tuple[int, ...] = ()  # layer ids; () : prologue, blocks, epilogue
+    loss_chunk_tokens: int = 0  # tokens per chunk of the epilogue's loss; 0 : the whole micro-batch
+    groups: tuple[GroupPrediction, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -100,10 +147,15 @@ class Plan:
             raise ValueError(f"plan schema version {version!r} is not supported (this slidedp reads {SCHEMA_VERSION})")
         data = dict(data)
         data["workload"] = Workload(**data["workload"])
-        data["decisions"] = tuple(LayerDecision(**d) for d in data["decisions"])
+        data["decisions"] = tuple(LayerDecision(**{**d, "owners": tuple(d.get("owners", ()))})
+                                  for d in data["decisions"])
         data["notes"] = tuple(data.get("notes", ()))
         data["timeline"] = tuple(TimelineEvent(**e) for e in data.get("timeline", ()))
         data["memory_timeline"] = tuple(MemoryPoint(**m) for m in data.get("memory_timeline", ()))
+        data["update_order"] = tuple(data.get("update_order", ()))
+        data["groups"] = tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])})
+                               for g in data.get("groups", ()))
+        data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
@@ -131,36 +183,78 @@ class Plan:
         to_html(self, path)
 
     def summary(self) -> str:
-        p = self.predicted
-        w = self.workload
+        """Decisions and predictions per layer group, and why each decision beat its runner-up."""
+        p, w, sv = self.predicted, self.workload, self.solver
+        gap = sv.get("relative_gap")
+        solver = f"{sv.get('method')} {sv.get('status', '')}".strip()
+        if gap is not None:
+            solver += f", gap {gap:.2%}"
+        if "wall_s" in sv:
+            solver += f", {sv['wall_s']:.1f} s"
+        if sv.get("chosen_by") not in (None, "cp-sat"):
+            solver += f", plan from {sv['chosen_by']}"
+        order = "prologue, epilogue, blocks" if self.update_order[1:2] == (len(self.decisions) - 1,) \
+            else "prologue, blocks, epilogue"
         lines = [
             f"slidedp plan for {self.model_class} (fingerprint {self.model_fingerprint[:12]})",
             f"  workload: {w.world_size} rank(s) x {w.micro_batches} micro-batch(es) x {w.batch_size} x {w.seq_len} "
             f"tokens, {w.precision}",
-            f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   "
-            f"solver: {self.solver.get('method')}",
-            f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}",
-            f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (compute {p['compute_s'] * 1e3:.1f}, "
-            f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, CPU update {p['cpu_update_s'] * 1e3:.1f}, "
-            f"exposed {p['exposed_s'] * 1e3:.1f}) — bottleneck: {p['bottleneck']}",
+            f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
+            f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
+            + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
+            f"  update order after the step boundary: {order}",
+            f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
+            f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
+            f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "
+            f"— bottleneck: {p['bottleneck']}",
             "",
-            f"  {'layers':<28} {'params':>12} {'chunks':>6} {'activation':>10} {'delivery':>10} {'reduction':>9}",
         ]
-        for group in _groups(self.decisions):
-            first, last = group[0], group[-1]
-            label = first.name if len(group) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[-1]}"
-            numel = sum(d.numel for d in group)
-            lines.append(
-                f"  {label:<28} {numel:>12,} {first.chunks:>6} {first.activation:>10} "
-                f"{first.delivery:>10} {first.reduction:>9}"
-            )
-        lines.append("")
-        lines.append("  device memory:")
+        if self.groups:
+            by_id = {d.layer_id: d for d in self.decisions}
+            lines.append(f"  {'layers':<26} {'params':>13} {'chunks':>6} {'activation':>10} {'route':>16} "
+                         f"{'H2D':>9} {'D2H':>9} {'coll':>9} {'compute':>9} {'h2d':>8} {'d2h':>8} {'cpu':>8} "
+                         f"{'exposed':>8}  bottleneck")
+            for g in self.groups:
+                d = by_id[g.layer_ids[0]]
+                numel = sum(by_id[i].numel for i in g.layer_ids)
+                lines.append(
+                    f"  {g.label:<26} {numel:>13,} {d.chunks:>6} {d.activation:>10} "
+                    f"{d.delivery + '/' + d.reduction:>16} {_short_bytes(g.h2d_bytes):>9} "
+                    f"{_short_bytes(g.d2h_bytes):>9} {_short_bytes(g.collective_bytes):>9} {_ms(g.compute_s):>9} "
+                    f"{_ms(g.h2d_s):>8} {_ms(g.d2h_s):>8} {_ms(g.cpu_update_s):>8} {_ms(g.exposed_s):>8}  "
+                    f"{g.bottleneck}")
+            lines.append("  (bytes moved per rank per step; times busy per lane on rank 0, ms)")
+        else:
+            lines.append(f"  {'layers':<28} {'params':>12} {'chunks':>6} {'activation':>10} {'delivery':>10} "
+                         f"{'reduction':>9}")
+            for group in _groups(self.decisions):
+                first, last = group[0], group[-1]
+                label = first.name if len(group) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[-1]}"
+                numel = sum(d.numel for d in group)
+                lines.append(f"  {label:<28} {numel:>12,} {first.chunks:>6} {first.activation:>10} "
+                             f"{first.delivery:>10} {first.reduction:>9}")
+        if self.alternatives:
+            lines += ["", "  why these decisions (each against its runner-up, everything else unchanged):"]
+            for a in self.alternatives:
+                lines.append(f"    {a.decision}: {a.reason}")
+        lines += ["", "  device memory at the peak:"]
         for key, value in self.memory.items():
-            lines.append(f"    {key:<28} {format_bytes(value):>12}")
+            if value:
+                lines.append(f"    {key:<28} {format_bytes(value):>12}")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _short_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{int(n)}B"
 
 
 def _groups(decisions) -> list[list[LayerDecision]]:
@@ -182,44 +276,10 @@ def default_plan(
     graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int, precision: str,
     micro_batches: int, version: str,
 ) -> Plan:
-    """One chunk per layer, every block recomputed, the widest window (2, else 1) that fits."""
-    activation = {layer.id: ("recompute" if layer.kind == BLOCK else "resident") for layer in graph.layers}
-    memory: MemoryBreakdown | None = None
-    for window in (2, 1):
-        memory = device_memory(graph, window=window, micro_batches=micro_batches, activation=activation)
-        if memory.total_bytes <= budget_bytes:
-            break
-    else:
-        raise InfeasibleBudgetError(
-            f"the device budget {format_bytes(budget_bytes)} is below the {format_bytes(memory.total_bytes)} "
-            f"the smallest schedule needs ({_largest_terms(memory)})",
-            min_budget_bytes=memory.total_bytes,
-            budget_bytes=budget_bytes,
-        )
-    predicted: StepTime = step_time(graph, hardware, window=window, micro_batches=micro_batches,
-                                    activation=activation, overlap_updates=False)
-    decisions = tuple(
-        LayerDecision(layer.id, layer.name, layer.kind, layer.numel, 1, activation[layer.id])
-        for layer in graph.layers
-    )
-    return Plan(
-        schema_version=SCHEMA_VERSION,
-        slidedp_version=version,
-        model_fingerprint=graph.fingerprint(),
-        model_class=graph.model_class,
-        workload=Workload(graph.batch_size, graph.seq_len, world_size, precision, micro_batches),
-        budget_bytes=int(budget_bytes),
-        hardware=hardware.to_dict(),
-        solver={"method": "default", "status": "FIXED"},
-        window=window,
-        decisions=decisions,
-        predicted=predicted.to_dict(),
-        memory=asdict(memory),
-        peak_device_bytes=memory.total_bytes,
-        notes=("fixed default schedule: one chunk per layer, every block recomputed",),
-    )
+    """The fixed baseline: one chunk per rank per layer, every block recomputed, window 2 (else 1)."""
+    from slidedp.scheduler import baselines
+    from slidedp.scheduler.solve import fixed_plan
 
-
-def _largest_terms(memory: MemoryBreakdown) -> str:
-    items = sorted(asdict(memory).items(), key=lambda kv: -kv[1])[:3]
-    return ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
+    return fixed_plan(graph, baselines.default_decisions, method="default", budget_bytes=budget_bytes,
+                      hardware=hardware, world_size=world_size, precision=precision, micro_batches=micro_batches,
+                      version=version)

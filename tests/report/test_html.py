@@ -1,3 +1,4 @@
+import json
 """HTML report: self-contained, inline SVG swimlanes and memory curve, grouped decisions, notes."""
 
 import os
@@ -84,7 +85,7 @@ def test_names_are_escaped_and_sub_tracks_are_drawn(make_plan):
     assert ">collective</span>" not in html and ">h2d</span>" in html  # the legend lists the kinds drawn
 
 
-def test_default_plan_of_a_real_model_renders(tmp_path):
+def test_solved_plan_of_a_real_model_renders(tmp_path):
     import slidedp
     from tests.models import make_model
 
@@ -92,7 +93,10 @@ def test_default_plan_of_a_real_model_renders(tmp_path):
     plan.to_html(tmp_path / "r.html")
     plan.to_chrome_trace(tmp_path / "t.json")
     html = (tmp_path / "r.html").read_text(encoding="utf-8")
-    assert "no predicted timeline" in html and "fixed default schedule" in html
+    assert plan.timeline, "the solver predicts a timeline"
+    assert "no predicted timeline" not in html and "<svg" in html
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
 
 
 def png_size_and_colours(path: Path) -> tuple[int, int, int]:

@@ -69,3 +69,21 @@ def test_meta_model_plans_without_allocating_and_larger_budget_is_never_slower()
     assert large.predicted_step_time_s <= small.predicted_step_time_s
     with pytest.raises(slidedp.UnsupportedModelError, match="meta device"):
         slidedp.compile(model, "60GiB", batch_size=1, seq_len=4096, device="cpu")
+
+
+def test_default_plan_is_the_fixed_baseline_and_refuses_too_small_a_budget():
+    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.ir.build import build_layer_graph
+    from slidedp.scheduler.plan import default_plan
+
+    graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.float32)
+    kwargs = dict(hardware=PRESETS["cpu"], world_size=1, precision="fp32", micro_batches=1, version="0")
+    plan = default_plan(graph, budget_bytes=2**30, **kwargs)
+    assert plan.solver["method"] == "default" and plan.window == 2 and plan.timeline
+    assert all(d.chunks == 1 and d.activation == ("recompute" if d.kind == "block" else "resident")
+               for d in plan.decisions)
+    solved = slidedp.plan(make_model("llama"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    assert solved.predicted_step_time_s <= plan.predicted_step_time_s
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        default_plan(graph, budget_bytes=1000, **kwargs)
+    assert info.value.min_budget_bytes > 1000

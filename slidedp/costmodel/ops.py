@@ -1,0 +1,205 @@
+"""The cost of each scheduled operation: small pure functions, each with its equation and units.
+
+Units: bytes, seconds, FLOPs, parameters (numel). `W` is the number of data-parallel ranks on the
+host. Shared host resources (a root complex's PCIe link, host DRAM, CPU cores) are modelled as
+*shares*: the ranks run the same program in lockstep, so when one rank moves data all W do, and
+each gets its share of the shared resource for the whole operation. Both the simulator and the
+CP-SAT model use these functions and nothing else, so they agree by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+from slidedp.costmodel.hardware import Hardware
+from slidedp.ir.graph import LayerCosts
+
+# -- transfers ---------------------------------------------------------------------------------
+
+
+def transfer_efficiency(nbytes: float, curve: tuple[tuple[int, float], ...]) -> float:
+    """Fraction of the large-copy bandwidth reached by one copy of `nbytes` (dimensionless).
+
+    Between measured sizes: linear in log2(bytes). Below the smallest: the copy is latency-bound
+    (constant time), eff(s) = eff(s0) * s / s0. Above the largest: eff = the largest's value.
+    """
+    if nbytes <= 0:
+        return 1.0
+    s0, f0 = curve[0]
+    if nbytes <= s0:
+        return f0 * nbytes / s0
+    for (sa, fa), (sb, fb) in zip(curve, curve[1:]):
+        if nbytes <= sb:
+            x = (math.log2(nbytes) - math.log2(sa)) / (math.log2(sb) - math.log2(sa))
+            return fa + x * (fb - fa)
+    return curve[-1][1]
+
+
+def transfer_time_s(nbytes: float, bytes_per_s: float, curve: tuple[tuple[int, float], ...]) -> float:
+    """One copy: t = nbytes / (bytes_per_s * eff(nbytes))  [s]; 0 for nothing to move."""
+    if nbytes <= 0:
+        return 0.0
+    if bytes_per_s <= 0:
+        raise ValueError("a transfer over a link of zero bandwidth")
+    return nbytes / (bytes_per_s * transfer_efficiency(nbytes, curve))
+
+
+def chunked_transfer_time_s(nbytes: float, chunks: int, bytes_per_s: float,
+                            curve: tuple[tuple[int, float], ...]) -> float:
+    """`chunks` equal copies back to back: t = chunks * transfer_time(nbytes / chunks)  [s]."""
+    return chunks * transfer_time_s(nbytes / chunks, bytes_per_s, curve)
+
+
+def ranks_per_link(hw: Hardware, world_size: int) -> int:
+    """GPUs of the W ranks behind one root-complex link: k = min(W, gpus_per_root_complex)."""
+    return max(1, min(world_size, hw.gpus_per_root_complex))
+
+
+def link_share_bytes_per_s(direction_bytes_per_s: float, hw: Hardware, world_size: int,
+                           directions: int = 1) -> float:
+    """Per-rank DMA rate when all W ranks copy at once [bytes/s].
+
+    r = min(direction / k, host_dram / (W * directions)), k = ranks_per_link(W): the k GPUs of a
+    root complex split its link; the W ranks (times the directions moving at once) split host DRAM.
+    """
+    return min(direction_bytes_per_s / ranks_per_link(hw, world_size),
+               hw.host_dram_bytes_per_s / (world_size * directions))
+
+
+def h2d_bytes_per_s(hw: Hardware, world_size: int, *, duplex: bool) -> float:
+    """Per-rank H2D rate [bytes/s]: alone, h2d; while D2H also runs (duplex), min(h2d, duplex/2).
+
+    The forward's weight loads run alone unless activations are offloaded; the backward always has
+    gradients going down while weights come up.
+    """
+    one_way = min(hw.h2d_bytes_per_s, hw.duplex_bytes_per_s / 2) if duplex else hw.h2d_bytes_per_s
+    return link_share_bytes_per_s(one_way, hw, world_size, 2 if duplex else 1)
+
+
+def d2h_bytes_per_s(hw: Hardware, world_size: int, *, duplex: bool = True) -> float:
+    """Per-rank D2H rate [bytes/s]: min(d2h, duplex/2) while H2D also runs, else d2h; shared as above."""
+    one_way = min(hw.d2h_bytes_per_s, hw.duplex_bytes_per_s / 2) if duplex else hw.d2h_bytes_per_s
+    return link_share_bytes_per_s(one_way, hw, world_size, 2 if duplex else 1)
+
+
+# -- compute -----------------------------------------------------------------------------------
+
+
+def compute_flops_per_s(hw: Hardware) -> float:
+    """Rate a transformer layer reaches: matmul_flops_per_s * block_efficiency  [FLOP/s]."""
+    return hw.matmul_flops_per_s * hw.block_efficiency
+
+
+def forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> float:
+    """Forward of one layer for every micro-batch: t = m * flops_fwd / rate  [s]."""
+    return micro_batches * costs.flops_fwd / compute_flops_per_s(hw)
+
+
+def recompute_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> float:
+    """Recomputing the forward before the backward costs the forward again: t = m * flops_fwd / rate."""
+    return forward_time_s(costs, hw, micro_batches)
+
+
+def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool) -> float:
+    """Backward of one layer: t = m * (flops_bwd + [recompute] flops_fwd) / rate  [s]."""
+    flops = costs.flops_bwd + (costs.flops_fwd if recompute else 0.0)
+    return micro_batches * flops / compute_flops_per_s(hw)
+
+
+def offload_time_s(saved_bytes: int, micro_batches: int, bytes_per_s: float,
+                   curve: tuple[tuple[int, float], ...]) -> float:
+    """Copy a block's saved activations of every micro-batch one way: t = transfer(m * saved)  [s]."""
+    return transfer_time_s(micro_batches * saved_bytes, bytes_per_s, curve)
+
+
+# -- CPU ---------------------------------------------------------------------------------------
+
+
+def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: bool = True) -> float:
+    """AdamW of `numel` parameters on one rank's CPU threads [s].
+
+    t = numel / (cpu_adamw_params_per_s * f / lanes): the W ranks split the cores (lanes = W, each
+    lane running at the same time); f = cpu_adamw_contended_fraction while DMA runs both ways
+    (measured: AdamW loses a third of its rate to the copies' DRAM traffic), else 1.
+    """
+    fraction = hw.cpu_adamw_contended_fraction if contended else 1.0
+    return numel * lanes / (hw.cpu_adamw_params_per_s * fraction)
+
+
+def cpu_reduce_time_s(numel: float, elem_bytes: int, world_size: int, hw: Hardware, *, lanes: int) -> float:
+    """Sum W ranks' gradient copies of `numel` parameters into fp32 on one rank's CPU lane [s].
+
+    bytes = numel * (W * elem_bytes read + 4 written); t = bytes / (host_dram / lanes): the lanes
+    reduce at the same time and split host DRAM bandwidth.
+    """
+    if world_size <= 1:
+        return 0.0
+    return numel * (world_size * elem_bytes + 4) * lanes / hw.host_dram_bytes_per_s
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+
+def all_gather_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+    """All-gather of a layer of `nbytes` (each rank holds nbytes / W) [s].
+
+    With peer-to-peer: ring, t = (W - 1) / W * nbytes / gpu_p2p_bytes_per_s.
+    Without (gpu_p2p_bytes_per_s == 0), it bounces through the host: each rank copies its shard
+    down and the W - 1 others up, t = nbytes / W / d2h_share + (W - 1) / W * nbytes / h2d_share.
+    """
+    if world_size <= 1 or nbytes <= 0:
+        return 0.0
+    moved = (world_size - 1) / world_size * nbytes
+    if hw.gpu_p2p_bytes_per_s > 0:
+        return moved / hw.gpu_p2p_bytes_per_s
+    return (nbytes / world_size / d2h_bytes_per_s(hw, world_size, duplex=True)
+            + moved / h2d_bytes_per_s(hw, world_size, duplex=True))
+
+
+def reduce_scatter_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+    """Reduce-scatter of a gradient of `nbytes` per rank (each rank keeps nbytes / W summed) [s].
+
+    With peer-to-peer: ring, t = (W - 1) / W * nbytes / gpu_p2p_bytes_per_s.
+    Without: through the host, each rank copies the (W - 1) / W it does not own down, and its
+    summed shard comes back up: t = (W - 1) / W * nbytes / d2h_share + nbytes / W / h2d_share.
+    """
+    if world_size <= 1 or nbytes <= 0:
+        return 0.0
+    moved = (world_size - 1) / world_size * nbytes
+    if hw.gpu_p2p_bytes_per_s > 0:
+        return moved / hw.gpu_p2p_bytes_per_s
+    return (moved / d2h_bytes_per_s(hw, world_size, duplex=True)
+            + nbytes / world_size / h2d_bytes_per_s(hw, world_size, duplex=True))
+
+
+# -- host DRAM traffic per route -----------------------------------------------------------------
+
+
+def delivery_dram_bytes(layer_bytes: float, world_size: int, delivery: str) -> float:
+    """Host DRAM read to deliver one layer's weights to every rank [bytes].
+
+    replicated: every rank copies the whole layer, W * layer_bytes; sharded: each rank copies its
+    1/W and the GPUs all-gather, layer_bytes.
+    """
+    if delivery == "replicated":
+        return world_size * layer_bytes
+    if delivery == "sharded":
+        return layer_bytes
+    raise ValueError(f"unknown delivery route {delivery!r}")
+
+
+def reduction_dram_bytes(numel: float, elem_bytes: int, world_size: int, reduction: str) -> float:
+    """Host DRAM traffic to bring one layer's gradient, summed over ranks, to the optimizer [bytes].
+
+    cpu: W copies land (W * numel * elem written), are read back and summed into fp32
+    (W * numel * elem read + numel * 4 written); gpu: reduce-scatter on the GPUs, then each rank
+    lands its summed 1/W, numel * elem written in all.
+    """
+    grad = numel * elem_bytes
+    if reduction == "cpu":
+        if world_size == 1:
+            return grad
+        return 2 * world_size * grad + 4 * numel
+    if reduction == "gpu":
+        return grad
+    raise ValueError(f"unknown reduction route {reduction!r}")

@@ -1,0 +1,117 @@
+"""What the scheduler decides, and for what: plain frozen records shared by every strategy.
+
+A `Problem` is the workload to schedule (layer IR, hardware, ranks, micro-batches, loss chunk).
+`Decisions` is one complete choice for it: the window, the update order across the step boundary,
+and per layer its chunk count, activation policy and routes. `SolverOptions` lists the values each
+decision may take; the CP-SAT model, the baselines and brute force all draw from the same lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slidedp.costmodel.hardware import Hardware
+from slidedp.ir.graph import BLOCK, LayerGraph
+
+RECOMPUTE, KEEP, OFFLOAD, RESIDENT = "recompute", "keep", "offload", "resident"
+ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD)
+REPLICATED, SHARDED = "replicated", "sharded"
+CPU, GPU = "cpu", "gpu"
+FORWARD_ORDER, HEAD_FIRST = "forward", "head_first"
+# Layer groups that share a delivery and a reduction route.
+GROUPS = ("prologue", "blocks", "epilogue")
+
+
+@dataclass(frozen=True)
+class Problem:
+    graph: LayerGraph
+    hardware: Hardware
+    world_size: int = 1
+    micro_batches: int = 1
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
+
+    def __post_init__(self):
+        for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.graph.layers) - 2
+
+    @property
+    def effective_loss_chunk_tokens(self) -> int:
+        return max(1, min(self.loss_chunk_tokens, self.graph.batch_size * self.graph.seq_len))
+
+    def group_of(self, layer_id: int) -> str:
+        kind = self.graph.layers[layer_id].kind
+        return "blocks" if kind == BLOCK else kind
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    chunks: int
+    activation: str  # recompute | keep | offload (blocks); resident (prologue, epilogue)
+    delivery: str = REPLICATED
+    reduction: str = CPU
+
+
+@dataclass(frozen=True)
+class Decisions:
+    window: int
+    update_order: str  # "forward": prologue, blocks, epilogue; "head_first": prologue, epilogue, blocks
+    layers: tuple[LayerChoice, ...]
+
+    def order(self, n_layers: int) -> tuple[int, ...]:
+        """Layer ids in CPU update order (also the order of the next step's weight loads)."""
+        last = n_layers - 1
+        blocks = tuple(range(1, last))
+        return (0, last) + blocks if self.update_order == HEAD_FIRST else (0,) + blocks + (last,)
+
+    def replace_layers(self, ids, **changes) -> "Decisions":
+        from dataclasses import replace
+
+        ids = set(ids)
+        return replace(self, layers=tuple(replace(c, **changes) if i in ids else c
+                                          for i, c in enumerate(self.layers)))
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """The values each decision may take, and the solver's settings."""
+
+    windows: tuple[int, ...] = (1, 2, 3, 4)
+    chunk_multiples: tuple[int, ...] = (1, 2, 4)  # a layer moves in multiple x world_size chunks
+    activations: tuple[str, ...] = ACTIVATIONS
+    deliveries: tuple[str, ...] = (REPLICATED, SHARDED)  # used when world_size > 1 and GPUs have P2P
+    reductions: tuple[str, ...] = (CPU, GPU)
+    update_orders: tuple[str, ...] = (FORWARD_ORDER, HEAD_FIRST)
+    # CP-SAT's deterministic time (its own work units; on a slow core one unit can take several
+    # seconds of a large model) for all windows together: the search is reproducible whatever the
+    # machine's load, unlike a wall-clock limit.
+    deterministic_time: float = 1.0
+    # Models of at most this many blocks get one CP-SAT model per window; larger ones only one, for
+    # the window of the best plan found so far (the others keep the analytical lower bound), with
+    # `large_deterministic_time`.
+    all_windows_up_to_blocks: int = 16
+    large_deterministic_time: float = 0.2
+    local_search_evaluations: int = 200
+    seed: int = 0
+    workers: int = 1
+    hints: bool = True
+    # Optional intervals per op and NoOverlap per lane, implied by the lane chains (they add
+    # propagation, and cost time on large models). None: only for models that get every window.
+    redundant_no_overlap: bool | None = None
+
+    def __post_init__(self):
+        for name in ("windows", "chunk_multiples"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"SolverOptions.{name} must be positive ints, got {values!r}")
+        if not set(self.activations) <= set(ACTIVATIONS) or RECOMPUTE not in self.activations:
+            raise ValueError(f"activations must include 'recompute' and be among {ACTIVATIONS}")
+        if REPLICATED not in self.deliveries or CPU not in self.reductions:
+            raise ValueError("the replicated delivery and the CPU reduction are always allowed")
+        if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:
+            raise ValueError(f"update_orders must be among {(FORWARD_ORDER, HEAD_FIRST)}")

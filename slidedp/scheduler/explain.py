@@ -1,0 +1,222 @@
+"""Why a plan looks the way it does: per-group predictions, and each decision against its
+runner-up (the same plan with that decision changed, simulated). Computed when the plan is made
+(the Plan carries no graph), printed by `Plan.summary()`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from slidedp.budget import format_bytes
+from slidedp.costmodel import ops
+from slidedp.scheduler import closed_form
+from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.decisions import CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions
+from slidedp.scheduler.footprint import evaluate
+from slidedp.scheduler.plan import Alternative, GroupPrediction
+from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_program
+from slidedp.scheduler.simulate import Simulation
+
+LANES = (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)
+
+
+def layer_groups(costs: ProblemCosts, d: Decisions) -> list[list[int]]:
+    """Consecutive blocks with identical decisions form a group; prologue and epilogue alone."""
+    groups: list[list[int]] = []
+    for i, c in enumerate(d.layers):
+        if groups and 0 < i < costs.epilogue_id and 0 < groups[-1][0] < costs.epilogue_id \
+                and d.layers[groups[-1][0]] == c:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _label(costs: ProblemCosts, ids: list[int]) -> str:
+    layers = costs.problem.graph.layers
+    if len(ids) == 1:
+        return layers[ids[0]].name
+    return f"{layers[ids[0]].name} .. {layers[ids[-1]].name.rsplit('.', 1)[-1]}"
+
+
+def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tuple[GroupPrediction, ...]:
+    """Bytes moved, busy time per lane, exposed compute wait and bottleneck of each layer group."""
+    g, W, m, tick = costs.problem.graph, costs.problem.world_size, costs.problem.micro_batches, sim.tick_s
+    busy_by_layer: dict[int, dict[str, int]] = {}
+    for op in sim.ops.values():
+        if op.lane != CPU_UPDATE:
+            busy_by_layer.setdefault(op.layer, dict.fromkeys(LANES, 0))[op.lane] += op.busy
+    exposed: dict[int, int] = {}
+    compute = [op for op in sim.ops.values() if op.lane == COMPUTE]
+    compute.sort(key=lambda op: op.start)
+    previous_end = 0
+    for op in compute:
+        exposed[op.layer] = exposed.get(op.layer, 0) + max(0, op.start - previous_end)
+        previous_end = op.end
+    program = build_program(costs.n_blocks, d.window, W > 1)
+    reloaded = {op.layer for op in program.lanes[H2D] if op.kind == "load" and op.phase == "bwd"}
+    out = []
+    for ids in layer_groups(costs, d):
+        h2d = d2h = coll = dram = 0
+        busy = dict.fromkeys(LANES, 0)
+        for i in ids:
+            c = d.layers[i]
+            o = costs.option(i, c.chunks, c.delivery, c.reduction)
+            layer_bytes = g.layers[i].numel * costs.elem
+            loads = 1 + (i in reloaded)
+            per_rank = layer_bytes if c.delivery == REPLICATED else layer_bytes / W
+            h2d += loads * per_rank
+            d2h += layer_bytes if c.reduction == CPU else layer_bytes / W
+            if c.delivery == SHARDED:
+                coll += loads * layer_bytes * (W - 1) / W
+            if c.reduction == GPU:
+                coll += layer_bytes * (W - 1) / W
+            dram += loads * ops.delivery_dram_bytes(layer_bytes, W, c.delivery)
+            dram += ops.reduction_dram_bytes(g.layers[i].numel, costs.elem, W, c.reduction)
+            if c.activation == OFFLOAD:
+                saved = m * costs.blocks[i].saved_bytes
+                h2d += saved
+                d2h += saved
+                dram += 2 * W * saved
+            for lane, t in busy_by_layer.get(i, {}).items():
+                busy[lane] += t
+            busy[CPU_UPDATE] += o.update_lane_ticks()
+        bottleneck = max(LANES, key=lambda lane: busy[lane])
+        out.append(GroupPrediction(
+            label=_label(costs, ids), layer_ids=tuple(ids), h2d_bytes=int(h2d), d2h_bytes=int(d2h),
+            collective_bytes=int(coll), host_dram_bytes=int(dram),
+            compute_s=busy[COMPUTE] * tick, h2d_s=busy[H2D] * tick, d2h_s=busy[D2H] * tick,
+            collective_s=busy[COLLECTIVE] * tick, cpu_update_s=busy[CPU_UPDATE] * tick,
+            exposed_s=sum(exposed.get(i, 0) for i in ids) * tick, bottleneck=bottleneck))
+    return tuple(out)
+
+
+def _try(costs: ProblemCosts, d: Decisions, budget_bytes: int):
+    """(step_s or None if it does not fit, peak bytes) of some decisions."""
+    keys = build_program(costs.n_blocks, d.window, False).compute_keys
+    peak = evaluate(costs, d, keys).peak_bytes
+    if peak > budget_bytes:
+        return None, peak
+    return closed_form.evaluate(costs, d).makespan * costs.scale.tick_s, peak
+
+
+def _runner_up(costs, budget_bytes, candidates):
+    """The fastest candidate that fits, else the one needing the least memory."""
+    tried = [(name, d, *_try(costs, d, budget_bytes)) for name, d in candidates]
+    if not tried:
+        return None
+    fitting = [t for t in tried if t[2] is not None]
+    if fitting:
+        return min(fitting, key=lambda t: t[2])
+    return min(tried, key=lambda t: t[3])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _compare(chosen_s: float, other_s: float | None, peak: int, budget: int) -> str:
+    if other_s is None:
+        return f"does not fit ({format_bytes(peak)} > budget {format_bytes(budget)})"
+    delta = other_s - chosen_s
+    sign = "+" if delta >= 0 else "-"
+    return f"{_ms(other_s)} ({sign}{_ms(abs(delta))})"
+
+
+def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_bytes: int) -> tuple[Alternative, ...]:
+    """Each decision family against its best alternative value, every other decision unchanged."""
+    out: list[Alternative] = []
+    hw, W, m = costs.problem.hardware, costs.problem.world_size, costs.problem.micro_batches
+    step = sim.step_s
+    blocks = sorted(costs.blocks)
+    first = d.layers[blocks[0]]
+
+    def add(decision, chosen, found, why):
+        if found is None:
+            return
+        name, _, other_s, peak = found
+        text = f"{chosen}: {_ms(step)}; {name}: {_compare(step, other_s, peak, budget_bytes)}. {why}"
+        out.append(Alternative(decision, chosen, name, step, other_s, int(peak), text))
+
+    # Window.
+    others = [(f"window {w}", replace(d, window=w)) for w in costs.windows() if w != d.window]
+    slot = format_bytes(costs.weight_slots_bytes(1))
+    add("window", f"window {d.window}", _runner_up(costs, budget_bytes, others),
+        f"Each slot holds the largest block ({slot}); more slots prefetch further ahead and reload fewer "
+        f"blocks at the turn.")
+
+    # Activation policy, per policy in use among the blocks.
+    for policy in sorted({d.layers[i].activation for i in blocks}):
+        ids = [i for i in blocks if d.layers[i].activation == policy]
+        cands = [(f"{other} for them", d.replace_layers(ids, activation=other))
+                 for other in costs.options.activations if other != policy]
+        b = costs.blocks[ids[0]]
+        why = (f"Recomputing costs {_ms((b.bwd[RECOMPUTE] - b.bwd[KEEP]) * sim.tick_s)} of compute per block; "
+               f"keeping holds {format_bytes(m * b.saved_bytes)} per block from its forward to its backward; "
+               f"offloading moves that over PCIe twice ({_ms(b.offload * sim.tick_s)} down, "
+               f"{_ms(b.reload * sim.tick_s)} up).")
+        add(f"activation of {len(ids)} block(s)", f"{policy} for {_span(costs, ids)}",
+            _runner_up(costs, budget_bytes, cands), why)
+
+    # Chunks of the blocks.
+    mult = first.chunks // W
+    options = costs.options.chunk_multiples
+    cands = [(f"{k * W} chunks", d.replace_layers(blocks, chunks=k * W)) for k in options if k != mult]
+    o = costs.option(blocks[0], first.chunks, first.delivery, first.reduction)
+    eff = ops.transfer_efficiency(o.piece_bytes, hw.transfer_efficiency)
+    add("chunks per block", f"{first.chunks} chunks", _runner_up(costs, budget_bytes, cands),
+        f"A chunk of {format_bytes(o.piece_bytes)} copies at {eff:.0%} of the link's rate; smaller chunks "
+        f"let loads start as soon as part of a layer is updated, at a lower copy efficiency.")
+
+    # Update order.
+    other_orders = [o for o in costs.options.update_orders if o != d.update_order]
+    E = costs.epilogue_id
+    head = costs.option(E, d.layers[E].chunks, d.layers[E].delivery, d.layers[E].reduction)
+    head_update = _ms(head.update_lane_ticks() * sim.tick_s)
+    head_load = _ms(head.load_pieces * head.fwd_piece * sim.tick_s)
+    if d.update_order == HEAD_FIRST:
+        why = (f"Updating the head second ({head_update} of CPU) and loading it early ({head_load}) keeps both off "
+               f"the end of the forward, at the cost of block 1 starting {head_update} later.")
+    else:
+        why = (f"Updating the head last lets block 1 start {head_update} sooner; its update and load "
+               f"({head_load}) then come at the end of the forward.")
+    add("update order", d.update_order,
+        _runner_up(costs, budget_bytes, [(o, replace(d, update_order=o)) for o in other_orders]), why)
+
+    # Routes of the blocks (W > 1).
+    if W > 1:
+        layer_bytes = costs.problem.graph.layers[blocks[0]].numel * costs.elem
+        if len(costs.routes) == 1:
+            bounce = ops.all_gather_time_s(layer_bytes, W, hw)
+            copy = ops.transfer_time_s(layer_bytes, ops.h2d_bytes_per_s(hw, W, duplex=False),
+                                       hw.transfer_efficiency)
+            out.append(Alternative(
+                "delivery and reduction", "replicated, cpu", "sharded / gpu", step, None, 0,
+                f"no GPU peer-to-peer on {hw.name}: an all-gather of a block would bounce through the host "
+                f"({_ms(bounce)} after its 1/{W} copy) against {_ms(copy)} to copy it whole, so sharded delivery "
+                f"and GPU reduction are never faster and are not considered."))
+        else:
+            deliveries = [x for x in costs.options.deliveries if x != first.delivery]
+            cands = [(f"{x} delivery", d.replace_layers(blocks, delivery=x)) for x in deliveries
+                     if (x, first.reduction) in costs.routes]
+            add("delivery of the blocks", f"{first.delivery} delivery", _runner_up(costs, budget_bytes, cands),
+                f"Replicated: every rank copies the whole block, host DRAM read {W}x "
+                f"({format_bytes(W * layer_bytes)} per block); sharded: each copies 1/{W} and the GPUs all-gather "
+                f"({_ms(ops.all_gather_time_s(layer_bytes, W, hw))} at {hw.gpu_p2p_bytes_per_s / 1e9:.0f} GB/s).")
+            reductions = [x for x in costs.options.reductions if x != first.reduction]
+            cands = [(f"{x} reduction", d.replace_layers(blocks, reduction=x)) for x in reductions
+                     if (first.delivery, x) in costs.routes]
+            numel = costs.problem.graph.layers[blocks[0]].numel
+            add("reduction of the blocks", f"{first.reduction} reduction", _runner_up(costs, budget_bytes, cands),
+                f"CPU: {W} gradient copies land per block and the CPU sums them "
+                f"({_ms(ops.cpu_reduce_time_s(numel, costs.elem, W, hw, lanes=W))} per block per rank lane); "
+                f"GPU: reduce-scatter ({_ms(ops.reduce_scatter_time_s(layer_bytes, W, hw))}), then 1/{W} goes down.")
+    return tuple(out)
+
+
+def _span(costs: ProblemCosts, ids: list[int]) -> str:
+    if len(ids) == 1:
+        return f"block {ids[0]}"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return f"blocks {ids[0]}-{ids[-1]}"
+    return f"{len(ids)} blocks"
+

@@ -1,0 +1,255 @@
+"""Planning: the smallest feasible budget, the baselines, CP-SAT per window, the best of all of
+them, and the Plan (decode -> simulate -> emit).
+
+The plan returned is never slower than a baseline that fits (they are all simulated with the same
+oracle and the fastest wins), and CP-SAT's objective for the decisions it returns equals their
+simulated step time (asserted in cpsat.solve_window).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from importlib.metadata import version as package_version
+
+from slidedp.budget import format_bytes
+from slidedp.errors import InfeasibleBudgetError
+from slidedp.ir.graph import LayerGraph
+from slidedp.costmodel.hardware import Hardware
+from slidedp.scheduler import baselines, cpsat, local_search
+from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.decisions import GPU, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.explain import alternatives, group_predictions
+from slidedp.scheduler.plan import SCHEMA_VERSION, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload
+from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D
+from slidedp.scheduler.simulate import Simulation, simulate
+
+
+def minimum_budget(costs: ProblemCosts) -> tuple[int, Decisions, dict[int, int]]:
+    """The smallest budget with which planning succeeds: the minimum peak over every decision
+    (an OPTIMAL CP-SAT solve, at the smallest window), with decisions reaching it, and the minimum
+    of each window. The window only adds its slots (footprint.py), so each window's minimum is
+    the smallest one plus (window - smallest) slots."""
+    windows = costs.windows()
+    peak, decisions = cpsat.minimum_peak(costs, windows[0])
+    slot = costs.weight_slots_bytes(1)
+    return peak, decisions, {w: peak + (w - windows[0]) * slot for w in windows}
+
+
+@dataclass(frozen=True)
+class Solution:
+    """What planning found, before it becomes a Plan (ticks: costs.scale)."""
+
+    decisions: Decisions
+    makespan: int  # simulated step time of `decisions`
+    bound: int  # no decisions have a shorter step
+    status: str  # OPTIMAL (bound reached) | FEASIBLE
+    chosen_by: str  # "cp-sat", "baseline:...", "local-search-..." (the fastest, the solver on ties)
+    candidates: tuple[tuple[str, int], ...]  # every heuristic's makespan
+    windows: tuple[cpsat.WindowResult, ...]  # one CP-SAT model per window solved
+    lower_bound: int
+    min_budget_bytes: int
+    deterministic_time_limit: float
+
+
+def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
+    """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
+
+    Raises InfeasibleBudgetError below the smallest budget that any decisions fit; its
+    `min_budget_bytes` is exact (the minimum over every decision of the simulated peak).
+    """
+    min_budget, min_decisions, min_per_window = minimum_budget(costs)
+    if budget_bytes < min_budget:
+        sim = simulate(costs, min_decisions, all_ranks=False)
+        raise InfeasibleBudgetError(
+            f"the device budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the "
+            f"{format_bytes(min_budget)} ({min_budget} bytes) that the smallest schedule needs "
+            f"({_largest_terms(sim.footprint.breakdown)}); give at least {min_budget} bytes, or plan fewer "
+            f"micro-batches or a smaller batch",
+            min_budget_bytes=min_budget, budget_bytes=budget_bytes)
+
+    # Heuristics: the baselines that fit, the least-memory decisions (which always fit), and a
+    # local search from each of the two best distinct ones.
+    candidates: list[tuple[str, Decisions, Simulation]] = []
+    for name, make in baselines.BASELINES.items():
+        d = make(costs, budget_bytes)
+        if d is not None:
+            candidates.append((f"baseline:{name}", d, simulate(costs, d, all_ranks=False)))
+    candidates.append(("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
+    starts: list[Decisions] = []
+    for _, d, _ in sorted(candidates, key=lambda c: c[2].makespan):
+        if d not in starts:
+            starts.append(d)
+    for k, d in enumerate(starts[:2]):
+        improved = local_search.improve(costs, d, budget_bytes, max_evaluations=costs.options.local_search_evaluations)
+        candidates.append((f"local-search-{k + 1}", improved, simulate(costs, improved, all_ranks=False)))
+    incumbent = _best(candidates)
+
+    # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
+    # started from the best candidate of its window. Skipped when the incumbent meets the bound.
+    lower = cpsat.lower_bound(costs)
+    feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
+    small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
+    if incumbent[2].makespan <= lower:
+        windows = []
+    else:
+        windows = feasible_windows if small else [incumbent[1].window]
+    budget_each = 0.0
+    if windows:
+        budget_each = (costs.options.deterministic_time / len(windows) if small
+                       else costs.options.large_deterministic_time)
+    results = []
+    for w in windows:
+        hint = _best([c for c in candidates if c[1].window == w])
+        if hint is not None:
+            hint_d = hint[1]
+        elif baselines.peak_bytes(costs, replace(incumbent[1], window=w)) <= budget_bytes:
+            hint_d = replace(incumbent[1], window=w)
+        else:
+            hint_d = replace(min_decisions, window=w)
+        results.append(cpsat.solve_window(costs, w, budget_bytes, hint_d, budget_each))
+    solved = [("cp-sat", r.decisions, simulate(costs, r.decisions, all_ranks=False))
+              for r in results if r.decisions is not None]
+    chosen_by, decisions, best_sim = _best(solved + candidates)
+    assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
+
+    best = best_sim.makespan
+    bounds = {w: lower for w in feasible_windows}
+    for r in results:
+        if r.status == "INFEASIBLE":
+            bounds.pop(r.window, None)
+        elif r.best_bound is not None:
+            bounds[r.window] = max(lower, r.best_bound)
+    bound = min(min(bounds.values(), default=best), best)
+    return Solution(decisions, best, bound, "OPTIMAL" if bound == best else "FEASIBLE", chosen_by,
+                    tuple((name, sim.makespan) for name, _, sim in candidates), tuple(results), lower, min_budget,
+                    budget_each * len(windows))
+
+
+def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
+               precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
+               options: SolverOptions | None = None, version: str = "0", explain: bool = True) -> Plan:
+    """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan."""
+    t0 = time.perf_counter()
+    costs = ProblemCosts(Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens), options)
+    sol = solve(costs, budget_bytes)
+    wall = time.perf_counter() - t0
+    tick = costs.scale.tick_s
+    solver = {
+        "method": "cp-sat",
+        "ortools_version": package_version("ortools"),
+        "status": sol.status,
+        "chosen_by": sol.chosen_by,
+        "objective_s": sol.makespan * tick,
+        "best_bound_s": sol.bound * tick,
+        "relative_gap": (sol.makespan - sol.bound) / sol.makespan if sol.makespan else 0.0,
+        "tick_s": tick,
+        "windows": [{"window": r.window, "status": r.status,
+                     "objective_s": None if r.objective is None else r.objective * tick,
+                     "best_bound_s": None if r.best_bound is None else r.best_bound * tick,
+                     "deterministic_time": round(r.deterministic_time, 6), "conflicts": r.conflicts,
+                     "branches": r.branches, "variables": r.n_variables, "constraints": r.n_constraints}
+                    for r in sol.windows],
+        "candidates": {name: ticks * tick for name, ticks in sol.candidates},
+        "lower_bound_s": sol.lower_bound * tick,
+        "min_budget_bytes": sol.min_budget_bytes,
+        "seed": costs.options.seed,
+        "workers": costs.options.workers,
+        "deterministic_time_limit": sol.deterministic_time_limit,
+        "wall_s": wall,
+    }
+    return plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
+                    solver=solver, explain=explain)
+
+
+def _best(items):
+    """Fastest, then least memory, then the first listed (the solver before the baselines)."""
+    if not items:
+        return None
+    return min(enumerate(items), key=lambda t: (t[1][2].makespan, t[1][2].peak_bytes, t[0]))[1]
+
+
+def _largest_terms(breakdown: dict) -> str:
+    items = sorted(breakdown.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
+
+
+# -- emit ------------------------------------------------------------------------------------------
+
+
+def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, precision: str, version: str,
+             solver: dict, notes: tuple[str, ...] = (), explain: bool = True) -> Plan:
+    """The Plan of some decisions: simulated on every rank, with timeline, memory and reasons."""
+    problem, g = costs.problem, costs.problem.graph
+    sim = simulate(costs, decisions, record=True)
+    tick = sim.tick_s
+    order = decisions.order(costs.n_layers)
+    position = {layer: p for p, layer in enumerate(order)}
+    layer_decisions = tuple(
+        LayerDecision(layer.id, layer.name, layer.kind, layer.numel, c.chunks, c.activation, c.delivery, c.reduction,
+                      owners=tuple(costs.owner(position[layer.id], k) for k in range(c.chunks)))
+        for layer, c in zip(g.layers, decisions.layers))
+    busy = {lane: sim.lane_busy.get(lane, 0) * tick for lane in (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)}
+    bottleneck = max(busy, key=busy.get)
+    predicted = {
+        "step_s": sim.step_s, "compute_s": busy[COMPUTE], "h2d_s": busy[H2D], "d2h_s": busy[D2H],
+        "collective_s": busy[COLLECTIVE], "cpu_update_s": busy[CPU_UPDATE],
+        "exposed_s": sim.step_s - busy[bottleneck], "bottleneck": bottleneck,
+    }
+    timeline = tuple(TimelineEvent(e.rank, e.lane, e.name, e.layer, e.chunk, e.start * tick, e.end * tick)
+                     for e in sim.events)
+    starts = (0,) + sim.compute_starts[1:]
+    memory_timeline = tuple(MemoryPoint(t * tick, sim.footprint.per_position[x], sim.pinned_host_bytes[x])
+                            for x, t in enumerate(starts))
+    auto_notes = [
+        "step boundary: the step starts once every gradient of the previous step is on the host; the CPU "
+        "then updates the layers in update_order while this step's loads wait for their layer's update",
+        f"weight loads follow scheduler.program.window_loads({costs.n_blocks}, {decisions.window})",
+        f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
+    ]
+    if problem.world_size > 1 and len(costs.routes) == 1:
+        auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
+    if any(c.delivery == SHARDED or c.reduction == GPU for c in decisions.layers):
+        auto_notes.append("with sharded delivery or GPU reduction, rank r copies and updates the chunks it owns")
+    groups = group_predictions(costs, decisions, sim) if explain else ()
+    alts = alternatives(costs, decisions, sim, budget_bytes) if explain else ()
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        slidedp_version=version,
+        model_fingerprint=g.fingerprint(),
+        model_class=g.model_class,
+        workload=Workload(g.batch_size, g.seq_len, problem.world_size, precision, problem.micro_batches),
+        budget_bytes=int(budget_bytes),
+        hardware=problem.hardware.to_dict(),
+        solver=solver,
+        window=decisions.window,
+        decisions=layer_decisions,
+        predicted=predicted,
+        memory=dict(sim.footprint.breakdown),
+        peak_device_bytes=sim.peak_bytes,
+        notes=tuple(notes) + tuple(auto_notes),
+        timeline=timeline,
+        memory_timeline=memory_timeline,
+        update_order=order,
+        loss_chunk_tokens=problem.effective_loss_chunk_tokens,
+        groups=groups,
+        alternatives=alts,
+    )
+
+
+def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, hardware: Hardware, world_size: int,
+               precision: str, micro_batches: int, loss_chunk_tokens: int = 4096,
+               options: SolverOptions | None = None, version: str = "0") -> Plan:
+    """The plan of a baseline rule `decide(costs, budget) -> Decisions | None` (no search)."""
+    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens)
+    costs = ProblemCosts(problem, options)
+    decisions = decide(costs, budget_bytes)
+    if decisions is None:
+        min_budget, min_decisions, _ = minimum_budget(costs)
+        needs = baselines.peak_bytes(costs, baselines.uniform(costs, window=1, activation="recompute"))
+        raise InfeasibleBudgetError(
+            f"the {method} schedule does not fit the device budget {format_bytes(budget_bytes)} (it needs "
+            f"{format_bytes(needs)}); the solver can plan from {format_bytes(min_budget)} ({min_budget} bytes)",
+            min_budget_bytes=min_budget, budget_bytes=budget_bytes)
+    return plan_for(costs, decisions, budget_bytes=budget_bytes, precision=precision, version=version,
+                    solver={"method": method, "status": "FIXED"})

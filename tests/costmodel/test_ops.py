@@ -1,0 +1,118 @@
+"""Cost functions: each against its equation, with hand-computed numbers."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from slidedp.costmodel import memory, ops
+from slidedp.costmodel.hardware import PRESETS, Hardware
+from slidedp.ir.graph import LayerCosts
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+H200 = PRESETS["h200-sxm"]
+
+
+@pytest.mark.parametrize("size, gbps", [
+    (64 * KiB, 2.4), (MiB, 30), (4 * MiB, 46), (16 * MiB, 52), (64 * MiB, 54)])
+def test_transfer_time_reproduces_the_measured_h200_curve(size, gbps):
+    t = ops.transfer_time_s(size, H200.h2d_bytes_per_s, H200.transfer_efficiency)
+    assert t == pytest.approx(size / (gbps * 1e9))
+
+
+def test_transfer_rate_grows_with_size_and_small_copies_cost_their_latency():
+    curve = H200.transfer_efficiency
+    sizes = [2**k for k in range(10, 34)]
+    rates = [s / ops.transfer_time_s(s, 55e9, curve) for s in sizes]
+    assert all(a <= b for a, b in zip(rates, rates[1:]))
+    # below the smallest measured size a copy takes the same time (latency-bound)
+    assert ops.transfer_time_s(4 * KiB, 55e9, curve) == pytest.approx(ops.transfer_time_s(64 * KiB, 55e9, curve))
+    assert ops.transfer_time_s(0, 55e9, curve) == 0
+    # scaled to the hardware's bandwidth: half the link, twice the time
+    assert ops.transfer_time_s(MiB, 27.5e9, curve) == pytest.approx(2 * ops.transfer_time_s(MiB, 55e9, curve))
+    # chunks: k copies of size/k
+    assert ops.chunked_transfer_time_s(64 * MiB, 16, 55e9, curve) == pytest.approx(16 * 4 * MiB / 46e9)
+
+
+def test_link_share_splits_the_root_complex_and_host_dram():
+    hw = PRESETS["rtx4090"]  # two GPUs per root complex
+    assert ops.ranks_per_link(hw, 1) == 1 and ops.ranks_per_link(hw, 4) == 2
+    assert ops.link_share_bytes_per_s(25e9, hw, 2) == pytest.approx(12.5e9)
+    h100 = PRESETS["h100-sxm"]  # one GPU per link; 8 ranks reading host DRAM at once
+    assert ops.link_share_bytes_per_s(50e9, h100, 8) == pytest.approx(200e9 / 8)
+    assert ops.link_share_bytes_per_s(50e9, h100, 2) == pytest.approx(50e9)
+    # both directions at once: duplex/2 each, and DRAM split over 2 W streams
+    assert ops.h2d_bytes_per_s(h100, 1, duplex=True) == pytest.approx(45e9)
+    assert ops.d2h_bytes_per_s(h100, 4, duplex=True) == pytest.approx(200e9 / 8)
+    assert ops.h2d_bytes_per_s(h100, 1, duplex=False) == pytest.approx(50e9)
+
+
+def test_compute_update_and_offload_times():
+    hw = PRESETS["h100-sxm"]
+    costs = LayerCosts(flops_fwd=4.5e12, flops_bwd=9e12)
+    rate = 750e12 * 0.6
+    assert ops.forward_time_s(costs, hw, 2) == pytest.approx(2 * 4.5e12 / rate)
+    assert ops.recompute_time_s(costs, hw, 2) == ops.forward_time_s(costs, hw, 2)
+    assert ops.backward_time_s(costs, hw, 2, recompute=False) == pytest.approx(2 * 9e12 / rate)
+    assert ops.backward_time_s(costs, hw, 2, recompute=True) == pytest.approx(2 * 13.5e12 / rate)
+    assert ops.cpu_update_time_s(6e9, hw, contended=False) == pytest.approx(1.0)
+    assert ops.cpu_update_time_s(6e9, hw) == pytest.approx(1 / 0.66)
+    assert ops.cpu_update_time_s(6e9 / 4, hw, lanes=4, contended=False) == pytest.approx(1.0)
+    assert ops.offload_time_s(GiB, 2, 50e9, hw.transfer_efficiency) == pytest.approx(2 * GiB / 50e9)
+    # the W-copy sum of the CPU reduction: numel * (W * elem + 4) bytes at host_dram / lanes
+    assert ops.cpu_reduce_time_s(1e9, 2, 4, hw, lanes=4) == pytest.approx(1e9 * 12 * 4 / 200e9)
+    assert ops.cpu_reduce_time_s(1e9, 2, 1, hw, lanes=1) == 0
+
+
+def test_collectives_ring_over_p2p_and_bounce_through_the_host_without_it():
+    h100 = PRESETS["h100-sxm"]
+    assert ops.all_gather_time_s(8e9, 4, h100) == pytest.approx(6e9 / 450e9)
+    assert ops.reduce_scatter_time_s(8e9, 4, h100) == pytest.approx(6e9 / 450e9)
+    assert ops.all_gather_time_s(8e9, 1, h100) == 0
+    rtx = PRESETS["rtx4090"]
+    bounce = ops.all_gather_time_s(8e9, 4, rtx)
+    d2h, h2d = ops.d2h_bytes_per_s(rtx, 4, duplex=True), ops.h2d_bytes_per_s(rtx, 4, duplex=True)
+    assert bounce == pytest.approx(2e9 / d2h + 6e9 / h2d)
+    # sharded delivery through the host is never faster than copying the layer whole
+    whole = ops.transfer_time_s(8e9, ops.h2d_bytes_per_s(rtx, 4, duplex=False), rtx.transfer_efficiency)
+    shard = ops.transfer_time_s(2e9, ops.h2d_bytes_per_s(rtx, 4, duplex=False), rtx.transfer_efficiency)
+    assert shard + bounce > whole
+
+
+def test_host_dram_traffic_per_route():
+    assert ops.delivery_dram_bytes(1e9, 8, "replicated") == 8e9
+    assert ops.delivery_dram_bytes(1e9, 8, "sharded") == 1e9
+    assert ops.reduction_dram_bytes(5e8, 2, 4, "cpu") == 2 * 4 * 1e9 + 4 * 5e8
+    assert ops.reduction_dram_bytes(5e8, 2, 4, "gpu") == 1e9
+    assert ops.reduction_dram_bytes(5e8, 2, 1, "cpu") == 1e9
+    with pytest.raises(ValueError):
+        ops.delivery_dram_bytes(1, 1, "carrier pigeon")
+
+
+def test_memory_buffers():
+    assert memory.weight_slots_bytes(100, 2, 3) == 600
+    assert memory.grad_accumulators_bytes(100) == 800
+    assert memory.grad_staging_bytes(100, 2, 4, 1, "cpu") == 2 * 25 * 2
+    assert memory.grad_staging_bytes(100, 4, 4, 1, "cpu") == 0
+    assert memory.grad_staging_bytes(100, 2, 4, 4, "gpu") == 200 + 50
+    # Qwen3-14B, 8 x 4096 tokens: the fp32 logits alone would be 20 GB; the chunked loss holds
+    # one chunk of 4096 tokens.
+    tokens, hidden, vocab = 8 * 4096, 5120, 151936
+    assert tokens * vocab * 4 > 19e9
+    chunked = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096)
+    assert chunked == 3 * tokens * hidden * 2 + 4096 * vocab * 12
+    assert chunked < 9e9
+    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == 3 * 100 * 8 * 2 + 100 * 10 * 12
+
+
+def test_hardware_profile_round_trips_through_json_with_its_curve(tmp_path):
+    hw = replace(PRESETS["a100-sxm"], transfer_efficiency=((1024, 0.1), (2**20, 0.9)))
+    path = tmp_path / "hw.json"
+    hw.save(path)
+    assert Hardware.load(path) == hw
+    assert json.loads(path.read_text())["transfer_efficiency"] == [[1024, 0.1], [1048576, 0.9]]
+    assert Hardware.from_dict({k: v for k, v in PRESETS["cpu"].to_dict().items() if k != "transfer_efficiency"})
+    with pytest.raises(ValueError, match="transfer_efficiency"):
+        replace(hw, transfer_efficiency=((2**20, 0.5), (1024, 0.9)))
+    assert math.isclose(ops.transfer_efficiency(2**30, hw.transfer_efficiency), 0.9)

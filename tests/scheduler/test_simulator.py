@@ -1,0 +1,123 @@
+"""The program and its simulator (the oracle), and the two other evaluations of the same model:
+the closed form used by local search, and the CP-SAT model with every decision pinned."""
+
+import random
+
+import pytest
+
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.scheduler import baselines
+from slidedp.scheduler.closed_form import evaluate as closed_form
+from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.cpsat import pinned
+from slidedp.scheduler.decisions import KEEP, OFFLOAD, Decisions, LayerChoice, Problem, SolverOptions
+from slidedp.scheduler.program import GPU_LANES, build_program, window_loads
+from slidedp.scheduler.simulate import condition, simulate
+from tests.scheduler.graphs import synthetic_graph
+
+GiB = 2**30
+
+
+def costs_for(n_blocks=4, world_size=1, hardware="h100-sxm", micro_batches=1, **options):
+    graph = synthetic_graph(n_blocks, block_scale=(1.0, 0.5, 2.0, 1.0, 1.5, 1.0)[:n_blocks])
+    return ProblemCosts(Problem(graph, PRESETS[hardware], world_size, micro_batches), SolverOptions(**options))
+
+
+def random_decisions(costs: ProblemCosts, rng: random.Random) -> Decisions:
+    W = costs.problem.world_size
+    routes = [rng.choice(costs.routes) for _ in range(3)]
+    layers = []
+    for i in range(costs.n_layers):
+        route = routes[0] if i == 0 else routes[2] if i == costs.epilogue_id else routes[1]
+        activation = rng.choice(costs.options.activations) if i in costs.blocks else "resident"
+        layers.append(LayerChoice(W * rng.choice(costs.options.chunk_multiples), activation, *route))
+    return Decisions(rng.choice(costs.windows()), rng.choice(costs.options.update_orders), tuple(layers))
+
+
+@pytest.mark.parametrize("n, w", [(1, 1), (3, 1), (4, 2), (5, 3), (6, 4), (6, 2)])
+def test_window_loads(n, w):
+    loads = window_loads(n, w)
+    forward = [ld for ld in loads if ld.position < n]
+    backward = [ld for ld in loads if ld.position >= n]
+    assert [ld.block for ld in forward] == list(range(n))  # every block loaded for the forward
+    assert len(backward) == max(0, n - w)  # the last `window` blocks are not loaded again
+    assert all(ld.issue_after < ld.position for ld in loads)
+    assert [ld.issue_after for ld in forward[:w]] == [-1] * min(w, n)  # empty slots: no wait
+    if w >= 2 and backward:
+        # the slot used first at the turn is evicted first: the reload overlaps the other backward
+        assert backward[0].issue_after == n
+
+
+def test_simulated_step_is_a_program_order_schedule():
+    costs = costs_for(4, world_size=2, chunk_multiples=(1, 2))
+    d = Decisions(2, "head_first", tuple(
+        LayerChoice(4 if i % 2 else 2, a, r[0], r[1]) for i, (a, r) in enumerate(zip(
+            ["resident", KEEP, "recompute", OFFLOAD, "recompute", "resident"],
+            [("sharded", "gpu")] + [("replicated", "gpu")] * 4 + [("sharded", "cpu")]))))
+    sim = simulate(costs, d, record=True)
+    # lanes never run two things at once; ranks have identical GPU timelines
+    by_lane = {}
+    for e in sim.events:
+        by_lane.setdefault((e.rank, e.lane), []).append(e)
+    for events in by_lane.values():
+        assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+    for lane in GPU_LANES:
+        r0 = [(e.layer, e.start, e.end) for e in by_lane.get((0, lane), [])]
+        r1 = [(e.layer, e.start, e.end) for e in by_lane.get((1, lane), [])]
+        assert r0 == r1
+    # every op starts after the ops it depends on
+    program = build_program(costs.n_blocks, d.window, True)
+    present = condition(d)
+    for lane in GPU_LANES:
+        for op in program.lanes[lane]:
+            if present(op):
+                for dep in op.deps:
+                    if dep in sim.ops:
+                        assert sim.ops[op.key].start >= sim.ops[dep].end, (op.key, dep)
+    # chunk c of the layer at update position p is updated by rank (p + c) mod W
+    updates = [e for e in sim.events if e.lane == "cpu_update"]
+    position = {layer: p for p, layer in enumerate(d.order(costs.n_layers))}
+    assert all(e.rank == (position[e.layer] + e.chunk) % 2 for e in updates)
+    # the step ends with its last op; the CPU has finished the previous step's updates by then
+    assert sim.makespan == max(e.end for e in sim.events)
+    assert max(e.end for e in updates) < sim.makespan
+
+
+def test_the_next_steps_loads_wait_for_the_update_of_their_chunk():
+    costs = costs_for(3, chunk_multiples=(4,))
+    d = baselines.uniform(costs, window=2, activation="recompute", chunk_multiple=4)
+    sim = simulate(costs, d, record=True)
+    update_end = {(e.layer, e.chunk): e.end for e in sim.events if e.lane == "cpu_update"}
+    loads = [e for e in sim.events if e.lane == "h2d" and e.name.startswith("load")]
+    assert loads and all(e.start >= update_end[(e.layer, e.chunk)] for e in loads)
+
+
+@pytest.mark.parametrize("world_size, hardware, micro_batches", [
+    (1, "h100-sxm", 1), (2, "h100-sxm", 2), (3, "h200-sxm", 1), (2, "rtx4090", 1)])
+def test_closed_form_and_pinned_model_agree_with_the_simulator(world_size, hardware, micro_batches):
+    costs = costs_for(4, world_size, hardware, micro_batches, chunk_multiples=(1, 2))
+    rng = random.Random(world_size)
+    decisions = [random_decisions(costs, rng) for _ in range(60)]
+    for d in decisions:
+        full = simulate(costs, d).makespan
+        assert simulate(costs, d, all_ranks=False).makespan == full
+        assert closed_form(costs, d).makespan == full
+    for d in decisions[:4]:
+        assert pinned(costs, d, 1 << 50)[0] == simulate(costs, d).makespan
+
+
+def test_memory_over_program_order():
+    costs = costs_for(3)
+    base = baselines.uniform(costs, window=1, activation="recompute")
+    keep = base.replace_layers([2], activation=KEEP)
+    off = base.replace_layers([2], activation=OFFLOAD)
+    a, b, c = (simulate(costs, d).footprint for d in (base, keep, off))
+    held = costs.blocks[2].saved_bytes
+    # a kept block holds its saved activations from its forward (position 2) to its backward (6)
+    assert [y - x for x, y in zip(a.per_position, b.per_position)] == [0, 0, held, held, held, held, 0, 0, 0]
+    # an offloaded one only around its forward and backward; both drop the recompute's working set
+    diff = [y - x for x, y in zip(a.per_position, c.per_position)]
+    assert diff[2] == diff[3] == diff[5] == held and diff[4] == 0 and diff[6] == 0
+    assert a.peak_bytes == sum(a.breakdown.values())
+    wider = simulate(costs, base.__class__(2, base.update_order, base.layers)).footprint
+    assert wider.peak_bytes - a.peak_bytes == costs.weight_slots_bytes(1)
