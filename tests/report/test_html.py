@@ -1,5 +1,5 @@
-import json
 """HTML report: self-contained, inline SVG swimlanes and memory curve, grouped decisions, notes."""
+import json
 
 import os
 import re
