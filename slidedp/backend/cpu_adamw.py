@@ -190,8 +190,9 @@ def _f32_to_bf16(x):
     return np.uint16(r)
 
 
-def _load_grad(g, i):  # pragma: no cover - typing stub, see overload below
-    raise NotImplementedError
+def _load_grad(g, i):
+    """g[i] as float32 (bf16 bit patterns widened); the overload below is what Numba compiles."""
+    return np.uint32(g[i]).__lshift__(16).view(np.float32) if g.dtype == np.uint16 else np.float32(g[i])
 
 
 @overload(_load_grad, inline="always", jit_options=_JIT)

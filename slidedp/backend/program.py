@@ -95,7 +95,7 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
     if unknown:
         raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
     n = len(blocks)
-    sched = schedule_window(list(range(n)) + list(range(n - 1, -1, -1)), window)
+    sched = schedule_window(n, window)
     b = _Builder()
     epi = graph.epilogue
     max_block = max(layer.numel for layer in blocks)

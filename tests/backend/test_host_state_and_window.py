@@ -71,7 +71,7 @@ def _replay(sequence, window, sched):
 @pytest.mark.parametrize("window", [1, 2, 3, 6])
 def test_window_schedule_is_valid_and_reuses_resident_blocks(n_blocks, window):
     sequence = list(range(n_blocks)) + list(range(n_blocks - 1, -1, -1))
-    sched = schedule_window(sequence, window)
+    sched = schedule_window(n_blocks, window)
     n_loads = _replay(sequence, window, sched)
     # Belady on forward-then-backward: the last min(window, n) blocks are not loaded again.
     assert n_loads == 2 * n_blocks - min(window, n_blocks)
@@ -79,4 +79,4 @@ def test_window_schedule_is_valid_and_reuses_resident_blocks(n_blocks, window):
 
 def test_window_must_be_positive():
     with pytest.raises(ValueError, match="window"):
-        schedule_window([0, 1], 0)
+        schedule_window(2, 0)
