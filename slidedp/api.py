@@ -130,7 +130,9 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             f"(e.g. {meta[0]}); use slidedp.plan() to plan for a meta-device model"
         )
     program = lower_plan(graph, the_plan)
-    simulate(program)  # happens-before and buffer lifetimes, before anything is allocated
+    # Happens-before, buffer lifetimes and peak memory within the budget, before anything is allocated
+    # (for a solved plan the program needs at most the plan's predicted peak: tests/backend/test_program.py).
+    simulate(program, budget_bytes=Budget.parse(budget).device_bytes)
     bf16 = precision == "bf16"
     host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32")
     try:
@@ -151,7 +153,7 @@ def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
     """The Program of one pass over the weights, as the plan decides it."""
     return lower(graph, window=plan.window, micro_batches=plan.workload.micro_batches,
                  activation={d.layer_id: d.activation for d in plan.decisions if d.kind == BLOCK},
-                 chunks={d.layer_id: d.chunks for d in plan.decisions})
+                 chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
 def _loss_chunk_rows(plan: Plan, seq_len: int) -> int | None:

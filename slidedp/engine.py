@@ -54,10 +54,7 @@ class Engine:
         # The CPU update of step t runs on its own thread while step t+1 starts; each layer's
         # update sets its event, and the executor waits for it before it reads the layer's
         # weights (H2D) or writes its gradient (D2H). See `UpdateStream`.
-        self.updates = UpdateStream(
-            order=[graph.prologue.id] + [b.id for b in graph.blocks] + [graph.epilogue.id],
-            num_threads=_update_threads(device),
-        )
+        self.updates = UpdateStream(order=update_order(plan, graph), num_threads=_update_threads(device))
         executor.wait_for_update = self.updates.wait
 
     # -- the step -------------------------------------------------------------------------------
@@ -230,6 +227,15 @@ class Engine:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+def update_order(plan: Plan, graph: LayerGraph) -> list[int]:
+    """The plan's update order (every layer once), or prologue, blocks, epilogue for a plan without one."""
+    default = [graph.prologue.id] + [b.id for b in graph.blocks] + [graph.epilogue.id]
+    order = list(plan.update_order) or default
+    if sorted(order) != sorted(default):
+        raise ValueError(f"the plan's update_order {order} is not a permutation of the layer ids {default}")
+    return order
 
 
 def _update_threads(device: torch.device) -> int | None:

@@ -279,10 +279,16 @@ class StreamedExecutor:
             st.finish_gradient(lid, st.resident_acc[lid])
 
     def _op_d2h_grad(self, op, st: "_PassState") -> None:
+        """The layer's fp32 gradient to the host, chunk by chunk; cast on the D2H stream into one
+        chunk-sized buffer at a time when the host gradient is bf16 (costmodel.memory.grad_staging_bytes)."""
         self.wait_for_update(op.layer_id)  # the previous step's update still reads this gradient
         src, dst = st.grad_src.pop(op.layer_id), st.grad_targets[op.layer_id]
         for lo, hi in op.chunks:
-            self.streams.copy("d2h", dst[lo:hi], src[lo:hi])
+            piece = src[lo:hi]
+            if dst.dtype != piece.dtype:
+                with self.streams.on("d2h"):
+                    piece = piece.to(dst.dtype)
+            self.streams.copy("d2h", dst[lo:hi], piece)
 
     def _accumulate(self, resident_acc, names, grads) -> None:
         for name, gp in zip(names, grads):
@@ -319,10 +325,9 @@ class _PassState:
         self.grad_src: dict[int, torch.Tensor] = {}
 
     def finish_gradient(self, layer_id: int, acc: torch.Tensor) -> None:
-        """Sum of squares of a layer's gradient, and its copy in the host gradient's dtype."""
+        """Sum of squares of a layer's fp32 gradient; the gradient waits for its D2H op."""
         self.sumsq[layer_id] = torch.dot(acc, acc) if acc.numel() else torch.zeros((), device=self.device)
-        dtype = self.grad_targets[layer_id].dtype
-        self.grad_src[layer_id] = acc if dtype == torch.float32 else acc.to(dtype)
+        self.grad_src[layer_id] = acc
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slidedp.backend.weight_window import schedule_window
+from slidedp.costmodel import memory as mem
 from slidedp.costmodel.memory import DTYPE_BYTES
 from slidedp.ir.graph import BLOCK, LayerGraph
 
@@ -55,7 +56,7 @@ class Op:
 class Program:
     ops: tuple[Op, ...]
     n_slots: int
-    persistent_bytes: int  # resident weights and gradients, weight slots: allocated at compile
+    persistent_bytes: int  # resident weights and gradients, weight slots, gradient accumulators and staging
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def text(self) -> str:
@@ -87,8 +88,13 @@ class _Builder:
 
 
 def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks: dict[int, int],
-          micro_batches: int) -> Program:
-    """The ops of one pass of `micro_batches` micro-batches; see the executor for their semantics."""
+          micro_batches: int, loss_chunk_tokens: int = 0) -> Program:
+    """The ops of one pass of `micro_batches` micro-batches; see the executor for their semantics.
+
+    Buffer sizes come from the same costmodel.memory functions as the scheduler's footprint
+    (scheduler/footprint.py), so the simulated peak of a lowered plan stays within its prediction.
+    `loss_chunk_tokens` (0: the whole micro-batch) bounds the epilogue's logits.
+    """
     c = DTYPE_BYTES[graph.compute_dtype]
     blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
     unknown = {activation.get(layer.id, "recompute") for layer in blocks} - {"recompute", "keep", "offload"}
@@ -99,7 +105,13 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
     b = _Builder()
     epi = graph.epilogue
     max_block = max(layer.numel for layer in blocks)
-    persistent = (graph.prologue.numel + epi.numel) * (c + 4) + window * max_block * c
+    persistent = (sum(mem.resident_layer_bytes(graph.prologue.numel + epi.numel, c))
+                  + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
+                  + max(mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
+                        for layer in graph.layers))
+    tokens = graph.batch_size * graph.seq_len
+    epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
+                                                loss_chunk_tokens or tokens)
 
     b.add("compute", PROLOGUE, layer_id=graph.prologue.id)
     slot_ready: list[int | None] = [None] * window
@@ -131,22 +143,20 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
             op = b.add("compute", FWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
             if position == n - 1:
-                logits = epi.costs.saved_activation_bytes + epi.costs.peak_workspace_bytes
                 b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
-                b.add("compute", ALLOC, buffer="epilogue", nbytes=logits)
+                b.add("compute", ALLOC, buffer="epilogue", nbytes=epilogue_bytes)
                 b.add("compute", EPILOGUE, layer_id=epi.id)
                 b.add("compute", FREE, buffer="epilogue")
         else:
-            work = costs.peak_workspace_bytes + (costs.saved_activation_bytes if policy == "recompute" else 0)
-            b.add("compute", ALLOC, buffer=f"grad[{k}]", nbytes=layer.numel * (4 + c))
-            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work + layer.numel * c)
+            work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
+                    + (costs.saved_activation_bytes if policy == "recompute" else 0))
+            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
             b.add("compute", FREE, buffer=f"act[{k}]")
             d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(op.record,),
                         chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
             grad_events[layer.id] = d2h.record
-            b.add("compute", FREE, buffer=f"grad[{k}]", waits=(d2h.record,))
         slot_free[slot] = op.record
         issue_loads(position)
     last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=graph.prologue.id)

@@ -24,11 +24,18 @@ def grad_accumulators_bytes(max_block_numel: int) -> int:
     return 2 * max_block_numel * 4
 
 
+def param_grads_bytes(numel: int, elem_bytes: int) -> int:
+    """Autograd's gradients of one block's parameters in the compute dtype, alive during the block's
+    backward until they are summed into the fp32 accumulator: numel * elem."""
+    return numel * elem_bytes
+
+
 def grad_staging_bytes(numel: int, elem_bytes: int, chunks: int, world_size: int, reduction: str) -> int:
     """Device staging of one layer's gradient on its way to the host.
 
-    cpu reduction: the fp32 accumulator is cast chunk by chunk into two chunk buffers (one cast
-    while the other copies), 2 * ceil(numel / chunks) * elem; nothing in fp32 (copied directly).
+    cpu reduction: the fp32 accumulator is cast chunk by chunk on the D2H stream, each chunk into a
+    fresh buffer freed once its copy is done; with one cast ahead of the copy in flight that is
+    2 * ceil(numel / chunks) * elem; nothing in fp32 (copied directly).
     gpu reduction: the cast copy (numel * elem, none in fp32) plus the summed shard after the
     reduce-scatter, ceil(numel / W) * elem.
     """

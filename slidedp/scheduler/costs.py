@@ -87,7 +87,8 @@ class BlockTicks:
     offload: int  # saved activations of every micro-batch, device to host
     reload: int  # and back before the backward
     saved_bytes: int  # per micro-batch
-    workspace_bytes: int
+    workspace_bytes: int  # forward's working set
+    param_grads_bytes: int  # autograd's parameter gradients during the backward (compute dtype)
 
 
 class ProblemCosts:
@@ -156,6 +157,7 @@ class ProblemCosts:
                 reload=t(ops.offload_time_s(c.saved_activation_bytes, m, h2d_duplex, curve)),
                 saved_bytes=c.saved_activation_bytes,
                 workspace_bytes=c.peak_workspace_bytes,
+                param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
             )
         pro, epi = g.prologue.costs, g.epilogue.costs
         self.prologue_fwd = t(ops.forward_time_s(pro, hw, m))

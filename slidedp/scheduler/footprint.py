@@ -13,8 +13,10 @@ before the compute that reuses it, see program.py). At compute position x:
 stash(x) counts the boundary activations alive (every block's input until its backward, plus the
 tensors in flight): 1 at the prologue, i + 1 at block i's forward, N + 2 at the epilogue, i + 2 at
 block i's backward, 2 at the prologue's backward. The working set is the block's
-peak_workspace_bytes (plus one micro-batch of its saved activations while it is recomputed), and
-the chunked loss at the epilogue (costmodel.memory.epilogue_working_bytes).
+peak_workspace_bytes (in the backward plus its parameter gradients in the compute dtype, and one
+micro-batch of its saved activations while it is recomputed), and the chunked loss at the
+epilogue (costmodel.memory.epilogue_working_bytes). backend/program.py allocates the same buffers
+(from the same costmodel.memory functions), so a lowered program never needs more than this.
 
 Both the simulator (evaluating it) and the CP-SAT model (as linear constraints) use `terms`.
 """
@@ -73,7 +75,7 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
             stash, work = N + 2, costs.epilogue_working_bytes
         elif x < 2 * N + 2:
             i = 2 * N + 2 - x
-            stash, work = i + 2, costs.blocks[i].workspace_bytes
+            stash, work = i + 2, costs.blocks[i].workspace_bytes + costs.blocks[i].param_grads_bytes
         else:
             stash, work = 2, 0
         keep, offload, recompute = [], [], []

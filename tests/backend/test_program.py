@@ -1,9 +1,18 @@
 """Lowering a plan to a Program, and the simulator that checks it (and catches broken programs)."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
+
+import slidedp
+from slidedp.api import lower_plan
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.scheduler.decisions import (
+    FORWARD_ORDER, KEEP, OFFLOAD, RECOMPUTE, RESIDENT, Decisions, LayerChoice, SolverOptions,
+)
+from slidedp.scheduler.solve import fixed_plan
 
 from slidedp.backend.program import BWD, D2H_GRAD, FREE, FWD, H2D_WEIGHTS, lower
 from slidedp.backend.simulate import ProgramError, simulate
@@ -78,3 +87,30 @@ def test_simulator_catches_an_early_gradient_copy_and_leaks(graph):
     bad_event = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=(10**6,)))
     with pytest.raises(ProgramError, match="not recorded"):
         simulate(bad_event)
+
+
+@pytest.mark.parametrize("family, precision, micro_batches", [
+    ("llama", "fp32", 1), ("qwen3", "bf16", 2), ("gpt2", "bf16", 3), ("mistral", "fp32", 2),
+])
+def test_lowered_plan_fits_the_plans_predicted_peak(family, precision, micro_batches):
+    """The backend's buffers and the solver's footprint come from the same memory functions: for
+    solved plans (smallest feasible budget, roomy budget) and for fixed mixes of keep / offload /
+    recompute, chunks and windows, the lowered program never needs more device memory than the
+    plan predicts."""
+    model = make_model(family)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    graph = build_layer_graph(model, batch_size=2, seq_len=16, compute_dtype=dtype)
+    kwargs = dict(batch_size=2, seq_len=16, precision=precision, device="cpu", hardware="h100-sxm",
+                  micro_batches=micro_batches)
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        slidedp.plan(model, 1024, **kwargs)
+    plans = [slidedp.plan(model, budget, **kwargs) for budget in (info.value.min_budget_bytes, 2**30)]
+    options = SolverOptions(chunk_multiples=(1, 3))
+    for window, chunks, mix in itertools.product((1, 3), (1, 3), itertools.permutations((KEEP, OFFLOAD, RECOMPUTE))):
+        def decide(costs, budget, window=window, chunks=chunks, mix=mix):
+            return Decisions(window, FORWARD_ORDER, tuple(
+                LayerChoice(chunks, mix[(i - 1) % 3] if i in costs.blocks else RESIDENT) for i in range(costs.n_layers)))
+        plans.append(fixed_plan(graph, decide, method="mix", budget_bytes=2**40, hardware=PRESETS["h100-sxm"],
+                                world_size=1, precision=precision, micro_batches=micro_batches, options=options))
+    for plan in plans:
+        assert simulate(lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes
