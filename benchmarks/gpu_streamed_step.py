@@ -39,9 +39,19 @@ def qwen3(size: str, seed: int = 0, dtype=torch.float32):
     cfg = Qwen3Config(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
                       num_key_value_heads=kv, head_dim=hd, vocab_size=vocab, tie_word_embeddings=False,
                       max_position_embeddings=32768)
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+    # Fast deterministic init: allocate on the meta device, then fill in place (HF's own init of
+    # 4 B parameters takes minutes on the CPU); the rotary table is rebuilt for real.
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
     return model
 
 
@@ -117,23 +127,35 @@ def throughput(args) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     for tokens in args.tokens:
         rows = tokens // args.seq
+        t0 = time.perf_counter()
         engine = slidedp.compile(model, args.budget, batch_size=1, seq_len=args.seq, device="cuda",
-                                 precision="bf16", micro_batches=rows)
+                                 precision="bf16", micro_batches=rows, hardware=args.hardware,
+                                 max_grad_norm=args.max_grad_norm)
+        compile_s = time.perf_counter() - t0
+        print(engine.plan.summary(), flush=True)
         data = batches(model.config.vocab_size, rows, args.seq, args.steps + 1)
         torch.cuda.reset_peak_memory_stats()
         engine.step(data[0])  # warm-up
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        steps = []
         for ids in data[1:]:
+            t0 = time.perf_counter()
             engine.step(ids)
+            info = engine.last_step
+            steps.append({"step_s": time.perf_counter() - t0, "pass_s": info.pass_s, "wait_s": info.wait_s,
+                          "previous_update_s": engine.updates.last_duration_s})
+        engine.updates.flush()
         torch.cuda.synchronize()
-        step_s = (time.perf_counter() - t0) / args.steps
+        step_s = sum(s["step_s"] for s in steps) / len(steps)
         records.append({
             "system": "slidedp", "size": args.size, "params": n_params, "tokens_per_step": tokens,
             "tokens_per_s": tokens / step_s, "measured_step_s": step_s,
-            "predicted_step_s": engine.plan.predicted_step_time_s,
-            "peak_device_bytes": torch.cuda.max_memory_allocated(),
-            "budget_bytes": slidedp.Budget.parse(args.budget).device_bytes,
+            "predicted_step_s": engine.plan.predicted_step_time_s, "predicted": engine.plan.predicted,
+            "window": engine.plan.window, "activation": [d.activation for d in engine.plan.decisions],
+            "peak_device_bytes": torch.cuda.max_memory_allocated(), "predicted_peak_device_bytes": engine.plan.peak_device_bytes,
+            "budget_bytes": slidedp.Budget.parse(args.budget).device_bytes, "steps": steps,
+            "last_update_s": engine.updates.last_duration_s, "compile_s": compile_s,
+            "max_grad_norm": args.max_grad_norm,
         })
         print(json.dumps(records[-1]), flush=True)
         engine.close()
@@ -151,6 +173,8 @@ def main() -> None:
     p.add_argument("--size", default="4b")
     p.add_argument("--policy", choices=["recompute", "mixed"], default="recompute")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--hardware", default=None, help="a preset name or a calibrated profile JSON")
+    p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     result = correctness(args) if args.what == "correctness" else throughput(args)

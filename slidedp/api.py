@@ -140,7 +140,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         if dev.type == "cuda":
             host.pin()
         executor = StreamedExecutor(model, graph, host, program, device=dev, compute_dtype=_PRECISIONS[precision],
-                                    loss_chunk_rows=_loss_chunk_rows(the_plan, seq_len))
+                                    loss_chunk_tokens=the_plan.loss_chunk_tokens or None)
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
     except BaseException:
         host.close()
@@ -154,12 +154,6 @@ def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
     return lower(graph, window=plan.window, micro_batches=plan.workload.micro_batches,
                  activation={d.layer_id: d.activation for d in plan.decisions if d.kind == BLOCK},
                  chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens)
-
-
-def _loss_chunk_rows(plan: Plan, seq_len: int) -> int | None:
-    """Rows per loss chunk: the plan's `loss_chunk_tokens` in whole sequences (at least one)."""
-    tokens = getattr(plan, "loss_chunk_tokens", None)
-    return None if not tokens else max(1, tokens // seq_len)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The `slidedp` command line: train, plan, inspect, report."""
+"""The `slidedp` command line: train, export, plan, inspect, report, calibrate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,20 @@ def _train(args) -> int:
     from slidedp.train.job import run
 
     cfg = load_config(args.config, args.overrides)
-    run(cfg)
+    try:
+        run(cfg)
+    except ImportError as exc:  # an optional package the data needs (pyarrow), named in the message
+        print(f"slidedp train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _export(args) -> int:
+    from slidedp.train.export import export_checkpoint
+
+    folder, step = export_checkpoint(args.checkpoint, args.out_dir)
+    print(f"exported {folder} (step {step}) to {args.out_dir}: load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
 
 
@@ -66,6 +79,18 @@ def _report(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    import json
+
+    from slidedp.costmodel.calibrate import calibrate
+
+    profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
+    profile.save(args.out)
+    print(json.dumps(profile.to_dict(), indent=2))
+    print(f"\nhardware profile written to {args.out} (use it with --hardware {args.out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slidedp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", help="YAML/TOML/JSON config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("export", help="a checkpoint (or a run folder's latest) to a Hugging Face folder")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a run's output_dir (its latest checkpoint)")
+    p.add_argument("out_dir", help="the Hugging Face folder to write")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("plan", help="solve a plan offline (no GPU needed) and write it as JSON")
     p.add_argument("model", help="a local Hugging Face folder or a preset shape (e.g. qwen3-14b)")
@@ -96,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--html", metavar="OUT.html", help="write the HTML report here")
     p.add_argument("--trace", metavar="OUT.json", help="write the Perfetto / chrome://tracing JSON here")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("calibrate", help="measure this machine into a hardware profile JSON (for --hardware)")
+    p.add_argument("--out", default="hardware.json")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes, rougher figures")
+    p.set_defaults(func=_calibrate)
 
     args = parser.parse_args(argv)
     # A config file given as `key=value` belongs to the overrides.

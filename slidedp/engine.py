@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ class StepInfo:
     clip_coef: float
     skipped: bool  # non-finite gradient: nothing was updated
     tokens: int  # tokens that carried a label in this step
+    wait_s: float = 0.0  # waiting for the previous step's CPU update before this step's pass could finish it
+    pass_s: float = 0.0  # from the call to the whole gradient's norm on the host (forward + backward)
 
 
 class Engine:
@@ -78,6 +81,7 @@ class Engine:
         ]
         passes = [mbs[i : i + w.micro_batches] for i in range(0, len(mbs), w.micro_batches)]
 
+        t_start = time.perf_counter()
         grads = [layer.grad for layer in self.host.layers]
         loss = torch.zeros((), dtype=torch.float64)
         sumsq_device = None
@@ -97,16 +101,17 @@ class Engine:
             sumsq = torch.stack([torch.linalg.vector_norm(g.float()).double() ** 2 for g in grads])
         norm = float(sumsq.sum().sqrt())
         loss_value = float(loss)
+        timing = dict(wait_s=self.updates.last_wait_s, pass_s=time.perf_counter() - t_start)
         if not math.isfinite(norm):
             self.skipped_steps += 1
             log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far", norm, self.skipped_steps)
-            self.last_step = StepInfo(self.host.step, loss_value, norm, 0.0, True, tokens)
+            self.last_step = StepInfo(self.host.step, loss_value, norm, 0.0, True, tokens, **timing)
             return loss_value
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         self._update(d2h, clip)
-        self.last_step = StepInfo(self.host.step, loss_value, norm, clip, False, tokens)
+        self.last_step = StepInfo(self.host.step, loss_value, norm, clip, False, tokens, **timing)
         return loss_value
 
     def _update(self, d2h, clip: float) -> None:
@@ -227,6 +232,85 @@ class Engine:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+    # -- evaluation, checkpoints, export (slidedp/checkpoint.py) -----------------------------------
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> float:
+        """Token-weighted mean loss of the current weights on the rows given; nothing is updated.
+
+        Runs the same streamed passes as `step` (the same numerics, on the same device), and
+        discards the gradients. Any number of rows: the last micro-batch is filled up with rows
+        that carry no label.
+        """
+        self._check_open()
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 0:
+            unit = self.plan.workload.batch_size * self.plan.workload.world_size
+            pad = -input_ids.shape[0] % unit
+            if pad:
+                if labels is None:
+                    labels = input_ids.clone()
+                    if attention_mask is not None:
+                        labels[attention_mask == 0] = -100
+                input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)])
+                labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), -100)])
+                if attention_mask is not None:
+                    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(pad, attention_mask.shape[1])])
+        input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)
+        tokens = int((labels[:, 1:] != -100).sum())
+        if tokens == 0:
+            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to evaluate")
+        self.updates.flush()  # the pending update has read the host gradients, which the passes overwrite
+        w = self.plan.workload
+        mbs = [
+            MicroBatch(
+                input_ids[r : r + w.batch_size].to(self.device),
+                labels[r : r + w.batch_size].to(self.device),
+                None if attention_mask is None else attention_mask[r : r + w.batch_size].to(self.device),
+            )
+            for r in range(0, input_ids.shape[0], w.batch_size)
+        ]
+        grads = [layer.grad for layer in self.host.layers]
+        loss = torch.zeros((), dtype=torch.float64)
+        for i in range(0, len(mbs), w.micro_batches):
+            result = self.executor.run_pass(mbs[i : i + w.micro_batches], tokens, grads)
+            loss += result.loss_sum.double().cpu()
+            for guard in result.d2h:
+                if guard is not None:
+                    guard.host_wait()
+        return float(loss)
+
+    def save_checkpoint(self, dir) -> None:
+        """Master weights, AdamW moments and step, RNG, plan and model config into the folder `dir`,
+        atomically (safetensors and JSON, with a sha256 manifest; see slidedp/checkpoint.py)."""
+        from slidedp.checkpoint import atomic_checkpoint, write_engine_state
+
+        self._check_open()
+        with atomic_checkpoint(dir) as writer:
+            write_engine_state(self, writer)
+
+    def load_checkpoint(self, dir) -> None:
+        """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
+        have the same parameters. The optimizer settings stay those given to `compile`."""
+        from slidedp.checkpoint import read_engine_state
+
+        self._check_open()
+        read_engine_state(self, dir)
+
+    def export_hf(self, dir) -> None:
+        """A `save_pretrained` folder of the model with the fp32 master weights (Hugging Face models)."""
+        from slidedp.checkpoint import save_hf
+
+        self._check_open()
+        self.updates.flush()
+        weights: dict[str, torch.Tensor] = {}
+        for layer in self.graph.layers:
+            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            for p in layer.params:
+                for name in (p.name, *p.aliases):
+                    weights[name] = views[p.name]
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            weights.setdefault(name, p.detach().float().cpu())
+        save_hf(self.model, weights, dir)
 
 
 def update_order(plan: Plan, graph: LayerGraph) -> list[int]:

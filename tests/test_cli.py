@@ -27,10 +27,31 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["max_steps=0"], "'max_steps' must be >= 1"),
     (["precision=fp8"], "'precision'"),
     (["novalue"], "key=value"),
+    (["world_size=2"], "'world_size' is 2: data parallelism .* not available"),
+    (["lr_schedule=step"], "'lr_schedule' must be constant, linear or cosine"),
+    (["val_fraction=1.5"], "'val_fraction' must be in"),
+    (["packing=maybe"], "'packing' must be true or false"),
+    (["keep_last=0"], "'keep_last' must be >= 1"),
+    (["min_lr=1", "lr=0.1"], "'min_lr'"),
+    (["save_every=-1"], "'save_every' must be >= 0"),
 ])
 def test_bad_config_is_refused_naming_the_key(overrides, words):
     with pytest.raises((ValueError, TypeError), match=words):
         load_config(None, overrides)
+
+
+def test_config_new_keys_and_data_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data: [a.jsonl, folder]\nsave_every: 5\nresume: true\nlr_schedule: cosine\n"
+                    "warmup_steps: 10\npacking: false\nval_fraction: 0.1\nval_every: 50\n")
+    cfg = load_config(str(path), ["keep_last=3"])
+    assert (cfg.data, cfg.save_every, cfg.resume, cfg.lr_schedule, cfg.warmup_steps, cfg.packing, cfg.val_fraction,
+            cfg.val_every, cfg.keep_last) == ("a.jsonl,folder", 5, True, "cosine", 10, False, 0.1, 50, 3)
+
+
+def test_cli_export_errors_without_traceback(tmp_path, capsys):
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "neither a slidedp checkpoint" in capsys.readouterr().err
 
 
 def test_cli_reports_config_errors_without_traceback(capsys):

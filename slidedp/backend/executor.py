@@ -32,8 +32,11 @@ from slidedp.backend.streams import Guard, Streams
 from slidedp.backend.program import (
     ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
 )
+from slidedp.backend.kernels.grad_pack import pack_grads
+from slidedp.backend.kernels.linear_cross_entropy import linear_cross_entropy, next_token_labels
 from slidedp.ir.blocks import (
     BlockCall,
+    HeadCapture,
     StopForward,
     find_blocks,
     logits_of,
@@ -62,7 +65,7 @@ class StreamedExecutor:
     """Owns the device-side buffers of one rank and runs passes over the weights."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, program: Program, *,
-                 device: torch.device, compute_dtype: torch.dtype, loss_chunk_rows: int | None = None):
+                 device: torch.device, compute_dtype: torch.dtype, loss_chunk_tokens: int | None = None):
         self.model = model
         self.graph = graph
         self.host = host
@@ -76,7 +79,10 @@ class StreamedExecutor:
         self.resident_ids = (graph.prologue.id, graph.epilogue.id)
         self.window = program.n_slots
         self.activation = [op.policy for op in program.ops if op.kind == FWD]
-        self.loss_chunk_rows = loss_chunk_rows
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.head = HeadCapture.find(model)  # a plain linear head: the loss is fused (see _op_epilogue)
+        self.fused_head: bool | None = None  # known after the first epilogue
+        self.epilogue_names = [p.name for p in graph.epilogue.params] + list(graph.epilogue.tied_param_names)
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
         # Set by the engine: blocks until a layer's pending CPU update is done (see update_stream.py).
         self.wait_for_update: Callable[[int], None] = lambda layer_id: None
@@ -211,43 +217,86 @@ class StreamedExecutor:
             st.hidden[m] = out.detach()
 
     def _op_epilogue(self, op, st: "_PassState") -> None:
-        """Head and token-weighted loss per micro-batch, in row chunks; gradient of the last hidden."""
-        g = self.graph
-        self.ensure_resident(g.epilogue.id)
-        epi_names = [p.name for p in g.epilogue.params] + list(g.epilogue.tied_param_names)
+        """Head and token-weighted loss per micro-batch; gradient of the last hidden state.
+
+        With a plain linear head (see HeadCapture) the loss is a fused linear + cross-entropy over
+        `loss_chunk_tokens` tokens at a time that never holds the full logits, and the head's
+        weight gradient goes straight into its fp32 accumulator; otherwise the model's logits are
+        computed and the loss taken in row chunks.
+        """
+        self.ensure_resident(self.graph.epilogue.id)
         for m, mb in enumerate(st.micro_batches):
+            if self.head is not None and self.fused_head is not False:
+                grad = self._epilogue_fused(st, m, mb)
+                if grad is not None:
+                    st.hidden[m] = None
+                    st.grad_h.append(grad)
+                    continue
             rows = mb.input_ids.shape[0]
-            step = min(rows, self.loss_chunk_rows or rows)
+            tokens = self.loss_chunk_tokens or rows * mb.input_ids.shape[1]
+            step = min(rows, max(1, tokens // mb.input_ids.shape[1]))
             grad_parts = []
             for r0 in range(0, rows, step):
                 part = MicroBatch(mb.input_ids[r0 : r0 + step], mb.labels[r0 : r0 + step],
                                   None if mb.attention_mask is None else mb.attention_mask[r0 : r0 + step])
                 last = st.hidden[m][r0 : r0 + step].detach().requires_grad_(True)
-
-                def tail(index: int, call: BlockCall, last=last):
-                    return wrap_block_output(last if index == self.n_blocks - 1 else call.hidden, g.block_output)
-
-                with proxied_blocks(self.model, g.blocks_path, tail), torch.enable_grad():
-                    logits = logits_of(torch.func.functional_call(self.model, st.top, (part.input_ids,),
-                                                                  _kwargs(g.forward_kwargs, part)))
+                with torch.enable_grad():
+                    logits = logits_of(self._epilogue_forward(st, part, last))
                     loss = token_loss_sum(logits, part.labels) / st.global_tokens
                     del logits
-                grads = torch.autograd.grad(loss, [last] + [st.leaves[n] for n in epi_names], allow_unused=True)
+                grads = torch.autograd.grad(loss, [last] + [st.leaves[n] for n in self.epilogue_names],
+                                            allow_unused=True)
                 grad_parts.append(grads[0] if grads[0] is not None else torch.zeros_like(last))
-                self._accumulate(st.resident_acc, epi_names, grads[1:])
+                self._accumulate(st.resident_acc, self.epilogue_names, grads[1:])
                 st.loss_sum = st.loss_sum + loss.detach()
             st.hidden[m] = None
             st.grad_h.append(torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0])
 
+    def _epilogue_forward(self, st: "_PassState", mb: MicroBatch, last: torch.Tensor):
+        """The model's own forward with every block proxied, the last one returning `last`."""
+        g = self.graph
+
+        def tail(index: int, call: BlockCall):
+            return wrap_block_output(last if index == self.n_blocks - 1 else call.hidden, g.block_output)
+
+        with proxied_blocks(self.model, g.blocks_path, tail):
+            return torch.func.functional_call(self.model, st.top, (mb.input_ids,), _kwargs(g.forward_kwargs, mb))
+
+    def _epilogue_fused(self, st: "_PassState", m: int, mb: MicroBatch) -> torch.Tensor | None:
+        """The fused-loss epilogue of one micro-batch; None (and `fused_head` set False for good)
+        when the model's logits are not the head's plain output."""
+        last = st.hidden[m].detach().requires_grad_(True)
+        with torch.enable_grad(), self.head.active() as cap:
+            out = self._epilogue_forward(st, mb, last)
+        head_name = next((n for n in self.epilogue_names if st.leaves[n] is cap.weight), None)
+        if not cap.returned_as_logits(out) or head_name is None:
+            self.fused_head = False
+            return None
+        self.fused_head = True
+        lid, start, numel = self.locate[head_name]
+        x = cap.input
+        result = linear_cross_entropy(
+            x.detach().reshape(-1, x.shape[-1]), cap.weight.detach(), next_token_labels(mb.labels),
+            scale=1.0 / st.global_tokens, chunk_tokens=self.loss_chunk_tokens,
+            grad_weight_acc=st.resident_acc[lid][start : start + numel].view(cap.weight.shape))
+        others = [n for n in self.epilogue_names if n != head_name]
+        grads = torch.autograd.grad(x, [last] + [st.leaves[n] for n in others],
+                                    result.grad_hidden.view_as(x), allow_unused=True)
+        self._accumulate(st.resident_acc, others, grads[1:])
+        st.loss_sum = st.loss_sum + result.loss
+        return grads[0] if grads[0] is not None else torch.zeros_like(last)
+
     def _op_bwd(self, op, st: "_PassState") -> None:
-        """Backward of one block for every micro-batch; its gradient summed in one fp32 buffer."""
+        """Backward of one block for every micro-batch; its gradient summed in one fp32 buffer by
+        the packing kernel, which also gives the gradient's sum of squares (for exact clipping)."""
         k = op.block
         layer = self.block_layers[k]
         module = self.blocks[k]
-        acc = torch.zeros(layer.numel, dtype=torch.float32, device=self.device)
-        offsets = [(start, numel) for _, start, numel, _ in self.host.layouts[layer.id].param_offsets]
+        acc = torch.empty(layer.numel, dtype=torch.float32, device=self.device)
+        spans = [(start, numel) for _, start, numel, _ in self.host.layouts[layer.id].param_offsets]
         if op.policy == "recompute":
             params = self._block_params(k, op.slot, requires_grad=True)
+        last = len(st.calls) - 1
         for m, call in enumerate(st.calls):
             if op.policy == "recompute":
                 x = st.stash[k][m].detach().requires_grad_(True)
@@ -260,13 +309,13 @@ class StreamedExecutor:
                 fwd, st.kept[k][m] = st.kept[k][m], None
                 fwd.saved.slot = self.slots[op.slot]
                 x, out, leaves = fwd.x, fwd.out, fwd.params
-            trainable = list(leaves.values())[: len(offsets)]
+            trainable = list(leaves.values())[: len(spans)]
             grads = torch.autograd.grad(out, [x] + trainable, st.grad_h[m], allow_unused=True)
             st.grad_h[m] = grads[0]
-            for (start, numel), gp in zip(offsets, grads[1:]):
-                if gp is not None:
-                    acc[start : start + numel].add_(gp.reshape(-1))
-        st.finish_gradient(layer.id, acc)
+            stats = pack_grads(grads[1:], spans, acc, [(0, layer.numel)] if m == last else (), accumulate=m > 0)
+            del grads
+        st.sumsq[layer.id] = stats.sumsq[0]
+        st.grad_src[layer.id] = acc
 
     def _op_prologue_bwd(self, op, st: "_PassState") -> None:
         names = [p.name for p in self.graph.prologue.params]

@@ -11,6 +11,7 @@ the result is exactly that of updating everything before the next step begins.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -22,16 +23,21 @@ class UpdateStream:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-update")
         self._done: dict[int, threading.Event] = {}
         self._future: Future | None = None
+        self.last_wait_s = 0.0  # time the caller spent blocked in wait() since the last start()
+        self.last_duration_s = 0.0  # wall time of the last finished round of updates
 
     def start(self, update: Callable[[int, int | None], None]) -> None:
         """Run `update(layer_id, num_threads)` for every layer in order, in the background."""
         self.flush()
         done = {layer_id: threading.Event() for layer_id in self.order}
+        self.last_wait_s = 0.0
 
         def run() -> None:
+            t0 = time.perf_counter()
             for layer_id in self.order:
                 update(layer_id, self.num_threads)
                 done[layer_id].set()
+            self.last_duration_s = time.perf_counter() - t0
 
         self._done = done
         self._future = self._pool.submit(run)
@@ -39,11 +45,13 @@ class UpdateStream:
     def wait(self, layer_id: int) -> None:
         """Block until layer `layer_id`'s pending update (if any) has finished; re-raise its error."""
         event = self._done.get(layer_id)
-        if event is None:
+        if event is None or event.is_set():
             return
+        t0 = time.perf_counter()
         while not event.wait(0.05):
             if self._future is not None and self._future.done():
                 break
+        self.last_wait_s += time.perf_counter() - t0
         if self._future is not None and self._future.done() and self._future.exception() is not None:
             self.flush()  # raises the update's exception, once
 

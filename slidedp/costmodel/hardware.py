@@ -35,6 +35,9 @@ class Hardware:
     gpus_per_root_complex: int = 1
     # (transfer bytes, fraction of h2d/d2h_bytes_per_s reached), increasing sizes; see ops.py
     transfer_efficiency: tuple[tuple[int, float], ...] = H200_TRANSFER_EFFICIENCY
+    # (threads, params/s) of the CPU AdamW by increasing thread count, as measured by `slidedp
+    # calibrate`; empty for presets. cpu_adamw_params_per_s is the best of them.
+    cpu_adamw_params_per_s_by_threads: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -44,11 +47,18 @@ class Hardware:
             raise ValueError(f"transfer_efficiency must be (bytes, fraction in (0, 1]) pairs by increasing "
                              f"size, got {self.transfer_efficiency!r}")
         object.__setattr__(self, "transfer_efficiency", curve)
+        by_threads = tuple((int(t), float(r)) for t, r in self.cpu_adamw_params_per_s_by_threads)
+        if any(t < 1 or not r > 0 for t, r in by_threads) or \
+                any(a[0] >= b[0] for a, b in zip(by_threads, by_threads[1:])):
+            raise ValueError(f"cpu_adamw_params_per_s_by_threads must be (threads >= 1, params/s > 0) pairs by "
+                             f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
+        object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
 
     def to_dict(self) -> dict:
         """JSON-native: the efficiency curve as lists, so a dict survives a JSON round trip unchanged."""
         data = asdict(self)
         data["transfer_efficiency"] = [list(point) for point in self.transfer_efficiency]
+        data["cpu_adamw_params_per_s_by_threads"] = [list(p) for p in self.cpu_adamw_params_per_s_by_threads]
         return data
 
     @classmethod

@@ -117,3 +117,44 @@ def logits_of(output: Any) -> torch.Tensor:
         f"the model's forward returned {type(output).__name__}; slidedp needs logits (a tensor, "
         "an output with .logits, or a tuple starting with logits)"
     )
+
+
+class HeadCapture:
+    """Stands in for the output head (a bias-free nn.Linear) during the model's forward: records its
+    input and weight and returns a placeholder of the logits' shape that holds no memory.
+
+    If the model's forward returns that placeholder itself as its logits, the logits are exactly
+    `input @ weight.T` (no scaling, soft-capping or slicing after the head) and the loss can be
+    computed by a fused linear + cross-entropy from the recorded input; otherwise not.
+    """
+
+    def __init__(self, head: nn.Linear):
+        self.head = head
+        self.input: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        self.placeholder: torch.Tensor | None = None
+
+    @staticmethod
+    def find(model: nn.Module) -> "HeadCapture | None":
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if isinstance(head, nn.Linear) and head.bias is None:
+            return HeadCapture(head)
+        return None
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input, self.weight = x, self.head.weight  # under functional_call: the tensor passed in
+        self.placeholder = x.new_zeros(()).expand(*x.shape[:-1], self.head.out_features)
+        return self.placeholder
+
+    @contextlib.contextmanager
+    def active(self):
+        self.input = self.weight = self.placeholder = None
+        self.head.forward = self._forward  # an instance attribute shadows the class's forward
+        try:
+            yield self
+        finally:
+            del self.head.forward
+
+    def returned_as_logits(self, output: Any) -> bool:
+        return self.placeholder is not None and logits_of(output) is self.placeholder

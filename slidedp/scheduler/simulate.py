@@ -123,7 +123,6 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
     prog: Program = build_program(N, d.window, W > 1)
     present = condition(d)
     order = d.order(costs.n_layers)
-    update_position = {layer: p for p, layer in enumerate(order)}
     opt = [costs.option(i, c.chunks, c.delivery, c.reduction) for i, c in enumerate(d.layers)]
     any_offload = any(c.activation == OFFLOAD for c in d.layers)
 

@@ -13,38 +13,75 @@ from typing import get_type_hints
 class TrainConfig:
     """Keys of a training run. `model="smollm2"` and `data="stdlib"` make the embedded default job."""
 
-    model: str = "smollm2"  # "smollm2" or a local Hugging Face folder
-    data: str = "stdlib"  # "stdlib" (the Python standard library's sources) or a .txt file/folder
+    # what to train, on what
+    model: str = "smollm2"  # "smollm2", a local Hugging Face folder, or a preset shape (random init)
+    tokenizer: str = ""  # "": the model folder's own ("smollm2" for a preset); or a folder, or "smollm2"
+    data: str = "stdlib"  # "stdlib", or .txt/.jsonl/.parquet files and folders, comma-separated
+    packing: bool = True  # pack examples into full rows; false: one example a row, padded and masked
+    max_rows: int = 0  # rows of data to use, 0: all (the stdlib default job uses 16)
+    val_fraction: float = 0.0  # rows held out for the validation loss
+    val_every: int = 0  # validation loss every this many steps (and at the end); 0: at the end only
     output_dir: str = "runs/default"
+    # the step
     max_steps: int = 24
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int = 128
-    max_rows: int = 16  # packed rows of data to train on (epochs repeat them)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
     precision: str = "auto"  # "auto" (bf16 on a GPU, fp32 on CPU) | "bf16" | "fp32"
     device: str = "auto"
     world_size: int = 1
     budget: str = "16GiB"
-    save_every: int = 0  # 0: no intermediate checkpoints
-    resume: bool = False
+    # the optimizer
+    lr: float = 1e-4
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to min_lr at max_steps)
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    no_decay_groups: bool = True  # no weight decay on norms, biases and embeddings
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping
+    # checkpoints
+    save_every: int = 0  # checkpoint every this many steps (and always at the end); 0: at the end only
+    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
+    resume: bool = False  # continue from the latest checkpoint in output_dir (start fresh if none)
+    overwrite: bool = False  # a fresh run may delete the checkpoints already in output_dir
+    # the rest
     seed: int = 0
     log_every: int = 1
+    progress: bool = True  # progress bar (tqdm when installed)
+    tensorboard: bool = True  # TensorBoard scalars when the tensorboard package is installed
 
     def validate(self) -> "TrainConfig":
-        positive = ("max_steps", "batch_size", "grad_accum", "seq_len", "max_rows", "world_size", "log_every")
+        positive = ("max_steps", "batch_size", "grad_accum", "seq_len", "world_size", "log_every", "keep_last")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_rows", "val_every", "warmup_steps", "save_every"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
+        for key in ("lr", "min_lr", "weight_decay", "max_grad_norm", "adam_eps"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
+        if self.seq_len < 2:
+            raise ValueError(f"config key 'seq_len' must be >= 2, got {self.seq_len}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"config key 'precision' must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.lr < 0 or self.weight_decay < 0 or self.max_grad_norm < 0 or self.save_every < 0:
-            raise ValueError("config keys lr, weight_decay, max_grad_norm and save_every must be >= 0")
-        if self.save_every or self.resume:
-            raise ValueError("config keys 'save_every' and 'resume': checkpoints are not available in this "
-                             "version of slidedp; leave them at 0 / false")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"config key 'device' must be auto, cuda or cpu, got {self.device!r}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"config key 'lr_schedule' must be constant, linear or cosine, got {self.lr_schedule!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"config key 'min_lr' ({self.min_lr}) must not exceed 'lr' ({self.lr})")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
+        if self.world_size != 1:
+            raise ValueError(f"config key 'world_size' is {self.world_size}: data parallelism (world_size > 1) "
+                             "is not available in this version of slidedp yet; use world_size=1")
         return self
 
     def to_dict(self) -> dict:
@@ -104,6 +141,8 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             raise ValueError(f"config file {path}: expected .yaml, .yml, .toml or .json")
         if not isinstance(values, dict):
             raise ValueError(f"config file {path} must hold a mapping of keys to values")
+    if isinstance(values.get("data"), list):  # a YAML/TOML list of files and folders
+        values["data"] = ",".join(str(v) for v in values["data"])
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -6,7 +6,8 @@
   document, concatenate and cut into rows of exactly ``seq_len`` tokens (the incomplete tail is
   dropped). Reading stops as soon as ``max_rows`` rows are filled, so asking for a few hundred rows
   tokenizes only the first few files. Optionally the packed rows are cached in a safetensors file.
-- ``PackedDataset``: serves batches of rows in a seeded, per-epoch shuffled order; its position
+- ``PackedDataset``: serves batches of rows (with labels and attention masks when it has them,
+  see ``sources.py`` for a user's data) in a seeded, per-epoch shuffled order; its position
   exports to a small JSON-able dict for exact resume; ``split()`` holds out a validation set.
 
 Everything is deterministic: the same documents, tokenizer and arguments give the same rows, and
@@ -22,7 +23,7 @@ import pathlib
 import sysconfig
 import tokenize
 from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -263,6 +264,14 @@ def _save_cached_rows(path: pathlib.Path, key: str, rows: torch.Tensor, stream: 
 # Dataset
 
 
+class Batch(NamedTuple):
+    """Rows of a dataset: input ids, and labels / attention mask where the dataset has them."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+
 def _epoch_seed(seed: int, epoch: int, tag: str = "epoch") -> int:
     digest = hashlib.sha256(f"slidedp:{tag}:{seed}:{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -276,14 +285,25 @@ class PackedDataset:
     order of epoch ``e`` depends only on ``(seed, e)``, so ``state_dict()`` (epoch, position,
     seed and a fingerprint of the rows) is enough to resume exactly. The rows tensor is shared,
     not copied: do not modify it.
+
+    Optional ``labels`` (-100 where nothing is trained, e.g. prompt tokens or padding) and
+    ``attention_mask`` (0 on padding) have the shape of ``rows`` and travel with them:
+    ``next_fields`` / ``field_batches`` return all three as a ``Batch``.
     """
 
-    def __init__(self, rows: torch.Tensor, *, seed: int = 0, shuffle: bool = True):
+    def __init__(self, rows: torch.Tensor, *, seed: int = 0, shuffle: bool = True,
+                 labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
         if rows.dim() != 2:
             raise ValueError(f"rows must be a 2-D [n_rows, seq_len] tensor, got shape {tuple(rows.shape)}")
         if rows.dtype != torch.long:
             raise TypeError(f"rows must be a LongTensor, got {rows.dtype}")
+        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
+            if t is not None and (t.shape != rows.shape or t.dtype != torch.long):
+                raise ValueError(f"{name} must be a LongTensor of the rows' shape {tuple(rows.shape)}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
         self.rows = rows.contiguous()
+        self.labels = None if labels is None else labels.contiguous()
+        self.attention_mask = None if attention_mask is None else attention_mask.contiguous()
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.epoch = 0
@@ -323,6 +343,10 @@ class PackedDataset:
         if self._fingerprint is None:
             h = hashlib.sha256(repr(tuple(self.rows.shape)).encode())
             h.update(self.rows.numpy().tobytes())
+            for tag, t in ((b"labels", self.labels), (b"attention_mask", self.attention_mask)):
+                if t is not None:
+                    h.update(tag)
+                    h.update(t.numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
@@ -339,6 +363,17 @@ class PackedDataset:
 
     def next_batch(self, n_rows: int) -> torch.Tensor:
         """The next ``n_rows`` rows, LongTensor ``[n_rows, seq_len]`` (a new tensor)."""
+        return self.rows.index_select(0, self._next_indices(n_rows))
+
+    def next_fields(self, n_rows: int) -> Batch:
+        """Like ``next_batch``, with the labels and attention mask of the same rows."""
+        return self._select(self._next_indices(n_rows))
+
+    def _select(self, idx: torch.Tensor) -> Batch:
+        return Batch(*(None if t is None else t.index_select(0, idx)
+                       for t in (self.rows, self.labels, self.attention_mask)))
+
+    def _next_indices(self, n_rows: int) -> torch.Tensor:
         if n_rows < 1:
             raise ValueError(f"n_rows must be >= 1, got {n_rows}")
         if len(self) == 0:
@@ -354,7 +389,7 @@ class PackedDataset:
             if self.position == len(self):
                 self.epoch += 1
                 self.position = 0
-        return self.rows.index_select(0, torch.cat(picks))
+        return torch.cat(picks)
 
     def batches(self, n_rows: int, *, drop_last: bool = False) -> Iterator[torch.Tensor]:
         """All rows once, in stored order, in batches of ``n_rows`` (for evaluation; does not
@@ -366,6 +401,13 @@ class PackedDataset:
             if drop_last and batch.shape[0] < n_rows:
                 return
             yield batch
+
+    def field_batches(self, n_rows: int) -> Iterator[Batch]:
+        """Like ``batches`` (stored order, last batch may be smaller), as ``Batch`` tuples."""
+        if n_rows < 1:
+            raise ValueError(f"n_rows must be >= 1, got {n_rows}")
+        for start in range(0, len(self), n_rows):
+            yield self._select(torch.arange(start, min(start + n_rows, len(self))))
 
     def split(self, val_fraction: float, *, seed: int | None = None) -> tuple["PackedDataset", "PackedDataset"]:
         """``(train, val)``: a seeded random ``val_fraction`` of the rows is held out.
@@ -384,8 +426,11 @@ class PackedDataset:
         perm = torch.randperm(n, generator=g)
         val_idx = perm[:n_val].sort().values
         train_idx = perm[n_val:].sort().values
-        train = PackedDataset(self.rows.index_select(0, train_idx), seed=self.seed, shuffle=self.shuffle)
-        val = PackedDataset(self.rows.index_select(0, val_idx), seed=self.seed, shuffle=False)
+        t, v = self._select(train_idx), self._select(val_idx)
+        train = PackedDataset(t.input_ids, seed=self.seed, shuffle=self.shuffle, labels=t.labels,
+                              attention_mask=t.attention_mask)
+        val = PackedDataset(v.input_ids, seed=self.seed, shuffle=False, labels=v.labels,
+                            attention_mask=v.attention_mask)
         return train, val
 
     def state_dict(self) -> dict:
@@ -442,6 +487,7 @@ def stdlib_dataset(
 
 
 __all__ = [
+    "Batch",
     "EXCLUDED_DIRS",
     "PackedDataset",
     "TokenStream",

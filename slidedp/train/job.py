@@ -1,8 +1,26 @@
-"""`slidedp train`: load a model and data, compile, run the steps, write metrics and weights."""
+"""`slidedp train`: load a model and data, compile, run the steps, validate, checkpoint, resume.
+
+The run's folder (`output_dir`):
+
+    config.json                    the resolved config of the run
+    metrics.jsonl                  one record per step (see metrics.py)
+    checkpoints/step-00000024/     the engine's state (slidedp/checkpoint.py), plus this job's
+                                   `trainer_state.json` (step, schedule, data position, config)
+                                   and the tokenizer in `hf/`: `slidedp export` needs nothing else
+    tensorboard/                   when the tensorboard package is installed
+
+A checkpoint is written every `save_every` steps and at the end; the last `keep_last` are kept.
+`resume=true` continues from the latest checkpoint exactly: the same weights, moments, AdamW
+step, learning rate, data position and RNG state, so N steps + resume + N steps give bitwise the
+same result as 2N steps (CPU, fp32).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -11,97 +29,299 @@ import torch
 
 from slidedp.train.config import TrainConfig
 
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+TRAINER_FORMAT = 1
+STDLIB_ROWS = 16  # rows of the default job when max_rows is 0
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# --------------------------------------------------------------------------------------------
+# Model, tokenizer, data
+
+
 def load_model_and_tokenizer(cfg: TrainConfig):
+    """(model, tokenizer): a Hugging Face folder, the SmolLM2 default, or a preset with random init."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slidedp.train.shapes import PRESETS, preset_config
+
+    folder = None
     if cfg.model == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
 
         folder = ensure_smollm2()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    elif cfg.model in PRESETS:
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(preset_config(cfg.model), dtype=torch.float32)
     else:
-        folder = Path(cfg.model)
+        folder = Path(cfg.model).expanduser()
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"config key 'model': {cfg.model} is not a Hugging Face folder (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+            raise FileNotFoundError(f"config key 'model': {cfg.model} is neither a Hugging Face folder (no "
+                                    f"config.json) nor 'smollm2' nor a preset ({', '.join(PRESETS)})")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    source = cfg.tokenizer or (str(folder) if folder is not None else "smollm2")
+    if source == "smollm2":
+        from slidedp.train.smollm2 import ensure_smollm2
+
+        source = str(ensure_smollm2())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"config key 'tokenizer': no tokenizer could be loaded from {source} ({exc}); "
+                         "set tokenizer=FOLDER (a folder with tokenizer files) or tokenizer=smollm2") from None
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer ({source}) has {len(tokenizer)} tokens, more than the model's "
+                         f"vocabulary of {vocab}")
     return model, tokenizer
 
 
 def load_data(cfg: TrainConfig, tokenizer):
-    from slidedp.train.data import PackedDataset, stdlib_dataset
+    """The whole dataset (a `PackedDataset`), before the validation split."""
+    from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, stdlib_source_files
+    from slidedp.train.sources import Example, build_rows, load_dataset
 
-    if cfg.data == "stdlib":
-        return stdlib_dataset(tokenizer, cfg.seq_len, max_rows=cfg.max_rows, seed=cfg.seed)
-    path = Path(cfg.data)
-    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
-    missing = [f for f in files if not f.is_file()]
-    if not files or missing:
-        raise FileNotFoundError(f"config key 'data': no .txt files at {cfg.data}")
-    return PackedDataset.from_docs(files, tokenizer, cfg.seq_len, max_rows=cfg.max_rows, seed=cfg.seed)
+    if cfg.data != "stdlib":
+        return load_dataset(cfg.data, tokenizer, cfg.seq_len, packing=cfg.packing, max_rows=cfg.max_rows or None,
+                            seed=cfg.seed)
+    max_rows = cfg.max_rows or STDLIB_ROWS
+    if cfg.packing:
+        return stdlib_dataset(tokenizer, cfg.seq_len, max_rows=max_rows, seed=cfg.seed)
+    examples = (Example(read_document(f)) for f in stdlib_source_files())
+    rows = build_rows(examples, tokenizer, cfg.seq_len, packing=False, max_rows=max_rows)
+    return PackedDataset(rows["input_ids"], seed=cfg.seed, labels=rows["labels"],
+                         attention_mask=rows["attention_mask"])
+
+
+def validation_loss(engine, val, rows: int) -> float:
+    """Token-weighted mean loss over the validation rows (`Engine.evaluate`, no update)."""
+    total, tokens = 0.0, 0
+    for batch in val.field_batches(rows):
+        labels = batch.labels if batch.labels is not None else batch.input_ids
+        n = int((labels[:, 1:] != -100).sum())
+        if n:
+            total += engine.evaluate(batch.input_ids, batch.labels, batch.attention_mask) * n
+            tokens += n
+    return total / tokens if tokens else float("nan")
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints of the run
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints (those with a manifest), by increasing step."""
+    from slidedp.checkpoint import MANIFEST
+
+    root = Path(output_dir) / CHECKPOINTS
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file():
+                try:
+                    found.append((int(p.name[5:]), p))
+                except ValueError:
+                    pass
+    return sorted(found)
+
+
+def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict, tokenizer,
+                        keep_last: int) -> Path:
+    """The engine's state plus the trainer state and the tokenizer, atomically; prune old ones."""
+    from slidedp.checkpoint import HF_DIR, atomic_checkpoint, remove_stale_temps, write_engine_state
+
+    root = output_dir / CHECKPOINTS
+    remove_stale_temps(root)
+    target = root / f"step-{step:08d}"
+    with atomic_checkpoint(target) as writer:
+        write_engine_state(engine, writer)
+        hf_dir = writer.path(f"{HF_DIR}/tokenizer_config.json").parent  # beside the model's config
+        tokenizer.save_pretrained(str(hf_dir))
+        writer.add_folder(HF_DIR)
+        writer.json(TRAINER_STATE, trainer_state)
+    for _, old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def read_trainer_state(folder: Path) -> dict:
+    from slidedp.checkpoint import CheckpointError
+
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} has no {TRAINER_STATE}: it was not written by "
+                              "`slidedp train` and cannot be resumed by it") from None
+    if state.get("format") != TRAINER_FORMAT:
+        raise CheckpointError(f"checkpoint {folder}: trainer state format {state.get('format')!r} is not supported")
+    return state
+
+
+def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.device, precision: str) -> Path | None:
+    """The checkpoint's plan when the run's workload, budget and hardware have not changed."""
+    from slidedp.costmodel.hardware import resolve_hardware
+    from slidedp.scheduler.plan import Plan
+
+    old = state.get("config", {})
+    same = all(old.get(k) == getattr(cfg, k) for k in ("model", "budget", "batch_size", "seq_len", "grad_accum",
+                                                        "world_size"))
+    if not same or state.get("device") != device.type or state.get("precision") != precision:
+        return None
+    try:
+        plan = Plan.load(folder / "plan.json")
+    except (OSError, ValueError):
+        return None
+    return folder / "plan.json" if plan.hardware.get("name") == resolve_hardware(None, device.type).name else None
+
+
+# --------------------------------------------------------------------------------------------
+# The run
 
 
 def run(cfg: TrainConfig) -> dict:
+    """Train as the config says; returns a summary (losses, steps, last checkpoint)."""
     import slidedp
+    from slidedp.checkpoint import verify_checkpoint
 
+    cfg.validate()
     out = Path(cfg.output_dir)
+    resume_from = None
+    existing = list_checkpoints(out)
+    if cfg.resume:
+        if existing:
+            resume_from = existing[-1][1]
+        else:
+            _log(f"[slidedp] resume=true but {out} holds no checkpoint: starting from step 0")
+    elif existing:
+        if not cfg.overwrite:
+            raise ValueError(f"output_dir {out} already holds checkpoints (latest: step {existing[-1][0]}): "
+                             "pass resume=true to continue from it, overwrite=true to start over (deleting "
+                             "them), or another output_dir")
+        _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
+        shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+
+    trainer_state = None
+    plan = None
+    if resume_from is not None:
+        _log(f"[slidedp] resuming from {resume_from}: verifying it")
+        verify_checkpoint(resume_from)
+        trainer_state = read_trainer_state(resume_from)
+        plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
 
     _log(f"[slidedp] loading model {cfg.model}")
     model, tokenizer = load_model_and_tokenizer(cfg)
-    _log(f"[slidedp] packing data {cfg.data}: {cfg.max_rows} rows x {cfg.seq_len} tokens")
     data = load_data(cfg, tokenizer)
-    rows_per_step = cfg.batch_size * cfg.grad_accum * cfg.world_size
-    _log(f"[slidedp] compiling for {device} ({precision}), budget {cfg.budget}")
-    engine = slidedp.compile(
-        model, cfg.budget, batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=cfg.world_size,
-        device=device, precision=precision, micro_batches=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm or None,
-        optimizer=slidedp.AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay),
-    )
+    train, val = (data, None)
+    if cfg.val_fraction > 0:
+        train, val = data.split(cfg.val_fraction)
+        if len(val) == 0:
+            _log(f"[slidedp] val_fraction={cfg.val_fraction}: too few rows ({len(data)}) to hold out any")
+            train, val = data, None
+    _log(f"[slidedp] data {cfg.data}: {len(train)} training rows"
+         f"{f', {len(val)} validation rows' if val is not None else ''} of {cfg.seq_len} tokens "
+         f"({'packed' if cfg.packing else 'padded'})")
+    _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.budget}"
+         f"{', reusing the checkpoint plan' if plan else ''}")
+    optimizer = slidedp.AdamW(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                              weight_decay=cfg.weight_decay, no_decay_groups=cfg.no_decay_groups)
+    kwargs = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=cfg.world_size, device=device.type,
+                  precision=precision, micro_batches=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm or None,
+                  optimizer=optimizer)
+    try:
+        engine = slidedp.compile(model, cfg.budget, plan=plan, **kwargs)
+    except ValueError as exc:
+        if plan is None or "plan was made for another workload" not in str(exc):
+            raise
+        _log(f"[slidedp] the checkpoint's plan does not fit ({exc}): solving a new one")
+        engine = slidedp.compile(model, cfg.budget, **kwargs)
     _log(engine.plan.summary())
-    metrics_path = out / "metrics.jsonl"
-    history = []
-    with engine, open(metrics_path, "w") as metrics:
-        for step in range(1, cfg.max_steps + 1):
-            batch = data.next_batch(rows_per_step)
+    with engine:
+        return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state)
+
+
+def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
+                resume_from: Path | None, trainer_state: dict | None) -> dict:
+    from slidedp.checkpoint import read_engine_state
+    from slidedp.train.metrics import (MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step,
+                                       peak_flops_per_s)
+    from slidedp.train.schedule import lr_at, schedule_state
+
+    start = 0
+    tokens_seen = 0
+    val_loss = None
+    if trainer_state is not None:
+        read_engine_state(engine, resume_from, verify=False)  # verified before compiling
+        train.load_state_dict(trainer_state["data"])
+        start = int(trainer_state["step"])
+        tokens_seen = int(trainer_state.get("tokens_seen", 0))
+        val_loss = trainer_state.get("val_loss")
+        _log(f"[slidedp] resumed at step {start} (AdamW step {engine.host.step}, epoch {train.epoch})")
+    if start >= cfg.max_steps:
+        _log(f"[slidedp] the checkpoint is at step {start}, max_steps is {cfg.max_steps}: nothing to do")
+
+    rows_per_step = cfg.batch_size * cfg.grad_accum * cfg.world_size
+    sched = dict(lr=cfg.lr, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                 min_lr=cfg.min_lr)
+    flops = model_flops_per_step(engine.graph, rows_per_step // cfg.batch_size)
+    peak = peak_flops_per_s(engine.plan, device)
+    losses: list[float] = []
+    checkpoint = resume_from
+
+    def state_for(step: int) -> dict:
+        return {
+            "format": TRAINER_FORMAT, "step": step, "tokens_seen": tokens_seen, "data": train.state_dict(),
+            "schedule": schedule_state(step, **sched), "val_loss": val_loss, "config": cfg.to_dict(),
+            "device": device.type, "precision": precision,
+        }
+
+    logger = MetricsLogger(out, max_steps=cfg.max_steps, start_step=start, log_every=cfg.log_every,
+                           progress=cfg.progress, tensorboard=cfg.tensorboard)
+    try:
+        for step in range(start + 1, cfg.max_steps + 1):
+            lr = lr_at(step, **sched)
+            engine.optimizer = dataclasses.replace(engine.optimizer, lr=lr)
+            batch = train.next_fields(rows_per_step)
             t0 = time.perf_counter()
-            loss = engine.step(batch)
+            loss = engine.step(batch.input_ids, batch.labels, batch.attention_mask)
             step_s = time.perf_counter() - t0
             info = engine.last_step
+            mask = batch.attention_mask
+            n_tokens = int(mask.sum()) if mask is not None else batch.input_ids.numel()
+            tokens_seen += n_tokens
+            losses.append(loss)
             record = {
-                "step": step, "loss": loss, "grad_norm": info.grad_norm, "lr": cfg.lr, "skipped": info.skipped,
-                "tokens_per_s": batch.numel() / step_s, "step_s": step_s,
-                "predicted_step_s": engine.plan.predicted_step_time_s, "epoch": data.epoch,
+                "step": step, "loss": loss, "grad_norm": info.grad_norm, "lr": lr, "skipped": info.skipped,
+                "clip_coef": info.clip_coef, "trained_tokens": info.tokens, "tokens_per_s": n_tokens / step_s,
+                "tflops": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
+                "step_s": step_s, "predicted_step_s": engine.plan.predicted_step_time_s, "epoch": train.epoch,
+                "device_bytes": device_memory_bytes(device), "host_rss_bytes": host_rss_bytes(),
             }
-            history.append(record)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                _log(f"step {step:>5}/{cfg.max_steps}  loss {loss:.4f}  grad norm {info.grad_norm:.3f}  "
-                     f"lr {cfg.lr:.2e}  {record['tokens_per_s']:.0f} tok/s  step {step_s:.2f}s "
-                     f"(predicted {record['predicted_step_s']:.2f}s)")
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in _unique(engine.state_dict()).items()},
-                  str(out / "model.safetensors"))
-    first, last = history[0]["loss"], history[-1]["loss"]
-    _log(f"[slidedp] done: loss {first:.4f} -> {last:.4f}; weights and metrics in {out}")
-    return {"first_loss": first, "last_loss": last, "steps": len(history)}
-
-
-def _unique(state: dict) -> dict:
-    """One entry per tensor: safetensors refuses tensors that share memory."""
-    seen, out = set(), {}
-    for name, tensor in state.items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out[name] = tensor
-    return out
+            if val is not None and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.max_steps):
+                val_loss = validation_loss(engine, val, cfg.batch_size * cfg.grad_accum)
+                record["val_loss"] = val_loss
+            logger.log(record)
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+                checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, cfg.keep_last)
+                logger.write(f"[slidedp] checkpoint written: {checkpoint}")
+    finally:
+        logger.close()
+    if losses:
+        _log(f"[slidedp] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+             f"{f', validation loss {val_loss:.4f}' if val_loss is not None else ''}; checkpoint {checkpoint}; "
+             f"export it with `slidedp export {checkpoint} OUT_DIR`")
+    return {
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "losses": losses, "steps": len(losses), "start_step": start, "val_loss": val_loss,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+    }

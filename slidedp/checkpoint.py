@@ -1,0 +1,484 @@
+"""Checkpoints: the engine's host state (and what a job adds) in safetensors and JSON, atomically.
+
+A checkpoint is a folder:
+
+    manifest.json                    size and sha256 of every other file (written last)
+    engine.json                      AdamW step, skipped steps, optimizer, precision, parameter layout
+    state/layer-00000.safetensors    master, exp_avg, exp_avg_sq of layer 0 (flat fp32), one file a layer
+    frozen.safetensors               parameters that are not trained (only when there are some)
+    rng.safetensors, rng.json        torch generator states (uint8 tensors); Python and NumPy states
+    plan.json                        the plan (`Plan.save`)
+    hf/config.json, ...              the model's Hugging Face config and generation config, if it has one
+
+A job adds its own files (the train job: `trainer_state.json` and the tokenizer in `hf/`) before the
+manifest is written. Nothing is pickled: tensors go into safetensors, everything else into JSON.
+
+Writing (`atomic_checkpoint`): into a temporary sibling folder; each file is hashed while it is
+written and fsynced; the manifest comes last; the folder is fsynced, renamed into place and its
+parent fsynced. A crash leaves the previous checkpoint or the new one, never half of one.
+Loading (`verify_checkpoint`) checks every file's size and sha256 against the manifest before
+anything is changed, so a truncated or altered file is refused with its name.
+
+The layer files are written from, and read back into, the host state's own memory: no copy of the
+state is made, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slidedp.errors import SlidedpError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+ENGINE_JSON = "engine.json"
+HF_DIR = "hf"
+STATE_ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+_CHUNK_BYTES = 64 << 20
+_TMP_TAG = ".tmp-"
+_OLD_TAG = ".old-"
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format description)
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class CheckpointError(SlidedpError, ValueError):
+    """A checkpoint folder is incomplete, altered, or does not fit the engine; the message says which."""
+
+
+def layer_file(layer_id: int) -> str:
+    return f"state/layer-{layer_id:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------------------------
+# safetensors, streamed from and into existing memory
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file straight from the tensors' memory; fsync it; return its sha256."""
+    tensors = {k: (v if v.device.type == "cpu" and v.is_contiguous() else v.detach().cpu().contiguous())
+               for k, v in tensors.items()}
+    header: dict = {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for piece in (struct.pack("<Q", len(blob)), blob):
+            f.write(piece)
+            digest.update(piece)
+        for t in tensors.values():
+            view = _byte_view(t)
+            for lo in range(0, len(view), _CHUNK_BYTES):
+                piece = view[lo : lo + _CHUNK_BYTES]
+                f.write(piece)
+                digest.update(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, byte offset of the data) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+    return header, 8 + n
+
+
+def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Read the named tensors of a safetensors file into existing CPU tensors (same dtype and
+    number of elements), without an intermediate copy."""
+    header, start = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        for name, dst in targets.items():
+            info = header.get(name)
+            if info is None:
+                raise CheckpointError(f"{path}: has no tensor {name!r}")
+            lo, hi = info["data_offsets"]
+            if info["dtype"] != _DTYPE_NAMES.get(dst.dtype) or hi - lo != dst.numel() * dst.element_size():
+                raise CheckpointError(f"{path}: tensor {name!r} is {info['dtype']} {info['shape']}, expected "
+                                      f"{dst.dtype} with {dst.numel()} elements")
+            view = _byte_view(dst)
+            f.seek(start + lo)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done : done + _CHUNK_BYTES])
+                if not n:
+                    raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
+                done += n
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (small) safetensors file, as new CPU tensors."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic folders and the manifest
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Writes the files of one checkpoint into a temporary folder and records their sha256."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: dict[str, str] = {}  # relative path -> sha256
+
+    def path(self, rel: str) -> Path:
+        """Where to write `rel` (its folder is created); call `add(rel)` once it is written."""
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def add(self, rel: str) -> None:
+        """Record (hash and fsync) a file written at `path(rel)` by other code."""
+        p = self.root / rel
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+        self.files[rel] = _sha256_file(p)
+
+    def tensors(self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        self.files[rel] = write_safetensors(self.path(rel), tensors, metadata)
+
+    def json(self, rel: str, obj) -> None:
+        data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+        with open(self.path(rel), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[rel] = hashlib.sha256(data).hexdigest()
+
+    def add_folder(self, rel_dir: str) -> None:
+        """Record every file under `rel_dir` not recorded yet (files written by `save_pretrained`)."""
+        base = self.root / rel_dir
+        for p in sorted(base.rglob("*")):
+            rel = p.relative_to(self.root).as_posix()
+            if p.is_file() and rel not in self.files:
+                self.add(rel)
+
+    def finish(self) -> None:
+        manifest = {
+            "format": FORMAT,
+            "files": {rel: {"sha256": sha, "bytes": (self.root / rel).stat().st_size}
+                      for rel, sha in sorted(self.files.items())},
+        }
+        self.json(MANIFEST, manifest)
+        for d in sorted({(self.root / rel).parent for rel in self.files}, key=lambda p: -len(p.parts)):
+            _fsync_dir(d)
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(target: str | os.PathLike):
+    """Yield a `CheckpointWriter` on a temporary sibling of `target`; on success the folder
+    replaces `target` atomically (an existing `target` is replaced); on error nothing changes."""
+    target = Path(target)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{target.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        writer = CheckpointWriter(tmp)
+        yield writer
+        writer.finish()
+        _fsync_dir(tmp)
+        if target.exists():
+            old = parent / f".{target.name}{_OLD_TAG}{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temps(parent: Path) -> None:
+    """Remove temporary folders that an interrupted save left in `parent` (call with no save running)."""
+    if parent.is_dir():
+        for p in parent.iterdir():
+            if p.is_dir() and p.name.startswith(".") and (_TMP_TAG in p.name or _OLD_TAG in p.name):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> dict:
+    """Check every file of the manifest (presence, size, sha256); return the manifest."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} does not exist")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} is not a complete slidedp checkpoint: it has no {MANIFEST} "
+                              "(it may come from an interrupted save)") from None
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {folder}: format {manifest.get('format')!r} is not supported "
+                              f"(this slidedp reads format {FORMAT})")
+    entries = manifest["files"]
+    for rel, entry in entries.items():
+        p = folder / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {folder}: file {rel} is missing")
+        size = p.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint {folder}: file {rel} has {size} bytes, the manifest says "
+                                  f"{entry['bytes']} (truncated or altered)")
+    names = sorted(entries)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        digests = dict(zip(names, pool.map(lambda rel: _sha256_file(folder / rel), names)))
+    for rel in names:
+        if digests[rel] != entries[rel]["sha256"]:
+            raise CheckpointError(f"checkpoint {folder}: file {rel} does not match its sha256 in the manifest "
+                                  "(corrupted or altered)")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's state
+
+
+def _layout_record(engine) -> list[dict]:
+    aliases = {p.name: list(p.aliases) for layer in engine.graph.layers for p in layer.params}
+    return [
+        {"id": layout.layer_id, "name": engine.graph.layers[layout.layer_id].name, "numel": layout.numel,
+         "params": [[name, start, numel, list(shape), aliases.get(name, [])]
+                    for name, start, numel, shape in layout.param_offsets]}
+        for layout in engine.host.layouts
+    ]
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return tensors, {
+        "python": {"version": version, "state": list(state), "gauss_next": gauss},
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+    }
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], states: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors)) if f"cuda.{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    py = states["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    npy = states["numpy"]
+    np.random.set_state((npy["name"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+
+
+def write_engine_state(engine, writer: CheckpointWriter) -> None:
+    """Master weights, AdamW moments and step, frozen parameters, RNG, plan and model config."""
+    engine.updates.flush()
+    host = engine.host
+    for layout, arrays in zip(host.layouts, host.layers):
+        writer.tensors(layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
+    frozen = {name: p.detach() for name, p in engine.model.named_parameters() if not p.requires_grad}
+    if frozen:
+        writer.tensors("frozen.safetensors", frozen)
+    rng_tensors, rng_json = _rng_state()
+    writer.tensors("rng.safetensors", rng_tensors)
+    writer.json("rng.json", rng_json)
+    engine.plan.save(writer.path("plan.json"))
+    writer.add("plan.json")
+    config = getattr(engine.model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(writer.path(f"{HF_DIR}/config.json"))
+        writer.add(f"{HF_DIR}/config.json")
+        generation = getattr(engine.model, "generation_config", None)
+        if generation is not None and hasattr(generation, "to_json_file"):
+            generation.to_json_file(writer.path(f"{HF_DIR}/generation_config.json"))
+            writer.add(f"{HF_DIR}/generation_config.json")
+    writer.json(ENGINE_JSON, {
+        "format": FORMAT,
+        "step": host.step,
+        "skipped_steps": engine.skipped_steps,
+        "precision": engine.precision,
+        "optimizer": engine.optimizer.to_dict(),
+        "max_grad_norm": engine.max_grad_norm,
+        "model_class": engine.graph.model_class,
+        "layers": _layout_record(engine),
+        "frozen": sorted(frozen),
+    })
+
+
+def read_engine_meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((Path(folder) / ENGINE_JSON).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} has no {ENGINE_JSON}: it holds no engine state") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {folder}: engine state format {meta.get('format')!r} is not supported")
+    return meta
+
+
+def _check_layout(engine, meta: dict, folder: Path) -> None:
+    mine = _layout_record(engine)
+    theirs = meta["layers"]
+    if len(mine) != len(theirs):
+        raise CheckpointError(f"checkpoint {folder} holds {len(theirs)} layers ({meta.get('model_class')}), "
+                              f"this engine's model has {len(mine)} ({engine.graph.model_class})")
+    for a, b in zip(mine, theirs):
+        pa = [p[:4] for p in a["params"]]
+        pb = [p[:4] for p in b["params"]]
+        if pa != pb:
+            diff = next(((x, y) for x, y in zip(pa, pb) if x != y), (pa[len(pb):][:1], pb[len(pa):][:1]))
+            raise CheckpointError(f"checkpoint {folder} does not fit this model: layer {a['id']} ({a['name']}) "
+                                  f"differs, first at {diff[1]} in the checkpoint vs {diff[0]} here")
+
+
+def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True) -> dict:
+    """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
+    folder = Path(folder)
+    if verify:
+        verify_checkpoint(folder)
+    meta = read_engine_meta(folder)
+    _check_layout(engine, meta, folder)
+    engine.updates.flush()
+    host = engine.host
+    for layout, arrays in zip(host.layouts, host.layers):
+        read_safetensors_into(folder / layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
+        if arrays.delivery is not None:
+            arrays.delivery.copy_(arrays.master)  # bf16, round to nearest even, as the optimizer writes it
+    if meta.get("frozen"):
+        frozen = read_safetensors(folder / "frozen.safetensors")
+        with torch.no_grad():
+            for name, p in engine.model.named_parameters():
+                if not p.requires_grad and name in frozen:
+                    p.copy_(frozen[name])
+    host.step = int(meta["step"])
+    engine.skipped_steps = int(meta.get("skipped_steps", 0))
+    _set_rng_state(read_safetensors(folder / "rng.safetensors"), json.loads((folder / "rng.json").read_text()))
+    engine.executor.resident_stale.update(engine.executor.resident_ids)
+    return meta
+
+
+def read_master_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{parameter name: fp32 tensor} from a checkpoint alone (every tied name, frozen parameters too)."""
+    folder = Path(folder)
+    meta = read_engine_meta(folder)
+    out: dict[str, torch.Tensor] = {}
+    for layer in meta["layers"]:
+        flat = torch.empty(layer["numel"], dtype=torch.float32)
+        read_safetensors_into(folder / layer_file(layer["id"]), {"master": flat})
+        for name, start, numel, shape, aliases in layer["params"]:
+            value = flat[start : start + numel].view(shape)
+            for n in (name, *aliases):
+                out[n] = value
+    if meta.get("frozen"):
+        out.update(read_safetensors(folder / "frozen.safetensors"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face export
+
+
+def save_hf(model, weights: dict[str, torch.Tensor], out: str | os.PathLike) -> None:
+    """`save_pretrained` of `model` with `weights` (name -> tensor) in place of its own parameters.
+
+    `model` may live on the meta device (a skeleton from `hf_skeleton`). A model loaded from a
+    quantized file (GGUF) cannot be saved as is: a skeleton is built from its config without
+    `quantization_config`, and the weights are saved through that one.
+    """
+    if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
+        raise TypeError(f"{type(model).__name__} is not a Hugging Face model (no save_pretrained): "
+                        "use engine.state_dict() to get its weights")
+    if getattr(model.config, "quantization_config", None) is not None:
+        generation = getattr(model, "generation_config", None)
+        model = hf_skeleton(model.config)
+        if generation is not None:
+            model.generation_config = generation
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(names - set(weights))
+    if missing:
+        raise CheckpointError(f"no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]}")
+    state = {n: w.detach() for n, w in weights.items() if n in names}
+    for name, tensor in model.state_dict().items():  # persistent buffers, saved as the model has them
+        state.setdefault(name, tensor)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, state_dict=state, safe_serialization=True)
+
+
+def hf_skeleton(config):
+    """A fp32 causal LM built from a config (without `quantization_config`): on the meta device
+    (nothing allocated) unless it has persistent buffers, whose values only a real build gives."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = config.to_dict()
+    data.pop("quantization_config", None)
+    data.pop("_name_or_path", None)
+    data["dtype"] = "float32"
+    clean = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(clean, dtype=torch.float32)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    if any(name not in params for name in model.state_dict()):
+        model = AutoModelForCausalLM.from_config(clean, dtype=torch.float32)
+    return model

@@ -1,0 +1,220 @@
+"""A user's training data: ``.txt``, ``.jsonl`` and ``.parquet`` files or folders, as token rows.
+
+Formats (an *example* is a text, every token trained, or a prompt and a completion, where the
+prompt's tokens get label -100 so that only the completion is trained):
+
+- ``.txt``: each file is one text.
+- ``.jsonl``: one JSON object a line, with a ``text`` field, or ``prompt`` and ``completion``;
+  blank lines are skipped.
+- ``.parquet``: a ``text`` column, or ``prompt`` and ``completion`` columns (needs ``pyarrow``,
+  imported only when a parquet file is read).
+
+``data`` names files and folders, comma-separated; a folder contributes every file of these
+kinds below it, in sorted order. Examples are read lazily and reading stops once ``max_rows``
+rows are filled.
+
+Two ways to make rows of exactly ``seq_len`` tokens:
+
+- packing (``packing=True``): each example's tokens, then EOS, are concatenated and cut into
+  rows (the incomplete tail is dropped). No attention mask: examples in a row see each other,
+  as in the usual packed training. For plain texts this gives exactly the rows of
+  ``data.pack_sequences``.
+- padding (``packing=False``): one example a row, truncated to ``seq_len``, EOS appended if it
+  fits, filled with the pad token (the tokenizer's, else EOS); ``attention_mask`` is 0 and the
+  label -100 on the filling.
+
+Rows in which no token is trained (a prompt that fills the whole row) are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidedp.train.data import PackedDataset, _encode, _resolve_eos, read_document
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str  # the text, or the completion
+    prompt: str | None = None  # None: a plain text, every token trained
+
+
+def find_data_files(spec: str) -> list[Path]:
+    """The files named by ``spec`` (comma-separated files and folders), folders expanded."""
+    files: list[Path] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        path = Path(part).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"config key 'data': folder {part} holds no {', '.join(SUFFIXES)} files")
+            files.extend(found)
+        elif path.is_file():
+            if path.suffix not in SUFFIXES:
+                raise ValueError(f"config key 'data': {part} is not a {', '.join(SUFFIXES)} file")
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"config key 'data': {part} does not exist")
+    if not files:
+        raise FileNotFoundError(f"config key 'data': no data files in {spec!r}")
+    return files
+
+
+def _example(obj: Any, where: str) -> Example | None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion'")
+    if "text" in obj and obj["text"] is not None:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        return Example(text) if text.strip() else None
+    if "prompt" in obj and "completion" in obj:
+        prompt, completion = obj["prompt"], obj["completion"]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
+        return Example(completion, prompt) if completion else None
+    raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion' (found {sorted(obj)})")
+
+
+def _jsonl_examples(path: Path) -> Iterator[Example]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"data file {path} line {number}"
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc})") from None
+            example = _example(obj, where)
+            if example is not None:
+                yield example
+
+
+def _parquet_examples(path: Path) -> Iterator[Example]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading the parquet file {path} needs the package 'pyarrow': "
+                          "pip install pyarrow") from None
+    f = pq.ParquetFile(path)
+    names = set(f.schema_arrow.names)
+    if "text" in names:
+        columns = ["text"]
+    elif {"prompt", "completion"} <= names:
+        columns = ["prompt", "completion"]
+    else:
+        raise ValueError(f"data file {path}: expected a 'text' column, or 'prompt' and 'completion' "
+                         f"(found {sorted(names)})")
+    row = 0
+    for batch in f.iter_batches(columns=columns, batch_size=1024):
+        values = {c: batch.column(c).to_pylist() for c in columns}
+        for i in range(batch.num_rows):
+            example = _example({c: values[c][i] for c in columns}, f"data file {path} row {row}")
+            row += 1
+            if example is not None:
+                yield example
+
+
+def iter_examples(files: list[Path]) -> Iterator[Example]:
+    """Examples of every file, in order, read lazily."""
+    for path in files:
+        if path.suffix == ".txt":
+            text = read_document(path)
+            if text.strip():
+                yield Example(text)
+        elif path.suffix == ".jsonl":
+            yield from _jsonl_examples(path)
+        elif path.suffix == ".parquet":
+            yield from _parquet_examples(path)
+        else:
+            raise ValueError(f"data file {path}: not a {', '.join(SUFFIXES)} file")
+
+
+def tokenize_example(example: Example, tokenizer: Any, eos: int) -> tuple[list[int], list[int]]:
+    """(ids, labels) of an example, EOS appended; prompt tokens are labelled -100."""
+    prompt = _encode(tokenizer, example.prompt) if example.prompt else []
+    body = _encode(tokenizer, example.text) + [eos]
+    return prompt + body, [-100] * len(prompt) + body
+
+
+def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, packing: bool,
+               max_rows: int | None = None) -> dict[str, torch.Tensor | None]:
+    """``{"input_ids", "labels", "attention_mask"}`` rows ``[n, seq_len]``; ``labels`` is None when
+    every token is trained (labels = input ids), ``attention_mask`` None when packing."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    eos = _resolve_eos(tokenizer, None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = eos if pad is None else int(pad)
+    ids_rows: list[list[int]] = []
+    label_rows: list[list[int]] = []
+    masks: list[list[int]] = []
+    any_prompt = False
+
+    def emit(ids: list[int], labels: list[int], mask: list[int] | None) -> bool:
+        if any(v != -100 for v in labels[1:]):  # a row must train at least one token
+            ids_rows.append(ids)
+            label_rows.append(labels)
+            if mask is not None:
+                masks.append(mask)
+        return max_rows is not None and len(ids_rows) >= max_rows
+
+    if max_rows is not None and max_rows <= 0:
+        examples = iter(())
+    buf_ids: list[int] = []
+    buf_labels: list[int] = []
+    for example in examples:
+        any_prompt |= example.prompt is not None
+        ids, labels = tokenize_example(example, tokenizer, eos)
+        if not packing:
+            ids, labels = ids[:seq_len], labels[:seq_len]
+            fill = seq_len - len(ids)
+            if emit(ids + [pad] * fill, labels + [-100] * fill, [1] * len(ids) + [0] * fill):
+                break
+            continue
+        buf_ids.extend(ids)
+        buf_labels.extend(labels)
+        done = False
+        n_full = len(buf_ids) // seq_len
+        for i in range(n_full):
+            if emit(buf_ids[i * seq_len : (i + 1) * seq_len], buf_labels[i * seq_len : (i + 1) * seq_len], None):
+                done = True
+                break
+        del buf_ids[: n_full * seq_len], buf_labels[: n_full * seq_len]
+        if done:
+            break
+
+    def tensor(rows):
+        return torch.tensor(rows, dtype=torch.long) if rows else torch.empty((0, seq_len), dtype=torch.long)
+
+    return {
+        "input_ids": tensor(ids_rows),
+        "labels": tensor(label_rows) if (any_prompt or not packing) else None,
+        "attention_mask": None if packing else tensor(masks),
+    }
+
+
+def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True, max_rows: int | None = None,
+                 seed: int = 0) -> PackedDataset:
+    """A ``PackedDataset`` (with labels and masks where needed) from the files named by ``spec``."""
+    files = find_data_files(spec)
+    rows = build_rows(iter_examples(files), tokenizer, seq_len, packing=packing, max_rows=max_rows)
+    if rows["input_ids"].shape[0] == 0:
+        raise ValueError(f"config key 'data': {spec} gives no row of {seq_len} tokens "
+                         f"({'packing' if packing else 'padding'}); add data or lower seq_len")
+    return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"], attention_mask=rows["attention_mask"])
+
+
+__all__ = ["Example", "SUFFIXES", "build_rows", "find_data_files", "iter_examples", "load_dataset",
+           "tokenize_example"]

@@ -1,0 +1,216 @@
+"""`slidedp calibrate`: the aggregation helpers on synthetic timings, a quick CPU calibration, the
+profile's JSON round trip, the command, and planning with a calibrated profile."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.cli import main
+from slidedp.costmodel import calibrate as cal
+from slidedp.costmodel.hardware import PRESETS, Hardware
+from slidedp.costmodel.ops import transfer_time_s
+from slidedp.scheduler.plan import Plan
+from tests.models import make_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# -- helpers on synthetic timings -----------------------------------------------------------------
+
+
+def test_transfer_profile_from_latency_plus_bandwidth_timings():
+    latency_s, bandwidth = 10e-6, 50e9
+    sizes = [2**16 * 4**k for k in range(8)]
+    samples = [(s, latency_s + s / bandwidth) for s in reversed(sizes)]  # any order
+    peak, curve = cal.transfer_profile(samples)
+    assert peak == pytest.approx(sizes[-1] / (latency_s + sizes[-1] / bandwidth), rel=1e-12)
+    assert [b for b, _ in curve] == sizes
+    for (s, f) in curve:
+        assert f == pytest.approx(s / (latency_s + s / bandwidth) / peak, rel=1e-12)
+    assert curve[-1][1] == 1.0 and all(0 < f <= 1 for _, f in curve)
+    # the cost model gives back every measured time
+    for s, t in samples:
+        assert transfer_time_s(s, peak, curve) == pytest.approx(t, rel=1e-12)
+
+
+def test_transfer_profile_normalises_to_the_fastest_size():
+    # a mid-size copy faster than the largest (cache): it is the reference, the largest gets < 1
+    peak, curve = cal.transfer_profile([(1000, 1e-6), (2000, 1e-6), (4000, 4e-6)])
+    assert peak == 2e9
+    assert curve == ((1000, 0.5), (2000, 1.0), (4000, 0.5))
+    Hardware(**{**PRESETS["cpu"].to_dict(), "transfer_efficiency": curve})  # a valid profile curve
+
+
+@pytest.mark.parametrize("samples", [[], [(1000, 0.0)], [(0, 1.0)], [(1000, 1.0), (1000, 2.0)]])
+def test_transfer_profile_refuses_bad_samples(samples):
+    with pytest.raises(ValueError):
+        cal.transfer_profile(samples)
+
+
+def test_large_copy_rate_inverts_the_cost_model():
+    curve = ((2**20, 0.5), (2**30, 1.0))
+    for nbytes, seconds in ((2**10, 1e-5), (2**24, 1e-3), (2**31, 0.04)):
+        rate = cal.large_copy_rate(nbytes, seconds, curve)
+        assert transfer_time_s(nbytes, rate, curve) == pytest.approx(seconds, rel=1e-12)
+    assert cal.large_copy_rate(2**30, 0.02, curve) == 2**30 / 0.02
+
+
+@pytest.mark.parametrize("max_threads, counts", [
+    (1, (1,)), (2, (1, 2)), (3, (1, 2, 3)), (12, (1, 2, 4, 8, 12)), (16, (1, 2, 4, 8, 16)),
+])
+def test_thread_counts(max_threads, counts):
+    assert cal.thread_counts(max_threads) == counts
+
+
+def test_adamw_rates_median_and_fraction():
+    assert cal.adamw_rates(10**6, [(4, 0.25), (1, 1.0), (2, 0.5)]) == ((1, 1e6), (2, 2e6), (4, 4e6))
+    assert cal.median_s([3.0, 1.0, 2.0, 100.0, 1.5]) == 2.0
+    assert cal.fraction_kept(2.62e9, 3.97e9) == pytest.approx(0.66, abs=1e-3)
+    assert cal.fraction_kept(4.1e9, 4.0e9) == 1.0  # noise never gives more than all of it
+    for bad in (lambda: cal.median_s([]), lambda: cal.median_s([1.0, 0.0]), lambda: cal.thread_counts(0),
+                lambda: cal.adamw_rates(10, [(0, 1.0)]), lambda: cal.fraction_kept(0.0, 1.0)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def block_flops_by_hand(s: cal.BlockShape) -> float:
+    """Linear layers 6 T P; SDPA 4 b H s^2 d forward and 2.5 times that backward (FlopCounterMode's)."""
+    q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    linear_params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.intermediate_size
+    attention = 4 * s.batch_size * s.num_attention_heads * s.seq_len**2 * s.head_dim
+    return 6 * s.batch_size * s.seq_len * linear_params + 3.5 * attention
+
+
+@pytest.mark.parametrize("shape", [cal.BlockShape(64, 96, 4, 2, 16, seq_len=32, batch_size=2), cal.QWEN3_4B_BLOCK])
+def test_block_flops_are_counted_as_the_ir_counts_them(shape):
+    assert cal.count_block_flops(shape) == block_flops_by_hand(shape)
+
+
+def test_block_flops_match_the_layer_ir():
+    from transformers import Qwen3ForCausalLM
+
+    from slidedp.ir.build import build_layer_graph
+
+    shape = cal.BlockShape(64, 96, 4, 2, 16, seq_len=32, batch_size=2)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cal.qwen3_block_config(shape, num_hidden_layers=2))
+    graph = build_layer_graph(model, batch_size=2, seq_len=32)
+    block = graph.blocks[0]
+    assert block.costs.flops_fwd + block.costs.flops_bwd == cal.count_block_flops(shape)
+    assert cal.measure_block_fwd_bwd_s(torch.device("cpu"), shape, repeats=1) > 0
+
+
+def test_default_sizes_sweep_64kib_to_1gib_and_quick_is_smaller():
+    sweep = tuple(2**16 * 4**k for k in range(8))
+    assert sweep[-1] == 2**30
+    for cuda in (True, False):
+        full, quick = cal.default_sizes(cuda, quick=False), cal.default_sizes(cuda, quick=True)
+        assert full.transfer_bytes == sweep and full.host_copy_bytes >= 2**30
+        assert quick.transfer_bytes == sweep[:len(quick.transfer_bytes)] and quick.transfer_bytes[-1] <= 64 * 2**20
+        assert quick.adamw_numel < full.adamw_numel and quick.host_copy_bytes < full.host_copy_bytes
+    assert cal.default_sizes(True, quick=False).block == cal.QWEN3_4B_BLOCK
+
+
+# -- the Hardware field ----------------------------------------------------------------------------
+
+
+def test_adamw_by_threads_field_defaults_normalises_and_validates():
+    assert all(hw.cpu_adamw_params_per_s_by_threads == () for hw in PRESETS.values())
+    old = PRESETS["cpu"].to_dict()
+    del old["cpu_adamw_params_per_s_by_threads"]  # a profile saved before the field existed
+    assert Hardware.from_dict(old) == PRESETS["cpu"]
+    hw = Hardware.from_dict({**old, "cpu_adamw_params_per_s_by_threads": [[1, 1e8], [2, 1.9e8]]})
+    assert hw.cpu_adamw_params_per_s_by_threads == ((1, 1e8), (2, 1.9e8))
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    for bad in ([[2, 1e8], [1, 2e8]], [[1, 0.0]], [[0, 1e8]]):
+        with pytest.raises(ValueError, match="cpu_adamw_params_per_s_by_threads"):
+            Hardware.from_dict({**old, "cpu_adamw_params_per_s_by_threads": bad})
+
+
+# -- a quick CPU calibration -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_cpu():
+    lines = []
+    shape = dict(hidden_size=96, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 seq_len=64)
+    return cal.calibrate(device="cpu", quick=True, progress=lines.append, model_shape=shape), lines
+
+
+def test_quick_cpu_calibration_is_plausible(quick_cpu):
+    hw, lines = quick_cpu
+    assert hw.name == "calibrated:cpu" and hw.cpu_cores == os.cpu_count()
+    assert 1e8 <= hw.host_dram_bytes_per_s <= 1e12
+    for rate in (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.duplex_bytes_per_s):
+        assert 1e7 <= rate <= 1e12
+    # the block's rate is what the cost model uses; the split into matmul x efficiency is noisier
+    assert 1e7 <= hw.matmul_flops_per_s <= 1e14 and 1e6 <= hw.matmul_flops_per_s * hw.block_efficiency <= 1e14
+    assert hw.gpu_memory_bytes > 2**28 and hw.gpu_p2p_bytes_per_s == 0.0
+    assert hw.cpu_adamw_contended_fraction == 1.0 and hw.gpus_per_root_complex == 1
+    sizes = [b for b, _ in hw.transfer_efficiency]
+    assert sizes == sorted(set(sizes)) and sizes[0] == 64 * 2**10
+    assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)
+    assert max(f for _, f in hw.transfer_efficiency) == 1.0
+    threads = [t for t, _ in hw.cpu_adamw_params_per_s_by_threads]
+    assert threads == list(cal.thread_counts(threads[-1])) and threads[-1] <= os.cpu_count()
+    assert hw.cpu_adamw_params_per_s == max(r for _, r in hw.cpu_adamw_params_per_s_by_threads)
+    assert 1e6 <= hw.cpu_adamw_params_per_s <= 1e11
+    text = "\n".join(lines)
+    assert "Qwen3 hidden 96, 1x64 tokens" in text  # the model_shape given
+    for words in ("matmul", "block fwd+bwd", "H2D by size", "D2H", "H2D + D2H", "host DRAM", "CPU AdamW",
+                  "AdamW + copies", "GPU-to-GPU", "root complex", "memory"):
+        assert words in text
+    assert all(math.isfinite(v) for v in (hw.matmul_flops_per_s, hw.block_efficiency, hw.h2d_bytes_per_s))
+
+
+def test_profile_round_trips_and_plans(quick_cpu, tmp_path):
+    hw, _ = quick_cpu
+    path = tmp_path / "hardware.json"
+    hw.save(path)
+    assert Hardware.load(path) == hw
+    plan = slidedp.plan(make_model("qwen3"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu",
+                        hardware=str(path))
+    assert plan.hardware == hw.to_dict() and plan.hardware["name"] == "calibrated:cpu"
+    assert plan.predicted_step_time_s > 0
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_cli_calibrate_writes_a_loadable_profile(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--quick", "--device", "cpu", "--out", str(out)]) == 0
+    hw = Hardware.load(out)
+    assert hw.name == "calibrated:cpu"
+    printed = capsys.readouterr().out
+    assert "H2D by size" in printed and "CPU AdamW" in printed and str(out) in printed
+    assert json.loads(printed[printed.index("{"):printed.rindex("}") + 1]) == hw.to_dict()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_cuda_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        cal.calibrate(device="cuda", quick=True)
+    assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "x.json")]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_quick_cuda_calibration(tmp_path):
+    lines = []
+    hw = cal.calibrate(device="cuda", quick=True, progress=lines.append)
+    assert hw.name.startswith("calibrated:") and hw.gpu_memory_bytes > 2**30
+    assert hw.matmul_flops_per_s > 1e12 and 0 < hw.block_efficiency <= 1.5
+    assert 1e9 <= hw.h2d_bytes_per_s <= 1e12 and 1e9 <= hw.d2h_bytes_per_s <= 1e12
+    assert hw.duplex_bytes_per_s >= 0.5 * min(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s)
+    assert 0 < hw.cpu_adamw_contended_fraction <= 1
+    assert hw.gpu_p2p_bytes_per_s >= 0
+    assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)
+    path = tmp_path / "hardware.json"
+    hw.save(path)
+    assert Hardware.load(path) == hw
+    print("\n".join(lines))
