@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -11,10 +12,14 @@ from slidedp import __version__
 from slidedp.backend.executor import StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.program import Program, lower
+from slidedp.backend.rank import Rank
+from slidedp.backend.routes import Routes
 from slidedp.backend.simulate import simulate
+from slidedp.backend.step_flags import StepFlags
+from slidedp.backend.workers import WorkerPool, job_skeleton
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import resolve_hardware
-from slidedp.engine import Engine
+from slidedp.engine import Engine, update_order
 from slidedp.errors import UnsupportedModelError
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import BLOCK, LayerGraph
@@ -113,12 +118,10 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
 
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
+
+    With `world_size` > 1 the ranks are worker processes (one per GPU, or CPU processes), started
+    here and driven by this process: `step()` takes the global batch (backend/workers.py).
     """
-    if world_size != 1:
-        raise ValueError(
-            f"world_size={world_size}: this version of slidedp runs one rank; data parallelism is not "
-            "available yet (slidedp.plan can plan for several ranks)"
-        )
     graph, the_plan, dev, optimizer, max_grad_norm = _prepare(
         model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
         precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm, hardware=hardware,
@@ -134,18 +137,37 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     # (for a solved plan the program needs at most the plan's predicted peak: tests/backend/test_program.py).
     simulate(program, budget_bytes=Budget.parse(budget).device_bytes)
     bf16 = precision == "bf16"
-    host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32")
+    if dev.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    flag_ints = StepFlags.ints_needed(world_size, len(graph.layers)) if world_size > 1 else 0
+    from slidedp.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
+    check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints)
+    host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32", control_ints=flag_ints)
+    runner = None
     try:
         _load_weights(model, graph, host, bf16=bf16)
-        if dev.type == "cuda":
-            host.pin()
-        executor = StreamedExecutor(model, graph, host, program, device=dev, compute_dtype=_PRECISIONS[precision],
-                                    loss_chunk_tokens=the_plan.loss_chunk_tokens or None)
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
+        order = update_order(the_plan, graph)
+        job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
+                   loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=order)
+        if world_size == 1:
+            if dev.type == "cuda":
+                host.pin()
+            executor = StreamedExecutor(model, graph, host, program, device=dev, compute_dtype=job["compute_dtype"],
+                                        loss_chunk_tokens=job["loss_chunk_tokens"],
+                                        routes_for=lambda streams: Routes(plan=the_plan, host=host, streams=streams))
+            threads = max(1, (os.cpu_count() or 2) - 1) if dev.type == "cuda" else None  # a core issues GPU work
+            runner = Rank(executor=executor, host=host, graph=graph, update_order=order, num_threads=threads)
+        else:
+            flags = StepFlags(host.control(), world_size, len(graph.layers))
+            skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
+            runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)
     except BaseException:
+        if runner is not None:
+            runner.close()
         host.close()
         raise
-    return Engine(model=model, graph=graph, plan=the_plan, host=host, executor=executor, optimizer=optimizer,
+    return Engine(model=model, graph=graph, plan=the_plan, host=host, runner=runner, optimizer=optimizer,
                   max_grad_norm=max_grad_norm, device=dev, precision=precision)
 
 

@@ -1,20 +1,16 @@
-"""The Engine: one synchronous optimizer step on a global batch, over a streamed executor."""
+"""The Engine: one synchronous optimizer step on a global batch, over one rank or several."""
 
 from __future__ import annotations
 
 import logging
-import math
-import os
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from slidedp.backend import cpu_adamw
-from slidedp.backend.executor import MicroBatch, StreamedExecutor
 from slidedp.backend.host_state import HostState
-from slidedp.backend.update_stream import UpdateStream
+from slidedp.backend.rank import Rank
+from slidedp.backend.workers import WorkerPool
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 from slidedp.scheduler.plan import Plan
@@ -35,113 +31,63 @@ class StepInfo:
 
 
 class Engine:
-    """Created by `slidedp.compile`; owns the host state, device buffers and optimizer."""
+    """Created by `slidedp.compile`; owns the host state and the ranks that train on it.
+
+    `runner` is the local rank (`backend.rank.Rank`, one process) or the pool of worker processes
+    (`backend.workers.WorkerPool`, one per rank); both take a step on the global batch.
+    """
 
     def __init__(self, *, model: nn.Module, graph: LayerGraph, plan: Plan, host: HostState,
-                 executor: StreamedExecutor, optimizer: AdamW, max_grad_norm: float | None,
+                 runner: "Rank | WorkerPool", optimizer: AdamW, max_grad_norm: float | None,
                  device: torch.device, precision: str):
         self.model = model
         self.graph = graph
         self.plan = plan
         self.host = host
-        self.executor = executor
+        self.runner = runner
+        self.executor = runner.executor if isinstance(runner, Rank) else None  # the local rank's
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.device = device
         self.precision = precision
         self.skipped_steps = 0
         self.last_step: StepInfo | None = None
-        self._staging: list[torch.Tensor] | None = None
-        self._decay_segments = [_decay_segments(layer, optimizer) for layer in graph.layers]
         self._closed = False
-        # The CPU update of step t runs on its own thread while step t+1 starts; each layer's
-        # update sets its event, and the executor waits for it before it reads the layer's
-        # weights (H2D) or writes its gradient (D2H). See `UpdateStream`.
-        self.updates = UpdateStream(order=update_order(plan, graph), num_threads=_update_threads(device))
-        executor.wait_for_update = self.updates.wait
+
+    @property
+    def updates(self):
+        """What runs the CPU updates: `.flush()` waits for them, `.last_duration_s` timed the last round."""
+        return self.runner.updates if isinstance(self.runner, Rank) else self.runner
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None) -> float:
         """One optimizer step on the global batch; returns the token-weighted mean loss."""
         self._check_open()
+        result, tokens = self._run(input_ids, labels, attention_mask, self.optimizer)
+        if result.skipped:
+            self.skipped_steps += 1
+            log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far",
+                        result.grad_norm, self.skipped_steps)
+        self.last_step = StepInfo(self.host.step, result.loss, result.grad_norm, result.clip_coef, result.skipped,
+                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s)
+        return result.loss
+
+    def _run(self, input_ids, labels, attention_mask, optimizer: AdamW | None):
         input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)
         tokens = int((labels[:, 1:] != -100).sum())
         if tokens == 0:
-            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to train on")
+            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to "
+                             + ("train on" if optimizer is not None else "evaluate"))
         w = self.plan.workload
-        rows_per_mb = w.batch_size
-        mbs = [
-            MicroBatch(
-                input_ids[r : r + rows_per_mb].to(self.device, non_blocking=True),
-                labels[r : r + rows_per_mb].to(self.device, non_blocking=True),
-                None if attention_mask is None else attention_mask[r : r + rows_per_mb].to(self.device),
-            )
-            for r in range(0, input_ids.shape[0], rows_per_mb)
-        ]
-        passes = [mbs[i : i + w.micro_batches] for i in range(0, len(mbs), w.micro_batches)]
+        result = self.runner.step(input_ids, labels, attention_mask, tokens, batch_size=w.batch_size,
+                                  micro_batches=w.micro_batches, optimizer=optimizer,
+                                  max_grad_norm=self.max_grad_norm)
+        return result, tokens
 
-        t_start = time.perf_counter()
-        grads = [layer.grad for layer in self.host.layers]
-        loss = torch.zeros((), dtype=torch.float64)
-        sumsq_device = None
-        for k, group in enumerate(passes):
-            targets = grads if k == 0 else self._staging_buffers()
-            result = self.executor.run_pass(group, tokens, targets)
-            loss += result.loss_sum.double().cpu()
-            if k > 0:  # accumulate on the host, in the host gradient's dtype (fp32 sums inside)
-                for layer_grad, staged, guard in zip(grads, targets, result.d2h):
-                    guard.host_wait()
-                    layer_grad.add_(staged)
-            sumsq_device = result.sumsq if len(passes) == 1 else None
-            d2h = result.d2h
-        if sumsq_device is not None:
-            sumsq = torch.stack([s.float() for s in sumsq_device]).double().cpu()
-        else:
-            sumsq = torch.stack([torch.linalg.vector_norm(g.float()).double() ** 2 for g in grads])
-        norm = float(sumsq.sum().sqrt())
-        loss_value = float(loss)
-        timing = dict(wait_s=self.updates.last_wait_s, pass_s=time.perf_counter() - t_start)
-        if not math.isfinite(norm):
-            self.skipped_steps += 1
-            log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far", norm, self.skipped_steps)
-            self.last_step = StepInfo(self.host.step, loss_value, norm, 0.0, True, tokens, **timing)
-            return loss_value
-        clip = 1.0
-        if self.max_grad_norm is not None:
-            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        self._update(d2h, clip)
-        self.last_step = StepInfo(self.host.step, loss_value, norm, clip, False, tokens, **timing)
-        return loss_value
-
-    def _update(self, d2h, clip: float) -> None:
-        """Start AdamW on every layer (fp32 master, bf16 delivery copy written), in update order,
-        on the update thread; returns at once. Each layer first waits for its gradient's D2H."""
-        self.host.step += 1
-        step, opt, host = self.host.step, self.optimizer, self.host
-
-        def update(layer_id: int, num_threads: int) -> None:
-            d2h[layer_id].host_wait()
-            layer = host.layers[layer_id]
-            arrays = [host.numpy(t) if t is not None else None
-                      for t in (layer.master, layer.grad, layer.exp_avg, layer.exp_avg_sq, layer.delivery)]
-            for start, end, decay in self._decay_segments[layer_id]:
-                p, g, m, v, out = (a[start:end] if a is not None else None for a in arrays)
-                cpu_adamw.adamw_step(
-                    p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
-                    weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=clip,
-                    num_threads=num_threads,
-                )
-
-        self.updates.start(update)
-        self.executor.resident_stale.update(self.executor.resident_ids)
-
-    def _staging_buffers(self) -> list[torch.Tensor]:
-        if self._staging is None:
-            self._staging = [torch.empty_like(layer.grad) for layer in self.host.layers]
-            if self.device.type == "cuda":
-                self._staging = [t.pin_memory() for t in self._staging]
-        return self._staging
+    def reload(self) -> None:
+        """The host state was rewritten (a checkpoint loaded): ranks reload their device copies."""
+        self.runner.reload(self.host.step)
 
     # -- inputs ---------------------------------------------------------------------------------
     def _validate(self, input_ids, labels, attention_mask):
@@ -187,7 +133,7 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
         self._check_open()
-        self.updates.flush()
+        self.runner.flush()
         out = {}
         for layer in self.graph.layers:
             views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
@@ -201,21 +147,21 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Free device buffers and the host state; the model keeps copies of the trained weights."""
+        """Free device buffers, worker processes and the host state; the model keeps copies of the
+        trained weights."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.updates.flush()
+            self.runner.close()
         finally:
-            self.updates.close()
-        for p in self.model.parameters():
-            if p.requires_grad and p.device.type == "cpu":
-                p.data = p.data.clone()
-        self.executor = None
-        self.host.close()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            for p in self.model.parameters():
+                if p.requires_grad and p.device.type == "cpu":
+                    p.data = p.data.clone()
+            self.executor = None
+            self.host.close()
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -255,29 +201,8 @@ class Engine:
                 labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), -100)])
                 if attention_mask is not None:
                     attention_mask = torch.cat([attention_mask, attention_mask.new_ones(pad, attention_mask.shape[1])])
-        input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)
-        tokens = int((labels[:, 1:] != -100).sum())
-        if tokens == 0:
-            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to evaluate")
-        self.updates.flush()  # the pending update has read the host gradients, which the passes overwrite
-        w = self.plan.workload
-        mbs = [
-            MicroBatch(
-                input_ids[r : r + w.batch_size].to(self.device),
-                labels[r : r + w.batch_size].to(self.device),
-                None if attention_mask is None else attention_mask[r : r + w.batch_size].to(self.device),
-            )
-            for r in range(0, input_ids.shape[0], w.batch_size)
-        ]
-        grads = [layer.grad for layer in self.host.layers]
-        loss = torch.zeros((), dtype=torch.float64)
-        for i in range(0, len(mbs), w.micro_batches):
-            result = self.executor.run_pass(mbs[i : i + w.micro_batches], tokens, grads)
-            loss += result.loss_sum.double().cpu()
-            for guard in result.d2h:
-                if guard is not None:
-                    guard.host_wait()
-        return float(loss)
+        result, _ = self._run(input_ids, labels, attention_mask, optimizer=None)
+        return result.loss
 
     def save_checkpoint(self, dir) -> None:
         """Master weights, AdamW moments and step, RNG, plan and model config into the folder `dir`,
@@ -301,7 +226,7 @@ class Engine:
         from slidedp.checkpoint import save_hf
 
         self._check_open()
-        self.updates.flush()
+        self.runner.flush()
         weights: dict[str, torch.Tensor] = {}
         for layer in self.graph.layers:
             views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
@@ -320,25 +245,3 @@ def update_order(plan: Plan, graph: LayerGraph) -> list[int]:
     if sorted(order) != sorted(default):
         raise ValueError(f"the plan's update_order {order} is not a permutation of the layer ids {default}")
     return order
-
-
-def _update_threads(device: torch.device) -> int | None:
-    """CPU threads for the optimizer: all but one core when a GPU needs a thread to issue work."""
-    if device.type != "cuda":
-        return None
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-def _decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:
-    """Runs of consecutive parameters sharing a weight-decay setting: (start, end, decay)."""
-    segments: list[tuple[int, int, bool]] = []
-    start = 0
-    for p in layer.params:
-        decay = not (optimizer.no_decay_groups and p.no_decay)
-        end = start + p.numel
-        if segments and segments[-1][2] == decay and segments[-1][1] == start:
-            segments[-1] = (segments[-1][0], end, decay)
-        else:
-            segments.append((start, end, decay))
-        start = end
-    return segments

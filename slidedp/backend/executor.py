@@ -28,7 +28,8 @@ from torch import nn
 
 from slidedp.backend.host_state import HostState
 from slidedp.backend.saved_activations import SavedActivations
-from slidedp.backend.streams import Guard, Streams
+from slidedp.backend.routes import Routes
+from slidedp.backend.streams import Streams
 from slidedp.backend.program import (
     ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
 )
@@ -54,18 +55,12 @@ class MicroBatch:
     attention_mask: torch.Tensor | None
 
 
-@dataclass
-class PassResult:
-    loss_sum: torch.Tensor  # sum over micro-batches of (token CE sum / global tokens), device scalar
-    sumsq: list[torch.Tensor]  # per layer: sum of squares of this pass's gradient (device fp32)
-    d2h: list[Guard]  # per layer: the host gradient (or staging) and the event of its copy
-
-
 class StreamedExecutor:
     """Owns the device-side buffers of one rank and runs passes over the weights."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, program: Program, *,
-                 device: torch.device, compute_dtype: torch.dtype, loss_chunk_tokens: int | None = None):
+                 device: torch.device, compute_dtype: torch.dtype, routes_for: Callable[[Streams], Routes],
+                 loss_chunk_tokens: int | None = None):
         self.model = model
         self.graph = graph
         self.host = host
@@ -73,6 +68,7 @@ class StreamedExecutor:
         self.device = device
         self.dtype = compute_dtype
         self.streams = Streams(device)
+        self.routes = routes_for(self.streams)  # weights up, gradients down (routes.py)
         _, self.blocks = find_blocks(model)
         self.block_layers = [layer for layer in graph.layers if layer.kind == BLOCK]
         self.n_blocks = len(self.block_layers)
@@ -84,8 +80,6 @@ class StreamedExecutor:
         self.fused_head: bool | None = None  # known after the first epilogue
         self.epilogue_names = [p.name for p in graph.epilogue.params] + list(graph.epilogue.tied_param_names)
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
-        # Set by the engine: blocks until a layer's pending CPU update is done (see update_stream.py).
-        self.wait_for_update: Callable[[int], None] = lambda layer_id: None
         self.resident_stale: set[int] = set(self.resident_ids)  # resident weights to (re)load
         self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
         # Where each stored parameter lives: name -> (layer id, start, numel).
@@ -120,8 +114,7 @@ class StreamedExecutor:
         """H2D of a prologue/epilogue layer's weights if an update changed them since the last load."""
         if layer_id not in self.resident_stale:
             return
-        self.wait_for_update(layer_id)
-        self.streams.copy("h2d", self.resident[layer_id], self.host.layers[layer_id].source)
+        self.routes.load(layer_id, self.resident[layer_id], self.host.layers[layer_id].source)
         self.streams.wait("compute", self.streams.record("h2d"))
         self.resident_stale.discard(layer_id)
 
@@ -139,10 +132,10 @@ class StreamedExecutor:
         return out
 
     # -- the pass: interpret the program --------------------------------------------------------
-    def run_pass(self, micro_batches: list[MicroBatch], global_tokens: int,
-                 grad_targets: list[torch.Tensor]) -> PassResult:
-        """One pass over the weights; layer i's gradient is copied into `grad_targets[i]` (host)."""
-        st = _PassState(self, micro_batches, global_tokens, grad_targets)
+    def run_pass(self, micro_batches: list[MicroBatch], global_tokens: int) -> torch.Tensor:
+        """One pass over the weights; each layer's gradient goes to the host by `self.routes`.
+        Returns the pass's loss: sum over its micro-batches of (token CE sum / global_tokens)."""
+        st = _PassState(self, micro_batches, global_tokens)
         self.offloaded_bytes = 0
         events: dict[int, object] = {}
         handlers = {
@@ -159,9 +152,7 @@ class StreamedExecutor:
                     handler(op, st)
             if op.record is not None:
                 events[op.record] = self.streams.record(op.stream)
-                if op.kind == D2H_GRAD:
-                    st.d2h[op.layer_id] = Guard(grad_targets[op.layer_id], events[op.record])
-        return PassResult(loss_sum=st.loss_sum, sumsq=st.sumsq, d2h=st.d2h)
+        return st.loss_sum
 
     def _op_prologue(self, op, st: "_PassState") -> None:
         """The model's forward up to the last block, per micro-batch: records every block's inputs."""
@@ -187,11 +178,7 @@ class StreamedExecutor:
 
     def _op_h2d_weights(self, op, st: "_PassState") -> None:
         layer = self.block_layers[op.block]
-        self.wait_for_update(layer.id)
-        src = self.host.layers[layer.id].source
-        dst = self.slots[op.slot]
-        for lo, hi in op.chunks:
-            self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
+        self.routes.load(layer.id, self.slots[op.slot], self.host.layers[layer.id].source)
 
     def _op_fwd(self, op, st: "_PassState") -> None:
         """Forward of one block for every micro-batch, under the plan's activation policy."""
@@ -328,16 +315,9 @@ class StreamedExecutor:
             st.finish_gradient(lid, st.resident_acc[lid])
 
     def _op_d2h_grad(self, op, st: "_PassState") -> None:
-        """The layer's fp32 gradient to the host, chunk by chunk; cast on the D2H stream into one
-        chunk-sized buffer at a time when the host gradient is bf16 (costmodel.memory.grad_staging_bytes)."""
-        self.wait_for_update(op.layer_id)  # the previous step's update still reads this gradient
-        src, dst = st.grad_src.pop(op.layer_id), st.grad_targets[op.layer_id]
-        for lo, hi in op.chunks:
-            piece = src[lo:hi]
-            if dst.dtype != piece.dtype:
-                with self.streams.on("d2h"):
-                    piece = piece.to(dst.dtype)
-            self.streams.copy("d2h", dst[lo:hi], piece)
+        """The layer's fp32 gradient to the host by its reduction route, chunk by chunk; cast on the
+        D2H stream one chunk at a time when the host gradient is bf16 (costmodel.memory.grad_staging_bytes)."""
+        self.routes.gradient(op.layer_id, st.grad_src.pop(op.layer_id), st.sumsq[op.layer_id])
 
     def _accumulate(self, resident_acc, names, grads) -> None:
         for name, gp in zip(names, grads):
@@ -349,9 +329,9 @@ class StreamedExecutor:
 class _PassState:
     """What one pass carries between its ops: block inputs, activations, gradients, the loss."""
 
-    def __init__(self, ex: StreamedExecutor, micro_batches, global_tokens, grad_targets):
+    def __init__(self, ex: StreamedExecutor, micro_batches, global_tokens):
         n, m = ex.n_blocks, len(micro_batches)
-        self.micro_batches, self.global_tokens, self.grad_targets = micro_batches, global_tokens, grad_targets
+        self.micro_batches, self.global_tokens = micro_batches, global_tokens
         self.device = ex.device
         self.leaves = {
             name: ex.resident[lid][start : start + numel].view(ex.model.get_parameter(name).shape)
@@ -369,8 +349,7 @@ class _PassState:
         self.grad_h: list[torch.Tensor] = []
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=ex.device)
         n_layers = len(ex.graph.layers)
-        self.sumsq: list[torch.Tensor | None] = [None] * n_layers
-        self.d2h: list[Guard | None] = [None] * n_layers
+        self.sumsq: list[torch.Tensor | None] = [None] * n_layers  # of this pass's gradient, on the device
         self.grad_src: dict[int, torch.Tensor] = {}
 
     def finish_gradient(self, layer_id: int, acc: torch.Tensor) -> None:

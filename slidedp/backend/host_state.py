@@ -4,7 +4,8 @@ One anonymous shared-memory file (`memfd_create`) holds every array, page-aligne
 
     master fp32 [n] | exp_avg fp32 [n] | exp_avg_sq fp32 [n] | delivery bf16 [n] | grad [n]
 
-`delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
+followed by a small control region of int64 counters (`StepFlags`, backend/step_flags.py) through
+which ranks in other processes signal each other. `delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
 fp32 precision, where H2D reads `master`). `grad` receives the gradient from the device (bf16 or
 fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
 copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
@@ -33,11 +34,11 @@ def _align(n: int, to: int = PAGE_BYTES) -> int:
 class ArraySpec:
     offset_bytes: int
     numel: int
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # "float32" | "bfloat16" | "int64"
 
     @property
     def nbytes(self) -> int:
-        return self.numel * (4 if self.dtype == "float32" else 2)
+        return self.numel * {"float32": 4, "bfloat16": 2, "int64": 8}[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,10 @@ class LayerLayout:
     grad: ArraySpec
 
 
-def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str) -> tuple[list[LayerLayout], int]:
-    """Page-aligned layout of every layer's arrays; returns (layouts, total bytes)."""
+def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str,
+                control_ints: int = 0) -> tuple[list[LayerLayout], int, int]:
+    """Page-aligned layout of every layer's arrays, then `control_ints` int64 counters;
+    returns (layouts, control region offset in bytes, total bytes)."""
     layouts, cursor = [], 0
 
     def take(numel: int, dtype: str) -> ArraySpec:
@@ -82,7 +85,8 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str) -> t
                 grad=take(n, grad_dtype),
             )
         )
-    return layouts, max(cursor, PAGE_BYTES)
+    control = take(control_ints, "int64").offset_bytes
+    return layouts, control, max(cursor, PAGE_BYTES)
 
 
 class LayerArrays:
@@ -117,13 +121,25 @@ class LayerArrays:
 
 
 class HostState:
-    """All layers' arrays in one shared, registrable memory file."""
+    """All layers' arrays in one shared, registrable memory file.
 
-    def __init__(self, graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str):
-        self.layouts, self.nbytes = plan_layout(graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype)
-        self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+    `HostState(graph, ...)` creates the file; `HostState.attach(handle)` maps the same file in
+    another process of the same host (`handle()` says where it is: /proc/<pid>/fd/<fd>).
+    """
+
+    def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
+                 _attach: tuple | None = None):
+        if _attach is None:
+            self.layouts, self.control_offset, self.nbytes = plan_layout(
+                graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints)
+            self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+        else:
+            path, self.layouts, self.control_offset, self.nbytes = _attach
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.control_ints = control_ints
         try:
-            os.ftruncate(self.fd, self.nbytes)
+            if _attach is None:
+                os.ftruncate(self.fd, self.nbytes)
             self._mmap = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
@@ -132,6 +148,21 @@ class HostState:
         self.layers = [LayerArrays(self._buf, layout) for layout in self.layouts]
         self.step = 0  # AdamW steps taken (bias correction)
         self._registered_ptr: int | None = None
+
+    def handle(self) -> tuple:
+        """What `HostState.attach` needs in another process (plain data)."""
+        return (f"/proc/{os.getpid()}/fd/{self.fd}", self.layouts, self.control_offset, self.nbytes,
+                self.control_ints)
+
+    @classmethod
+    def attach(cls, handle: tuple) -> "HostState":
+        path, layouts, control_offset, nbytes, control_ints = handle
+        return cls(None, delivery_bf16=False, grad_dtype="", control_ints=control_ints,
+                   _attach=(path, layouts, control_offset, nbytes))
+
+    def control(self) -> np.ndarray:
+        """The int64 counters of the control region (shared with every process that maps the file)."""
+        return np.frombuffer(self._buf, dtype=np.int64, count=self.control_ints, offset=self.control_offset)
 
     @property
     def base_ptr(self) -> int:

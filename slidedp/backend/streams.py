@@ -4,29 +4,15 @@
 - h2d: weight copies host -> device, so loads of layer i+window overlap compute of layer i.
 - d2h: gradient copies device -> host, so layer i's gradient drains while layer i-1 computes.
 
-A `Guard` pairs a device buffer with the event that says when it is ready (or free); waits are
-device-side (`stream.wait_event`), never host synchronisations, except where the CPU itself must
-read what a copy wrote (`Guard.host_wait`, before an optimizer update).
+Waits are device-side (`stream.wait_event`), never host synchronisations, except where the CPU
+itself must read what a copy wrote (the event's `synchronize`, before a host-side add or update).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
-
-
-@dataclass
-class Guard:
-    """A buffer and the event recorded after the last operation that wrote or read it."""
-
-    tensor: torch.Tensor
-    event: "torch.cuda.Event | None" = None
-
-    def host_wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
 
 
 class Streams:

@@ -23,14 +23,12 @@ class UpdateStream:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-update")
         self._done: dict[int, threading.Event] = {}
         self._future: Future | None = None
-        self.last_wait_s = 0.0  # time the caller spent blocked in wait() since the last start()
         self.last_duration_s = 0.0  # wall time of the last finished round of updates
 
     def start(self, update: Callable[[int, int | None], None]) -> None:
         """Run `update(layer_id, num_threads)` for every layer in order, in the background."""
         self.flush()
         done = {layer_id: threading.Event() for layer_id in self.order}
-        self.last_wait_s = 0.0
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -47,11 +45,13 @@ class UpdateStream:
         event = self._done.get(layer_id)
         if event is None or event.is_set():
             return
-        t0 = time.perf_counter()
         while not event.wait(0.05):
             if self._future is not None and self._future.done():
                 break
-        self.last_wait_s += time.perf_counter() - t0
+        self.check()
+
+    def check(self) -> None:
+        """Re-raise the background update's exception, if it failed."""
         if self._future is not None and self._future.done() and self._future.exception() is not None:
             self.flush()  # raises the update's exception, once
 

@@ -65,7 +65,6 @@ def test_bad_budget(budget, error, words):
     (dict(precision="fp8"), "precision"),
     (dict(device="tpu"), "device"),
     (dict(max_grad_norm=-1.0), "max_grad_norm"),
-    (dict(world_size=2), "world_size"),
 ])
 def test_bad_compile_arguments(kwargs, words):
     with pytest.raises((ValueError, TypeError), match=words):

@@ -1,0 +1,150 @@
+"""One data-parallel rank's step: passes over its rows, the reduced gradient, and its updates.
+
+The same code runs the single-process engine (one rank, no collectives) and each worker process
+of a multi-rank engine (backend/workers.py). A step:
+
+  1. this rank's rows, in micro-batches, run in passes over the weights (executor.run_pass); each
+     layer's gradient reaches the host by its route (routes.py), the loss is token-weighted by the
+     *global* number of labelled tokens, so the sum over ranks is the loss of the global batch;
+  2. the loss and each rank's share of the gradient's sum of squares are summed over the ranks:
+     every rank gets the same norm, clip coefficient and finite check;
+  3. if finite, this rank's CPU threads start AdamW on the chunks it owns, layer by layer in update
+     order, in the background (update_stream.py); the next step's loads wait for each layer's
+     update on every rank (routes.wait_updated).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slidedp.backend import cpu_adamw
+from slidedp.backend.executor import MicroBatch, StreamedExecutor
+from slidedp.backend.host_state import HostState
+from slidedp.backend.routes import Routes
+from slidedp.backend.update_stream import UpdateStream
+from slidedp.ir.graph import LayerGraph
+from slidedp.optim import AdamW
+
+
+@dataclass(frozen=True)
+class RankStep:
+    loss: float  # token-weighted mean over the global batch
+    grad_norm: float  # of the whole global gradient, before clipping
+    clip_coef: float
+    skipped: bool  # non-finite gradient: nothing was updated
+    wait_s: float  # this rank's wait for the previous step's updates
+    pass_s: float  # this rank's passes, reduction and norm
+
+
+class Rank:
+    def __init__(self, *, executor: StreamedExecutor, host: HostState, graph: LayerGraph, update_order: list[int],
+                 rank: int = 0, comm=None, flags=None, num_threads: int | None = None):
+        self.executor, self.host, self.graph = executor, host, graph
+        self.routes: Routes = executor.routes
+        self.rank, self.comm, self.flags = rank, comm, flags
+        self.updates = UpdateStream(order=update_order, num_threads=num_threads)
+        if flags is None:
+            self.routes.wait_local_update = self.updates.wait
+        else:
+            flags.on_wait = self.updates.check
+        self._segments: dict[bool, list] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+             global_tokens: int, *, batch_size: int, micro_batches: int, optimizer: AdamW | None,
+             max_grad_norm: float | None) -> RankStep:
+        """A step on this rank's rows (CPU tensors); `optimizer=None` evaluates (no update)."""
+        t0 = time.perf_counter()
+        mbs = [
+            MicroBatch(input_ids[r : r + batch_size].to(self.executor.device, non_blocking=True),
+                       labels[r : r + batch_size].to(self.executor.device, non_blocking=True),
+                       None if attention_mask is None else attention_mask[r : r + batch_size].to(self.executor.device))
+            for r in range(0, input_ids.shape[0], batch_size)
+        ]
+        passes = [mbs[i : i + micro_batches] for i in range(0, len(mbs), micro_batches)]
+        self.routes.wait_s = 0.0
+        loss = torch.zeros((), dtype=torch.float64)
+        for k, group in enumerate(passes):
+            self.routes.begin_pass(first=k == 0)
+            loss += self.executor.run_pass(group, global_tokens).double().cpu()
+            self.routes.end_pass()
+        sumsq = self.routes.finish(len(passes))
+        totals = torch.stack([loss, sumsq])
+        if self.comm is not None:
+            self.comm.all_reduce_host(totals)
+        loss_value, norm = float(totals[0]), math.sqrt(float(totals[1]))
+        timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0)
+        if optimizer is None or not math.isfinite(norm):
+            return RankStep(loss_value, norm, 0.0, optimizer is not None, **timing)
+        clip = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
+        self._start_update(optimizer, clip)
+        return RankStep(loss_value, norm, clip, False, **timing)
+
+    def _start_update(self, opt: AdamW, clip: float) -> None:
+        """AdamW on this rank's chunks of every layer, in update order, on the update thread."""
+        self.host.step += 1
+        self.routes.rounds += 1
+        step, rounds, host, routes = self.host.step, self.routes.rounds, self.host, self.routes
+        segments = self._decay_segments(opt)
+
+        def update(layer_id: int, num_threads: int | None) -> None:
+            layer = host.layers[layer_id]
+            arrays = [host.numpy(t) if t is not None else None
+                      for t in (layer.master, layer.grad, layer.exp_avg, layer.exp_avg_sq, layer.delivery)]
+            for lo, hi in routes.owned(layer_id):
+                for start, end, decay in segments[layer_id]:
+                    a, b = max(lo, start), min(hi, end)
+                    if a >= b:
+                        continue
+                    p, g, m, v, out = (x[a:b] if x is not None else None for x in arrays)
+                    cpu_adamw.adamw_step(
+                        p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                        weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=clip,
+                        num_threads=num_threads)
+            if self.flags is not None:
+                self.flags.mark_updated(self.rank, layer_id, rounds)
+
+        self.updates.start(update)
+        self.executor.resident_stale.update(self.executor.resident_ids)
+
+    def _decay_segments(self, opt: AdamW) -> list[list[tuple[int, int, bool]]]:
+        key = bool(opt.no_decay_groups)
+        if key not in self._segments:
+            self._segments[key] = [decay_segments(layer, opt) for layer in self.graph.layers]
+        return self._segments[key]
+
+    def flush(self) -> None:
+        """Wait for this rank's pending updates."""
+        self.updates.flush()
+
+    def reload(self, step: int) -> None:
+        """The host state was rewritten (a checkpoint): reload the resident weights, take its step."""
+        self.flush()
+        self.host.step = step
+        self.executor.resident_stale.update(self.executor.resident_ids)
+
+    def close(self) -> None:
+        try:
+            self.updates.flush()
+        finally:
+            self.updates.close()
+            self.routes.close()
+
+
+def decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:
+    """Runs of consecutive parameters sharing a weight-decay setting: (start, end, decay)."""
+    segments: list[tuple[int, int, bool]] = []
+    start = 0
+    for p in layer.params:
+        decay = not (optimizer.no_decay_groups and p.no_decay)
+        end = start + p.numel
+        if segments and segments[-1][2] == decay and segments[-1][1] == start:
+            segments[-1] = (segments[-1][0], end, decay)
+        else:
+            segments.append((start, end, decay))
+        start = end
+    return segments

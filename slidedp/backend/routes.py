@@ -1,0 +1,212 @@
+"""How one rank moves a layer: its weights up, its gradient down, as the plan routes them.
+
+Chunk c of a layer (the plan's `chunks`) is owned by rank `owners[c]`: that rank's CPU threads
+update it, whatever the route. Per layer group the plan picks
+
+- delivery `replicated`: every rank copies every chunk from the host (H2D);
+  `sharded`: the owner copies the chunk, then broadcasts it to the other GPUs;
+- reduction `gpu`: the chunk's gradient is summed onto its owner's GPU (reduce), and only the owner
+  copies it to the host;
+  `cpu`: every rank copies its whole gradient into a staging buffer of its own, and adds it into the
+  host gradient in rank order (a per-layer turn counter in the shared state), so the sum is the same
+  in every run.
+
+With one rank both routes are a plain copy. Gradients of a later pass (gradient accumulation over
+several passes) are staged and added on the host. Host-side adds run on one reducer thread per
+rank, so the device streams never wait for another rank. The norm of the whole gradient is the sum
+over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
+there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from slidedp.backend.program import chunk_bounds
+from slidedp.backend.step_flags import StepFlags
+from slidedp.backend.streams import Streams
+
+
+class Routes:
+    def __init__(self, *, plan, host, streams: Streams, rank: int = 0, world_size: int = 1, comm=None,
+                 flags: StepFlags | None = None, staging_slots: int = 2):
+        self.rank, self.world_size, self.comm, self.flags = rank, world_size, comm, flags
+        self.host, self.streams = host, streams
+        self.delivery = {d.layer_id: d.delivery for d in plan.decisions}
+        self.reduction = {d.layer_id: d.reduction if world_size > 1 else "gpu" for d in plan.decisions}
+        self.chunks = {d.layer_id: chunk_bounds(d.numel, d.chunks) for d in plan.decisions}
+        self.owners = {d.layer_id: tuple(d.owners[c] if c < len(d.owners) else c % world_size
+                                          for c in range(len(self.chunks[d.layer_id])))
+                       for d in plan.decisions}
+        self.rounds = 0  # update rounds started, the same on every rank
+        self.wait_s = 0.0  # time spent in wait_updated (reset by the rank each step)
+        self.passes = 0  # passes run, the same on every rank (tickets of the CPU reduction)
+        # Set by the rank: blocks until this rank's own update of a layer is done (one-rank path).
+        self.wait_local_update: Callable[[int], None] = lambda layer_id: None
+        self._first = True
+        self._device_sumsq: dict[int, torch.Tensor] = {}
+        self._guards: list = []
+        self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-reduce")
+        self._pending: list[Future] = []
+        grad_dtype = host.layers[0].grad.dtype
+        biggest = max(layout.numel for layout in host.layouts)
+        pin = streams.cuda
+        self._staging = [torch.empty(biggest, dtype=grad_dtype, pin_memory=pin) for _ in range(staging_slots)]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(staging_slots):
+            self._free.put(i)
+
+    def owned(self, layer_id: int) -> list[tuple[int, int]]:
+        return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
+
+    # -- the step boundary ----------------------------------------------------------------------
+    def wait_updated(self, layer_id: int) -> None:
+        """Until every rank has finished the last started update of the layer."""
+        t0 = time.perf_counter()
+        if self.flags is None:
+            self.wait_local_update(layer_id)
+        else:
+            self.flags.wait_updated(layer_id, self.rounds)
+        self.wait_s += time.perf_counter() - t0
+
+    def begin_pass(self, first: bool) -> None:
+        self._first = first
+        if first:
+            self._device_sumsq = {}
+
+    # -- weights up -----------------------------------------------------------------------------
+    def load(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
+        self.wait_updated(layer_id)
+        sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"
+        for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
+            if not sharded or owner == self.rank:
+                self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
+            if sharded:
+                with self.streams.on("h2d"):
+                    self.comm.broadcast_(dst[lo:hi], owner)
+
+    # -- gradients down -------------------------------------------------------------------------
+    def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
+        """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the
+        D2H stream) into the host gradient, by the layer's reduction route."""
+        target = self.host.layers[layer_id].grad
+        chunks = self.chunks[layer_id]
+        if self.reduction[layer_id] == "cpu":
+            slot = self._take_slot()
+            self._copy_down(self._staging[slot], acc, chunks)
+            event = self.streams.record("d2h")
+            ticket = self.passes * self.world_size + self.rank
+            overwrite = self._first and self.rank == 0
+            self._submit(lambda: self._add_in_turn(layer_id, target, slot, event, ticket, overwrite))
+            return
+        owned = self.owned(layer_id)
+        if self.world_size > 1:
+            with self.streams.on("d2h"):
+                for (lo, hi), owner in zip(chunks, self.owners[layer_id]):
+                    self.comm.reduce_(acc[lo:hi], owner)
+                local_sumsq = sum(torch.dot(acc[lo:hi], acc[lo:hi]) for lo, hi in owned) if owned else None
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        if self._first:
+            self.wait_updated(layer_id)  # the last update still reads this gradient
+            self._copy_down(target, acc, owned)
+            self._guards.append(self.streams.record("d2h"))
+            return
+        slot = self._take_slot()
+        self._copy_down(self._staging[slot], acc, owned)
+        event = self.streams.record("d2h")
+        self._submit(lambda: self._add_owned(target, owned, slot, event))
+
+    def _copy_down(self, dst: torch.Tensor, src: torch.Tensor, chunks) -> None:
+        """Chunk by chunk on the D2H stream, cast there when the host gradient is bf16."""
+        for lo, hi in chunks:
+            piece = src[lo:hi]
+            if dst.dtype != piece.dtype:
+                with self.streams.on("d2h"):
+                    piece = piece.to(dst.dtype)
+            self.streams.copy("d2h", dst[lo:hi], piece)
+
+    def _take_slot(self) -> int:
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                self._raise_if_failed()
+
+    def _submit(self, task) -> None:
+        self._pending.append(self._reducer.submit(task))
+
+    def _add_in_turn(self, layer_id, target, slot, event, ticket, overwrite) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            staged = self._staging[slot][: target.numel()]
+            self.flags.wait_turn(layer_id, ticket)
+            if overwrite:
+                self.wait_updated(layer_id)
+                target.copy_(staged)
+            else:
+                target.add_(staged)
+            self.flags.advance(layer_id, ticket)
+        finally:
+            self._free.put(slot)
+
+    def _add_owned(self, target, owned, slot, event) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            staged = self._staging[slot]
+            for lo, hi in owned:
+                target[lo:hi].add_(staged[lo:hi])
+        finally:
+            self._free.put(slot)
+
+    def _raise_if_failed(self) -> None:
+        for f in self._pending:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        if self.flags is not None:
+            self.flags.on_wait()
+
+    def end_pass(self) -> None:
+        self.passes += 1
+
+    def finish(self, n_passes: int) -> torch.Tensor:
+        """After the last pass: wait until this rank's contributions are on the host, then (with
+        several ranks, after a barrier) this rank's share of the gradient's sum of squares (fp64)."""
+        for event in self._guards:
+            if event is not None:
+                event.synchronize()
+        self._guards = []
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+        if self.comm is not None:
+            self.comm.barrier()
+        device, host = [], 0.0
+        for layer_id in self.chunks:
+            if n_passes == 1 and layer_id in self._device_sumsq:
+                device.append(self._device_sumsq[layer_id].float())
+            else:
+                grad = self.host.layers[layer_id].grad
+                host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))
+        total = torch.tensor(host, dtype=torch.float64)
+        if device:
+            total += torch.stack(device).double().sum().cpu()
+        return total
+
+    def close(self) -> None:
+        self._reducer.shutdown(wait=True)
+        self._staging = []
+
+
+def _sumsq(t: torch.Tensor, piece: int = 1 << 24) -> float:
+    """Sum of squares of a host tensor, in fp32 pieces summed in fp64 (no full-size temporary)."""
+    return sum(float(torch.linalg.vector_norm(t[i : i + piece], dtype=torch.float32)) ** 2
+               for i in range(0, t.numel(), piece))

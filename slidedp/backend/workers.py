@@ -1,0 +1,252 @@
+"""Worker processes of a multi-rank engine, one per rank, driven by a single controller.
+
+The controller (the user's process, which holds `Engine`) creates the host state, then starts
+`world_size` processes with the `spawn` method. Each receives, once, a pickled skeleton of the job
+over its pipe: the model with its trainable parameters replaced by meta tensors (weights come from
+the shared host state, never from the pickle), the layer graph, the plan and the program. It maps
+the host state (`HostState.attach`), joins the process group (NCCL between GPUs, gloo between CPU
+processes) and builds its executor and `Rank`. Then it serves commands: `step` (its rows of the
+global batch), `flush` (finish pending updates), `reload` (host state rewritten by the controller,
+e.g. from a checkpoint), `close`.
+
+Failure: a worker that raises reports the error and exits; one that dies is seen through its
+process sentinel. Either way the controller marks the failure in the shared flags (every waiting
+rank raises), terminates the other workers, and raises `WorkerError` naming the rank. Workers also
+die with the controller (PR_SET_PDEATHSIG), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import traceback
+from multiprocessing.connection import wait as wait_any
+
+import torch
+from torch import nn
+
+from slidedp.backend.rank import RankStep
+
+
+class WorkerError(RuntimeError):
+    """A rank's worker process failed; `rank` names it."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed: {detail}")
+        self.rank = rank
+
+
+# -- the job skeleton ---------------------------------------------------------------------------
+def _meta_parameter(shape, dtype, requires_grad):
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=requires_grad)
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles trainable parameters as meta tensors of the same shape (their values live in the host state)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, nn.Parameter) and obj.requires_grad:
+            return _meta_parameter, (tuple(obj.shape), obj.dtype, True)
+        return NotImplemented
+
+
+def job_skeleton(**job) -> bytes:
+    buf = io.BytesIO()
+    _SkeletonPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
+    return buf.getvalue()
+
+
+# -- the controller's side ----------------------------------------------------------------------
+class WorkerPool:
+    def __init__(self, *, world_size: int, skeleton: bytes, host, flags, start_timeout_s: float = 600.0):
+        self.world_size, self.host, self.flags = world_size, host, flags
+        self.last_duration_s = 0.0  # (engine.updates API) updates run in the workers
+        self._tmp = tempfile.mkdtemp(prefix="slidedp-ranks-")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        self._closed = False
+        try:
+            for r in range(world_size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, name=f"slidedp-rank{r}", daemon=True,
+                                   args=(r, world_size, theirs, f"file://{self._tmp}/store", os.getpid()))
+                proc.start()
+                theirs.close()
+                self.conns.append(ours)
+                self.procs.append(proc)
+            for conn in self.conns:
+                conn.send_bytes(skeleton)
+            self._gather(timeout_s=start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, command: str, kwargs_per_rank: list[dict]) -> list:
+        """Send `command` to every rank (its own keyword arguments) and collect the replies in rank order."""
+        for conn, kwargs in zip(self.conns, kwargs_per_rank):
+            conn.send((command, kwargs))
+        return self._gather()
+
+    def _gather(self, timeout_s: float | None = None) -> list:
+        replies: list = [None] * self.world_size
+        waiting = set(range(self.world_size))
+        waited = 0.0
+        while waiting:
+            handles = {self.conns[r]: r for r in waiting}
+            handles.update({self.procs[r].sentinel: r for r in waiting})
+            ready = wait_any(list(handles), timeout=1.0)
+            if not ready:
+                waited += 1.0
+                if timeout_s is not None and waited > timeout_s:
+                    self._fail(min(waiting), f"did not answer within {timeout_s:.0f} s")
+                continue
+            for handle in ready:
+                r = handles[handle]
+                if r not in waiting:
+                    continue
+                conn = self.conns[r]
+                if handle is not conn and not conn.poll():
+                    self.procs[r].join(1.0)
+                    self._fail(r, f"its process exited (exit code {self.procs[r].exitcode})")
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):
+                    self.procs[r].join(1.0)
+                    self._fail(r, f"its process exited (exit code {self.procs[r].exitcode})")
+                if kind == "error":
+                    self._fail(r, value)
+                replies[r] = value
+                waiting.discard(r)
+        return replies
+
+    def _fail(self, rank: int, detail: str):
+        if self.flags is not None:
+            self.flags.abort(rank)
+        self.close(graceful=False)
+        raise WorkerError(rank, detail)
+
+    # -- the runner API the engine uses (the same as a local `Rank`) ------------------------------
+    def step(self, input_ids, labels, attention_mask, global_tokens, **kw) -> RankStep:
+        rows = input_ids.shape[0] // self.world_size
+        parts = [slice(r * rows, (r + 1) * rows) for r in range(self.world_size)]
+        replies = self.call("step", [
+            dict(input_ids=input_ids[s], labels=labels[s],
+                 attention_mask=None if attention_mask is None else attention_mask[s],
+                 global_tokens=global_tokens, **kw)
+            for s in parts])
+        first = replies[0]
+        if kw.get("optimizer") is not None and not first.skipped:
+            self.host.step += 1  # the controller's count; each rank keeps its own
+        return RankStep(first.loss, first.grad_norm, first.clip_coef, first.skipped,
+                        wait_s=max(r.wait_s for r in replies), pass_s=max(r.pass_s for r in replies))
+
+    def flush(self) -> None:
+        if not self._closed:
+            self.call("flush", [{}] * self.world_size)
+
+    def reload(self, step: int) -> None:
+        self.call("reload", [dict(step=step)] * self.world_size)
+
+    def close(self, graceful: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if graceful:
+            for conn in self.conns:
+                try:
+                    conn.send(("close", {}))
+                except OSError:
+                    pass
+            for proc in self.procs:
+                proc.join(30.0)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+# -- the worker's side --------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def worker_main(rank: int, world_size: int, conn, init_method: str, parent_pid: int) -> None:
+    """A rank's process: build the rank from the skeleton, then serve the controller's commands."""
+    _die_with_parent(parent_pid)
+    from slidedp.backend.comm import RankComm
+    from slidedp.backend.executor import StreamedExecutor
+    from slidedp.backend.host_state import HostState
+    from slidedp.backend.rank import Rank
+    from slidedp.backend.routes import Routes
+    from slidedp.backend.step_flags import StepFlags
+
+    flags = runner = host = comm = None
+    try:
+        job = pickle.loads(conn.recv_bytes())
+        device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
+        cores = os.cpu_count() or 1
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            update_threads = max(1, (cores - world_size) // world_size)
+        else:
+            torch.set_num_threads(max(1, cores // world_size))
+            update_threads = max(1, cores // world_size)
+        host = HostState.attach(job["host"])
+        graph, plan = job["graph"], job["plan"]
+        flags = StepFlags(host.control(), world_size, len(graph.layers))
+        comm = RankComm(rank, world_size, device, init_method=init_method)
+        if device.type == "cuda":
+            host.pin()
+        executor = StreamedExecutor(
+            job["model"], graph, host, job["program"], device=device, compute_dtype=job["compute_dtype"],
+            loss_chunk_tokens=job["loss_chunk_tokens"],
+            routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank,
+                                              world_size=world_size, comm=comm, flags=flags))
+        runner = Rank(executor=executor, host=host, graph=graph, update_order=job["update_order"], rank=rank,
+                      comm=comm, flags=flags, num_threads=update_threads)
+        conn.send(("ok", None))
+        while True:
+            command, kwargs = conn.recv()
+            if command == "close":
+                break
+            if command == "step":
+                reply = runner.step(**kwargs)
+            elif command == "flush":
+                reply = runner.flush()
+            elif command == "reload":
+                reply = runner.reload(kwargs["step"])
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", reply))
+    except BaseException as e:  # noqa: BLE001 - reported to the controller, then this process ends
+        if flags is not None:
+            flags.abort(rank)
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"))
+        except OSError:
+            pass
+        os._exit(1)
+    try:
+        runner.close()
+        comm.close()
+        host.close()
+    finally:
+        os._exit(0)

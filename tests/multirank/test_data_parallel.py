@@ -1,0 +1,142 @@
+"""world_size > 1 on CPU processes (gloo): every route combination against single-process
+torch.optim.AdamW on the same global batches, and what happens when a rank fails."""
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slidedp
+from slidedp.backend.workers import WorkerError
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.ir.build import build_layer_graph
+from slidedp.scheduler import baselines
+from slidedp.scheduler.solve import fixed_plan
+from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, reference_loss
+from tests.models import VOCAB, PlainBlock, PlainLM, make_model
+
+ROUTES = [("replicated", "cpu"), ("replicated", "gpu"), ("sharded", "cpu"), ("sharded", "gpu")]
+
+
+def routed_plan(model, world_size, route, *, micro_batches=1, activation="recompute", per_group=None):
+    """A plan with the given routes (h100-sxm figures allow every route; predictions are unused)."""
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+
+    def decide(costs, budget):
+        d = baselines.uniform(costs, window=2, activation=activation, chunk_multiple=2, route=route)
+        for layer_id, (delivery, reduction) in (per_group or {}).items():
+            d = d.replace_layers([layer_id], delivery=delivery, reduction=reduction)
+        return d
+
+    return fixed_plan(graph, decide, method="test", budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"],
+                      world_size=world_size, precision="fp32", micro_batches=micro_batches)
+
+
+def compile_ranks(model, world_size, plan, micro_batches=1):
+    return slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                           world_size=world_size, micro_batches=micro_batches, plan=plan,
+                           optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP)
+
+
+def train_against_reference(engine, ref, *, world_size, steps=5, accumulation=2, seed=1):
+    """`steps` steps on global batches of world_size x BATCH x accumulation rows, with unequal valid
+    tokens per rank; asserts losses and, at the end, every parameter against torch.optim.AdamW."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    gen = torch.Generator().manual_seed(seed)
+    rows = world_size * BATCH * accumulation
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
+        labels = ids.clone()
+        labels[torch.rand(rows, SEQ, generator=gen) < 0.25] = -100
+        labels[: rows // world_size, SEQ // 2 :] = -100  # rank 0 has far fewer valid tokens
+        loss = engine.step(ids, labels)
+        ref_loss = reference_loss(ref, ids, labels)
+        opt.zero_grad()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert engine.last_step.clip_coef < 1.0, "the test must exercise clipping"
+    state = engine.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+    return state
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=["-".join(r) for r in ROUTES])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_routes_match_torch_adamw(world_size, route):
+    """Tied weights, clipping, two passes of gradient accumulation, two chunks per rank and layer."""
+    model = make_model("llama", tied=True)
+    ref = copy.deepcopy(model).eval()
+    with compile_ranks(model, world_size, routed_plan(model, world_size, route)) as engine:
+        state = train_against_reference(engine, ref, world_size=world_size)
+        assert len(state) > len(dict(ref.named_parameters()))  # both tied names
+
+
+def test_mixed_routes_shared_pass_and_kept_activations():
+    """Each layer group on its own route, two micro-batches per pass, activations kept."""
+    model = make_model("qwen3", tied=False)
+    ref = copy.deepcopy(model).eval()
+    last = len(model.model.layers) + 1
+    plan = routed_plan(model, 2, ("sharded", "cpu"), micro_batches=2, activation="keep",
+                       per_group={0: ("replicated", "gpu"), last: ("sharded", "gpu")})
+    assert {(d.delivery, d.reduction) for d in plan.decisions} == {("replicated", "gpu"), ("sharded", "cpu"),
+                                                                   ("sharded", "gpu")}
+    with compile_ranks(model, 2, plan, micro_batches=2) as engine:
+        train_against_reference(engine, ref, world_size=2, steps=4)
+        assert engine.evaluate(torch.randint(0, VOCAB, (3, SEQ))) > 0  # rows padded to the ranks
+
+
+class RaisingBlock(PlainBlock):
+    """Raises in rank 1's process (a stand-in for any error a rank can meet)."""
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("injected failure")
+        return super().forward(x)
+
+
+def _shm_entries():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _assert_all_gone(engine, shm_before):
+    procs = engine.runner.procs
+    engine.close()
+    assert not any(p.is_alive() for p in procs)
+    assert _shm_entries() <= shm_before
+    assert not os.path.exists(engine.runner._tmp)
+
+
+def test_a_rank_that_raises_stops_every_process():
+    model = PlainLM()
+    model.trunk[1] = RaisingBlock(32)
+    shm_before = _shm_entries()
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             world_size=2)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match="rank 1 failed.*injected failure") as info:
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    assert info.value.rank == 1
+    assert time.perf_counter() - t0 < 60
+    _assert_all_gone(engine, shm_before)
+
+
+def test_a_killed_rank_stops_every_process():
+    model = make_model("llama")
+    shm_before = _shm_entries()
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             world_size=2)
+    batch = torch.randint(0, VOCAB, (2 * BATCH, SEQ))
+    engine.step(batch)
+    os.kill(engine.runner.procs[1].pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match="rank 1 failed: its process exited"):
+        engine.step(batch)
+    assert time.perf_counter() - t0 < 60
+    _assert_all_gone(engine, shm_before)
