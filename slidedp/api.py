@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slidedp import __version__
+from slidedp.backend.comm import RankComm
 from slidedp.backend.executor import StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.program import Program, lower
@@ -120,12 +122,23 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     than that in `step()` run as several passes, gradients summed on the host).
 
     With `world_size` > 1 the ranks are worker processes (one per GPU, or CPU processes), started
-    here and driven by this process: `step()` takes the global batch (backend/workers.py).
+    here and driven by this process: `step()` takes the global batch (backend/workers.py). Under
+    `torchrun --nproc-per-node=W` (WORLD_SIZE=W in the environment) every process is one rank
+    instead: each calls `compile` and `step` with the same arguments and global batch, and
+    takes its share of the rows; rank 0's process holds the host state, the others map it.
     """
+    launched_rank = _launched_rank(world_size)
     graph, the_plan, dev, optimizer, max_grad_norm = _prepare(
         model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
         precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm, hardware=hardware,
         plan=plan, micro_batches=micro_batches)
+    comm = None
+    if launched_rank is not None:
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", launched_rank)))
+            torch.cuda.set_device(dev)
+        comm = RankComm(launched_rank, world_size, dev, init_method=None if dist.is_initialized() else "env://")
+        the_plan = _from_rank0(comm, the_plan)  # one plan for all, whatever each process solved
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
         raise UnsupportedModelError(
@@ -137,27 +150,41 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     # (for a solved plan the program needs at most the plan's predicted peak: tests/backend/test_program.py).
     simulate(program, budget_bytes=Budget.parse(budget).device_bytes)
     bf16 = precision == "bf16"
-    if dev.type == "cuda" and world_size > torch.cuda.device_count():
+    if dev.type == "cuda" and launched_rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     flag_ints = StepFlags.ints_needed(world_size, len(graph.layers)) if world_size > 1 else 0
     from slidedp.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
-    check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints)
-    host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32", control_ints=flag_ints)
+    host = None
+    if launched_rank is None or launched_rank == 0:
+        check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints)
+        host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
+                         control_ints=flag_ints)
+    if launched_rank is not None:
+        host = _share_host_state(comm, host)
     runner = None
     try:
-        _load_weights(model, graph, host, bf16=bf16)
+        _load_weights(model, graph, host, bf16=bf16, copy=launched_rank in (None, 0))
+        if comm is not None:
+            comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
         order = update_order(the_plan, graph)
         job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
                    loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=order)
-        if world_size == 1:
+        if world_size == 1 or launched_rank is not None:
             if dev.type == "cuda":
                 host.pin()
-            executor = StreamedExecutor(model, graph, host, program, device=dev, compute_dtype=job["compute_dtype"],
-                                        loss_chunk_tokens=job["loss_chunk_tokens"],
-                                        routes_for=lambda streams: Routes(plan=the_plan, host=host, streams=streams))
-            threads = max(1, (os.cpu_count() or 2) - 1) if dev.type == "cuda" else None  # a core issues GPU work
-            runner = Rank(executor=executor, host=host, graph=graph, update_order=order, num_threads=threads)
+            rank = launched_rank or 0
+            flags = StepFlags(host.control(), world_size, len(graph.layers)) if comm is not None else None
+            executor = StreamedExecutor(
+                model, graph, host, program, device=dev, compute_dtype=job["compute_dtype"],
+                loss_chunk_tokens=job["loss_chunk_tokens"],
+                routes_for=lambda streams: Routes(plan=the_plan, host=host, streams=streams, rank=rank,
+                                                  world_size=world_size, comm=comm, flags=flags))
+            cores = os.cpu_count() or 2
+            threads = max(1, (cores - world_size) // world_size) if dev.type == "cuda" else (
+                None if world_size == 1 else max(1, cores // world_size))  # with a GPU, a core issues its work
+            runner = Rank(executor=executor, host=host, graph=graph, update_order=order, rank=rank, comm=comm,
+                          flags=flags, num_threads=threads)
         else:
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
@@ -165,6 +192,8 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     except BaseException:
         if runner is not None:
             runner.close()
+        elif comm is not None:
+            comm.close()
         host.close()
         raise
     return Engine(model=model, graph=graph, plan=the_plan, host=host, runner=runner, optimizer=optimizer,
@@ -178,18 +207,45 @@ def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
                  chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens)
 
 
+def _launched_rank(world_size: int) -> int | None:
+    """This process's rank when torchrun (or a similar launcher) started one process per rank."""
+    launched = os.environ.get("WORLD_SIZE")
+    if world_size == 1 or launched is None:
+        return None
+    if int(launched) != world_size:
+        raise ValueError(f"world_size={world_size}, but the launcher started WORLD_SIZE={launched} processes")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", launched)) != world_size:
+        raise ValueError("slidedp's ranks share one host's memory: run every rank on one node "
+                         f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, WORLD_SIZE={launched})")
+    return int(os.environ["RANK"])
+
+
+def _from_rank0(comm: RankComm, obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=comm.host_group)
+    return box[0]
+
+
+def _share_host_state(comm: RankComm, host: HostState | None) -> HostState:
+    """Rank 0's host state, mapped by every launched rank."""
+    handle = _from_rank0(comm, host.handle() if host is not None else None)
+    return host if comm.rank == 0 else HostState.attach(handle)
+
+
 @torch.no_grad()
-def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool) -> None:
-    """Copy the model's weights into the host state, then make the model's parameters views of it
-    (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held twice."""
+def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True) -> None:
+    """Copy the model's weights into the host state (unless another rank did: `copy=False`), then
+    make the model's parameters views of it (bf16 parameters view the bf16 delivery copy, others the
+    fp32 master), so nothing is held twice."""
     for layer in graph.layers:
         arrays = host.layers[layer.id]
         masters = arrays.param_views(arrays.master)
         deliveries = arrays.param_views(arrays.delivery) if arrays.delivery is not None else None
         for p_info in layer.params:
             param = model.get_parameter(p_info.name)
-            masters[p_info.name].copy_(param.detach().float())
-            if deliveries is not None:
-                deliveries[p_info.name].copy_(masters[p_info.name])
+            if copy:
+                masters[p_info.name].copy_(param.detach().float())
+                if deliveries is not None:
+                    deliveries[p_info.name].copy_(masters[p_info.name])
             view = deliveries[p_info.name] if (bf16 and param.dtype == torch.bfloat16) else masters[p_info.name]
             param.data = view

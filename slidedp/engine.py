@@ -56,8 +56,8 @@ class Engine:
 
     @property
     def updates(self):
-        """What runs the CPU updates: `.flush()` waits for them, `.last_duration_s` timed the last round."""
-        return self.runner.updates if isinstance(self.runner, Rank) else self.runner
+        """The CPU updates of every rank: `.flush()` waits for them, `.last_duration_s` timed the last round."""
+        return self.runner
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -210,16 +210,35 @@ class Engine:
         from slidedp.checkpoint import atomic_checkpoint, write_engine_state
 
         self._check_open()
-        with atomic_checkpoint(dir) as writer:
-            write_engine_state(self, writer)
+        self.runner.flush()
+        if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
+            with atomic_checkpoint(dir) as writer:
+                write_engine_state(self, writer)
+        self._barrier()
 
     def load_checkpoint(self, dir) -> None:
         """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
         have the same parameters. The optimizer settings stay those given to `compile`."""
-        from slidedp.checkpoint import read_engine_state
+        from slidedp.checkpoint import read_engine_meta, read_engine_state
 
         self._check_open()
-        read_engine_state(self, dir)
+        rank = self._launched_rank()
+        if rank in (None, 0):  # under torchrun rank 0 reads into the shared state, the others follow
+            read_engine_state(self, dir)
+        self._barrier()
+        if rank not in (None, 0):
+            meta = read_engine_meta(dir)
+            self.host.step = int(meta["step"])
+            self.skipped_steps = int(meta.get("skipped_steps", 0))
+            self.reload()
+
+    def _launched_rank(self) -> int | None:
+        """This process's rank when every rank is a process of its own (torchrun), else None."""
+        return self.runner.rank if isinstance(self.runner, Rank) and self.runner.comm is not None else None
+
+    def _barrier(self) -> None:
+        if self._launched_rank() is not None:
+            self.runner.comm.barrier()
 
     def export_hf(self, dir) -> None:
         """A `save_pretrained` folder of the model with the fp32 master weights (Hugging Face models)."""

@@ -46,6 +46,7 @@ class Rank:
         self.executor, self.host, self.graph = executor, host, graph
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
+        self.world_size = comm.world_size if comm is not None else 1
         self.updates = UpdateStream(order=update_order, num_threads=num_threads)
         if flags is None:
             self.routes.wait_local_update = self.updates.wait
@@ -57,8 +58,13 @@ class Rank:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
              global_tokens: int, *, batch_size: int, micro_batches: int, optimizer: AdamW | None,
              max_grad_norm: float | None) -> RankStep:
-        """A step on this rank's rows (CPU tensors); `optimizer=None` evaluates (no update)."""
+        """A step on the global batch (CPU tensors; this rank takes its share of the rows);
+        `optimizer=None` evaluates (no update)."""
         t0 = time.perf_counter()
+        share = input_ids.shape[0] // self.world_size
+        rows = slice(self.rank * share, (self.rank + 1) * share)
+        input_ids, labels = input_ids[rows], labels[rows]
+        attention_mask = None if attention_mask is None else attention_mask[rows]
         mbs = [
             MicroBatch(input_ids[r : r + batch_size].to(self.executor.device, non_blocking=True),
                        labels[r : r + batch_size].to(self.executor.device, non_blocking=True),
@@ -117,9 +123,16 @@ class Rank:
             self._segments[key] = [decay_segments(layer, opt) for layer in self.graph.layers]
         return self._segments[key]
 
+    @property
+    def last_duration_s(self) -> float:
+        """Wall time of this rank's last finished round of updates."""
+        return self.updates.last_duration_s
+
     def flush(self) -> None:
-        """Wait for this rank's pending updates."""
+        """Wait for the pending updates: this rank's, and every other rank's."""
         self.updates.flush()
+        for layer_id in range(len(self.graph.layers)):
+            self.routes.wait_updated(layer_id)
 
     def reload(self, step: int) -> None:
         """The host state was rewritten (a checkpoint): reload the resident weights, take its step."""
@@ -133,6 +146,8 @@ class Rank:
         finally:
             self.updates.close()
             self.routes.close()
+            if self.comm is not None:
+                self.comm.close()
 
 
 def decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:

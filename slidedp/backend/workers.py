@@ -133,13 +133,9 @@ class WorkerPool:
 
     # -- the runner API the engine uses (the same as a local `Rank`) ------------------------------
     def step(self, input_ids, labels, attention_mask, global_tokens, **kw) -> RankStep:
-        rows = input_ids.shape[0] // self.world_size
-        parts = [slice(r * rows, (r + 1) * rows) for r in range(self.world_size)]
-        replies = self.call("step", [
-            dict(input_ids=input_ids[s], labels=labels[s],
-                 attention_mask=None if attention_mask is None else attention_mask[s],
-                 global_tokens=global_tokens, **kw)
-            for s in parts])
+        batch = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, global_tokens=global_tokens,
+                     **kw)
+        replies = self.call("step", [batch] * self.world_size)  # each rank takes its share of the rows
         first = replies[0]
         if kw.get("optimizer") is not None and not first.skipped:
             self.host.step += 1  # the controller's count; each rank keeps its own
@@ -246,7 +242,6 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, parent_pid: 
         os._exit(1)
     try:
         runner.close()
-        comm.close()
         host.close()
     finally:
         os._exit(0)
