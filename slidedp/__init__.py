@@ -12,7 +12,17 @@ from slidedp.costmodel.hardware import Hardware  # noqa: E402
 from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError  # noqa: E402
 from slidedp.optim import AdamW  # noqa: E402
 from slidedp.scheduler.plan import Plan  # noqa: E402
-from slidedp.api import compile, plan  # noqa: E402
+
+
+def __getattr__(name: str):
+    # `compile` and `plan` bring in the solver (OR-Tools); worker processes, which only run a
+    # plan, import slidedp without it.
+    if name in ("compile", "plan"):
+        from slidedp import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'slidedp' has no attribute {name!r}")
+
 
 __all__ = [
     "AdamW", "Budget", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "UnsupportedModelError",

@@ -259,8 +259,17 @@ def remove_stale_temps(parent: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def verify_checkpoint(folder: str | os.PathLike) -> dict:
-    """Check every file of the manifest (presence, size, sha256); return the manifest."""
+def _safe_relative(rel) -> bool:
+    """A manifest name that stays inside the checkpoint: relative, no '..', no backslash."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel or rel.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def verify_checkpoint(folder: str | os.PathLike, *, required: tuple[str, ...] = ()) -> dict:
+    """Check every file of the manifest (presence, size, sha256), that the manifest lists every
+    file of the folder and the `required` ones, and that its names stay inside the folder;
+    return the manifest."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint {folder} does not exist")
@@ -271,10 +280,30 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict:
                               "(it may come from an interrupted save)") from None
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {folder}: format {manifest.get('format')!r} is not supported "
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"checkpoint {folder}: format {fmt!r} is not supported "
                               f"(this slidedp reads format {FORMAT})")
-    entries = manifest["files"]
+    entries = manifest.get("files")
+    if not isinstance(entries, dict) or not entries:
+        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} has no 'files' table (altered)")
+    for rel, entry in entries.items():
+        if not _safe_relative(rel):
+            raise CheckpointError(f"checkpoint {folder}: {MANIFEST} names {rel!r}, which is not a path inside "
+                                  "the checkpoint (altered)")
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                or not isinstance(entry.get("bytes"), int) or isinstance(entry.get("bytes"), bool)):
+            raise CheckpointError(f"checkpoint {folder}: {MANIFEST} entry of {rel} is not "
+                                  "{'sha256': str, 'bytes': int} (altered)")
+    for rel in required:
+        if rel not in entries:
+            raise CheckpointError(f"checkpoint {folder}: {MANIFEST} does not list {rel} (altered, or not a "
+                                  "checkpoint of this kind)")
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel != MANIFEST and not p.name.startswith(".") and rel not in entries:
+            raise CheckpointError(f"checkpoint {folder}: file {rel} is not listed in {MANIFEST} (added or "
+                                  "renamed after the checkpoint was written)")
     for rel, entry in entries.items():
         p = folder / rel
         if not p.is_file():
@@ -373,8 +402,24 @@ def read_engine_meta(folder: Path) -> dict:
         meta = json.loads((Path(folder) / ENGINE_JSON).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} has no {ENGINE_JSON}: it holds no engine state") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {folder}: engine state format {meta.get('format')!r} is not supported")
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {folder}: engine state format {fmt!r} is not supported")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'step' must be an integer >= 0, got {step!r}")
+    layers = meta.get("layers")
+    try:
+        ok = isinstance(layers, list) and all(
+            isinstance(layer["id"], int) and isinstance(layer["numel"], int) and layer["numel"] >= 0
+            and all(len(p) == 5 for p in layer["params"]) for layer in layers)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'layers' is not a list of "
+                              "{id, numel, params} records (altered)")
     return meta
 
 
@@ -397,7 +442,7 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
     """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
     folder = Path(folder)
     if verify:
-        verify_checkpoint(folder)
+        verify_checkpoint(folder, required=(ENGINE_JSON,))
     meta = read_engine_meta(folder)
     _check_layout(engine, meta, folder)
     engine.updates.flush()
@@ -415,7 +460,7 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
     host.step = int(meta["step"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
     _set_rng_state(read_safetensors(folder / "rng.safetensors"), json.loads((folder / "rng.json").read_text()))
-    engine.executor.resident_stale.update(engine.executor.resident_ids)
+    engine.reload()  # every rank reloads its device copies and takes the step
     return meta
 
 

@@ -11,12 +11,7 @@ def _train(args) -> int:
     from slidedp.train.config import load_config
     from slidedp.train.job import run
 
-    cfg = load_config(args.config, args.overrides)
-    try:
-        run(cfg)
-    except ImportError as exc:  # an optional package the data needs (pyarrow), named in the message
-        print(f"slidedp train: error: {exc}", file=sys.stderr)
-        return 2
+    run(load_config(args.config, args.overrides))
     return 0
 
 
@@ -138,11 +133,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.config and "=" in args.config:
         args.overrides.insert(0, args.config)
         args.config = None
+    return _run_command(args)
+
+
+def _run_command(args) -> int:
+    """Run a subcommand; errors become one line on stderr and an exit status, never a traceback
+    (SLIDEDP_DEBUG=1 re-raises them). 2: bad input (config, data, model, budget, plan, checkpoint,
+    a missing file or package); 1: the run failed (repeated non-finite gradients, not enough memory,
+    an unexpected error); 128 + N: stopped by signal N (SIGINT 130, SIGTERM 143)."""
+    from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted
+
+    debug = os.environ.get("SLIDEDP_DEBUG", "") not in ("", "0")
+    prefix = f"slidedp {args.command}"
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"slidedp {args.command}: error: {exc}", file=sys.stderr)
+    except TrainingInterrupted as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except (NonFiniteGradientError, InsufficientMemoryError) as exc:
+        if debug:
+            raise
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, LookupError, OSError, ImportError) as exc:
+        if debug:
+            raise
+        print(f"{prefix}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, and how to get the traceback
+        if debug:
+            raise
+        print(f"{prefix}: internal error: {type(exc).__name__}: {_one_line(exc)} "
+              "(run with SLIDEDP_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, KeyError) and exc.args:  # KeyError's str() is the quoted key only
+        text = f"missing key {exc.args[0]!r}"
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -25,3 +25,33 @@ class InfeasibleBudgetError(SlidedpError, ValueError):
 
 class NonFiniteGradientError(SlidedpError, FloatingPointError):
     """Raised when non-finite gradients repeat more often than allowed."""
+
+
+class InsufficientMemoryError(SlidedpError, MemoryError):
+    """Not enough host RAM, /dev/shm or free device memory for what compile would allocate.
+
+    Raised by the preflight check (slidedp/preflight.py) before anything is allocated, with the
+    numbers: `resource` ("host RAM", "/dev/shm" or "device memory"), `needed_bytes` and
+    `available_bytes`.
+    """
+
+    def __init__(self, message: str, *, resource: str, needed_bytes: int, available_bytes: int):
+        super().__init__(message)
+        self.resource = resource
+        self.needed_bytes = int(needed_bytes)
+        self.available_bytes = int(available_bytes)
+
+
+class TrainingInterrupted(SlidedpError):
+    """`slidedp train` stopped at a step boundary on SIGINT/SIGTERM, after writing a checkpoint.
+
+    `signum` is the signal, `step` the last completed step, `checkpoint` the folder written (or
+    None when no step had run); `exit_code` is 128 + signum, as a shell reports a signal.
+    """
+
+    def __init__(self, message: str, *, signum: int, step: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signum = int(signum)
+        self.step = int(step)
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + self.signum

@@ -27,7 +27,6 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["max_steps=0"], "'max_steps' must be >= 1"),
     (["precision=fp8"], "'precision'"),
     (["novalue"], "key=value"),
-    (["world_size=2"], "'world_size' is 2: data parallelism .* not available"),
     (["lr_schedule=step"], "'lr_schedule' must be constant, linear or cosine"),
     (["val_fraction=1.5"], "'val_fraction' must be in"),
     (["packing=maybe"], "'packing' must be true or false"),
@@ -87,3 +86,34 @@ def test_cli_report_writes_html_and_trace_and_needs_an_output(tmp_path, capsys):
     assert "<svg" in html.read_text() or "no predicted timeline" in html.read_text()
     assert json.loads(trace.read_text())["traceEvents"]
     assert main(["report", str(tmp_path / "missing.json"), "--html", str(html)]) == 2
+
+
+@pytest.mark.parametrize("exc, code, words", [
+    (KeyboardInterrupt(), 130, "slidedp inspect: interrupted"),
+    (RuntimeError("kaputt\nsecond line"), 1, "slidedp inspect: internal error: RuntimeError: kaputt second line "
+                                              "(run with SLIDEDP_DEBUG=1 for the traceback"),
+    (KeyError("schema"), 2, "slidedp inspect: error: missing key 'schema'"),
+    (PermissionError("denied: plan.json"), 2, "slidedp inspect: error: denied: plan.json"),
+])
+def test_cli_turns_every_error_into_one_line_and_a_status(exc, code, words, monkeypatch, capsys):
+    from slidedp.scheduler.plan import Plan
+
+    def boom(path):
+        raise exc
+
+    monkeypatch.setattr(Plan, "load", staticmethod(boom))
+    monkeypatch.delenv("SLIDEDP_DEBUG", raising=False)
+    assert main(["inspect", "plan.json"]) == code
+    err = capsys.readouterr().err
+    assert err.strip() == words or err.strip().startswith(words), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    monkeypatch.setenv("SLIDEDP_DEBUG", "1")  # the traceback, for a bug report
+    with pytest.raises(type(exc)):
+        main(["inspect", "plan.json"])
+
+
+def test_cli_budget_and_skip_keys_in_config(tmp_path):
+    assert load_config(None, []).max_skipped_steps == 10
+    assert load_config(None, ["max_skipped_steps=0", "budget=512MiB"]).budget == "512MiB"
+    with pytest.raises(ValueError, match="config key 'budget': cannot parse budget"):
+        load_config(None, ["budget=big"])

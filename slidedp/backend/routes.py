@@ -34,7 +34,7 @@ from slidedp.backend.streams import Streams
 
 class Routes:
     def __init__(self, *, plan, host, streams: Streams, rank: int = 0, world_size: int = 1, comm=None,
-                 flags: StepFlags | None = None, staging_slots: int = 2):
+                 flags: StepFlags | None = None, staging_slots: int = 4):
         self.rank, self.world_size, self.comm, self.flags = rank, world_size, comm, flags
         self.host, self.streams = host, streams
         self.delivery = {d.layer_id: d.delivery for d in plan.decisions}
@@ -53,13 +53,9 @@ class Routes:
         self._guards: list = []
         self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-reduce")
         self._pending: list[Future] = []
-        grad_dtype = host.layers[0].grad.dtype
-        biggest = max(layout.numel for layout in host.layouts)
-        pin = streams.cuda
-        self._staging = [torch.empty(biggest, dtype=grad_dtype, pin_memory=pin) for _ in range(staging_slots)]
+        self._grad_dtype, self._staging_slots = host.layers[0].grad.dtype, staging_slots
+        self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._free: queue.Queue[int] = queue.Queue()
-        for i in range(staging_slots):
-            self._free.put(i)
 
     def owned(self, layer_id: int) -> list[tuple[int, int]]:
         return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
@@ -98,12 +94,12 @@ class Routes:
         target = self.host.layers[layer_id].grad
         chunks = self.chunks[layer_id]
         if self.reduction[layer_id] == "cpu":
-            slot = self._take_slot()
-            self._copy_down(self._staging[slot], acc, chunks)
-            event = self.streams.record("d2h")
             ticket = self.passes * self.world_size + self.rank
             overwrite = self._first and self.rank == 0
-            self._submit(lambda: self._add_in_turn(layer_id, target, slot, event, ticket, overwrite))
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                self._stage(chunk, acc, lambda staged, lo, hi, last=last: self._add_in_turn(
+                    layer_id, target[lo:hi], staged, ticket, overwrite, last))
             return
         owned = self.owned(layer_id)
         if self.world_size > 1:
@@ -115,57 +111,63 @@ class Routes:
             self._device_sumsq[layer_id] = local_sumsq
         if self._first:
             self.wait_updated(layer_id)  # the last update still reads this gradient
-            self._copy_down(target, acc, owned)
+            for lo, hi in owned:
+                self._copy_down(target[lo:hi], acc[lo:hi])
             self._guards.append(self.streams.record("d2h"))
             return
-        slot = self._take_slot()
-        self._copy_down(self._staging[slot], acc, owned)
-        event = self.streams.record("d2h")
-        self._submit(lambda: self._add_owned(target, owned, slot, event))
+        for chunk in owned:
+            self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
 
-    def _copy_down(self, dst: torch.Tensor, src: torch.Tensor, chunks) -> None:
-        """Chunk by chunk on the D2H stream, cast there when the host gradient is bf16."""
-        for lo, hi in chunks:
-            piece = src[lo:hi]
-            if dst.dtype != piece.dtype:
-                with self.streams.on("d2h"):
-                    piece = piece.to(dst.dtype)
-            self.streams.copy("d2h", dst[lo:hi], piece)
+    def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """On the D2H stream, cast there when the host gradient is bf16."""
+        if dst.dtype != src.dtype:
+            with self.streams.on("d2h"):
+                src = src.to(dst.dtype)
+        self.streams.copy("d2h", dst, src)
+
+    def _stage(self, chunk: tuple[int, int], acc: torch.Tensor, add) -> None:
+        """Copy one chunk of `acc` into a free staging buffer; the reducer thread then runs
+        `add(staged, lo, hi)` once the copy has landed, and frees the buffer."""
+        lo, hi = chunk
+        slot = self._take_slot()
+        staged = self._staging[slot][: hi - lo]
+        self._copy_down(staged, acc[lo:hi])
+        event = self.streams.record("d2h")
+
+        def task() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                add(staged, lo, hi)
+            finally:
+                self._free.put(slot)
+
+        self._pending.append(self._reducer.submit(task))
 
     def _take_slot(self) -> int:
+        """A free staging buffer (chunk-sized, pinned on CUDA), allocated on first use."""
+        if not self._staging:
+            biggest = max(hi - lo for chunks in self.chunks.values() for lo, hi in chunks)
+            self._staging = [torch.empty(biggest, dtype=self._grad_dtype, pin_memory=self.streams.cuda)
+                             for _ in range(self._staging_slots)]
+            for i in range(self._staging_slots):
+                self._free.put(i)
         while True:
             try:
                 return self._free.get(timeout=0.1)
             except queue.Empty:
                 self._raise_if_failed()
 
-    def _submit(self, task) -> None:
-        self._pending.append(self._reducer.submit(task))
-
-    def _add_in_turn(self, layer_id, target, slot, event, ticket, overwrite) -> None:
-        try:
-            if event is not None:
-                event.synchronize()
-            staged = self._staging[slot][: target.numel()]
-            self.flags.wait_turn(layer_id, ticket)
-            if overwrite:
-                self.wait_updated(layer_id)
-                target.copy_(staged)
-            else:
-                target.add_(staged)
+    def _add_in_turn(self, layer_id, target, staged, ticket, overwrite, last) -> None:
+        """CPU reduction: add (or, for the first contribution of a step, copy) in rank order."""
+        self.flags.wait_turn(layer_id, ticket)
+        if overwrite:
+            self.wait_updated(layer_id)
+            target.copy_(staged)
+        else:
+            target.add_(staged)
+        if last:
             self.flags.advance(layer_id, ticket)
-        finally:
-            self._free.put(slot)
-
-    def _add_owned(self, target, owned, slot, event) -> None:
-        try:
-            if event is not None:
-                event.synchronize()
-            staged = self._staging[slot]
-            for lo, hi in owned:
-                target[lo:hi].add_(staged[lo:hi])
-        finally:
-            self._free.put(slot)
 
     def _raise_if_failed(self) -> None:
         for f in self._pending:

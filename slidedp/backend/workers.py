@@ -68,7 +68,7 @@ class WorkerPool:
         self.world_size, self.host, self.flags = world_size, host, flags
         self.last_duration_s = 0.0  # (engine.updates API) updates run in the workers
         self._tmp = tempfile.mkdtemp(prefix="slidedp-ranks-")
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn")  # fork is unsafe with CUDA and with Numba's OpenMP pool
         self.conns, self.procs = [], []
         self._closed = False
         try:
@@ -161,32 +161,41 @@ class WorkerPool:
                     pass
             for proc in self.procs:
                 proc.join(30.0)
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(5.0)
+        for proc in self.procs:  # workers ignore SIGTERM (see _die_with_parent)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.procs:
+            proc.join()
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 # -- the worker's side --------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(controller_pid: int) -> None:
+    """End this process when its parent ends (PR_SET_PDEATHSIG); the controller must be alive now.
+    SIGINT and SIGTERM (a Ctrl-C reaches the whole process group) are the controller's to handle:
+    it finishes the step, then closes the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        # M_MMAP_THRESHOLD fixed at 1 MiB: large buffers a step frees go back to the system rather
+        # than stay in glibc's heap (its threshold otherwise grows with them), so a rank's private
+        # memory stays its working set.
+        libc.mallopt(-3, 1 << 20)
+    except (OSError, AttributeError):
         pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    try:
+        os.kill(controller_pid, 0)
+    except ProcessLookupError:  # the controller died before prctl took effect
         os._exit(1)
 
 
-def worker_main(rank: int, world_size: int, conn, init_method: str, parent_pid: int) -> None:
+def worker_main(rank: int, world_size: int, conn, init_method: str, controller_pid: int) -> None:
     """A rank's process: build the rank from the skeleton, then serve the controller's commands."""
-    _die_with_parent(parent_pid)
+    _die_with_parent(controller_pid)
     from slidedp.backend.comm import RankComm
     from slidedp.backend.executor import StreamedExecutor
     from slidedp.backend.host_state import HostState

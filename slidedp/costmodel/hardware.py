@@ -38,6 +38,14 @@ class Hardware:
     # (threads, params/s) of the CPU AdamW by increasing thread count, as measured by `slidedp
     # calibrate`; empty for presets. cpu_adamw_params_per_s is the best of them.
     cpu_adamw_params_per_s_by_threads: tuple[tuple[int, float], ...] = ()
+    # Host (Python) time to issue one transformer block's forward, and its backward without
+    # recompute, for one micro-batch: a block's compute takes at least this long however fast the
+    # GPU is (ops.block_forward_time_s); 0 ignores the host. Measured per model family and host.
+    host_block_fwd_s: float = 0.0
+    host_block_bwd_s: float = 0.0
+    # Fraction of matmul_flops_per_s that the head + loss (fused linear + cross-entropy) reaches;
+    # 0: block_efficiency.
+    head_efficiency: float = 0.0
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -53,6 +61,9 @@ class Hardware:
             raise ValueError(f"cpu_adamw_params_per_s_by_threads must be (threads >= 1, params/s > 0) pairs by "
                              f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
         object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
+        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         """JSON-native: the efficiency curve as lists, so a dict survives a JSON round trip unchanged."""
@@ -80,11 +91,17 @@ class Hardware:
 GiB = 2**30
 
 PRESETS: dict[str, Hardware] = {
+    # Measured on the H200 host (DESIGN.md §5; benchmarks/README.md, "Predicted against measured"):
+    # a Qwen3-4B block's forward / backward kernels run at 0.565 of the matmul rate (2.5 / 5.2 ms
+    # per 4096 tokens), but the host needs at least 2.3 / 6.0 ms to issue them (Python, autograd);
+    # the fused head + loss reaches 0.405; the CPU update overlapping the next forward (weights
+    # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9.
     "h200-sxm": Hardware(
-        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.6,
+        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.565,
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
-        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.66,
+        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.9,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
+        host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.405,
     ),
     "h100-sxm": Hardware(
         name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,

@@ -106,6 +106,37 @@ def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, reco
     return micro_batches * flops / compute_flops_per_s(hw)
 
 
+def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> float:
+    """Forward of one block for every micro-batch, issued from Python [s]:
+
+    t = m * max(flops_fwd / rate, host_block_fwd_s): each micro-batch's kernels run no faster than
+    the host thread issues them (host_block_fwd_s, measured; 0 ignores the host).
+    """
+    return micro_batches * max(costs.flops_fwd / compute_flops_per_s(hw), hw.host_block_fwd_s)
+
+
+def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool) -> float:
+    """Backward of one block for every micro-batch (recomputing its forward first if asked) [s]:
+
+    t = m * max((flops_bwd + [recompute] flops_fwd) / rate,
+                host_block_bwd_s + [recompute] host_block_fwd_s)
+    """
+    flops = costs.flops_bwd + (costs.flops_fwd if recompute else 0.0)
+    host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
+    return micro_batches * max(flops / compute_flops_per_s(hw), host)
+
+
+def head_flops_per_s(hw: Hardware) -> float:
+    """Rate the head and loss reach: matmul_flops_per_s * head_efficiency (block_efficiency if 0)."""
+    return hw.matmul_flops_per_s * (hw.head_efficiency or hw.block_efficiency)
+
+
+def epilogue_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> float:
+    """Head + loss, forward and backward, for every micro-batch: t = m * (flops_fwd + flops_bwd) /
+    head rate  [s] (the fused linear + cross-entropy and the final norm)."""
+    return micro_batches * (costs.flops_fwd + costs.flops_bwd) / head_flops_per_s(hw)
+
+
 def offload_time_s(saved_bytes: int, micro_batches: int, bytes_per_s: float,
                    curve: tuple[tuple[int, float], ...]) -> float:
     """Copy a block's saved activations of every micro-batch one way: t = transfer(m * saved)  [s]."""

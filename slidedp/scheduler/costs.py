@@ -148,10 +148,10 @@ class ProblemCosts:
         self.blocks: dict[int, BlockTicks] = {}
         for layer in g.blocks:
             c = layer.costs
-            bwd_plain = t(ops.backward_time_s(c, hw, m, recompute=False))
+            bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False))
             self.blocks[layer.id] = BlockTicks(
-                fwd=t(ops.forward_time_s(c, hw, m)),
-                bwd={RECOMPUTE: t(ops.backward_time_s(c, hw, m, recompute=True)), KEEP: bwd_plain,
+                fwd=t(ops.block_forward_time_s(c, hw, m)),
+                bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True)), KEEP: bwd_plain,
                      OFFLOAD: bwd_plain},
                 offload=t(ops.offload_time_s(c.saved_activation_bytes, m, d2h_duplex, curve)),
                 reload=t(ops.offload_time_s(c.saved_activation_bytes, m, h2d_duplex, curve)),
@@ -162,7 +162,7 @@ class ProblemCosts:
         pro, epi = g.prologue.costs, g.epilogue.costs
         self.prologue_fwd = t(ops.forward_time_s(pro, hw, m))
         self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
-        self.epilogue = t(ops.forward_time_s(epi, hw, m) + ops.backward_time_s(epi, hw, m, recompute=False))
+        self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
 
         # Memory constants (bytes per rank).
         resident_numel = g.prologue.numel + g.epilogue.numel

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import get_type_hints
+
+from slidedp.budget import Budget
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping
+    max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
     # checkpoints
     save_every: int = 0  # checkpoint every this many steps (and always at the end); 0: at the end only
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
@@ -58,12 +62,12 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_rows", "val_every", "warmup_steps", "save_every"):
+        for key in ("max_rows", "val_every", "warmup_steps", "save_every", "max_skipped_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
         for key in ("lr", "min_lr", "weight_decay", "max_grad_norm", "adam_eps"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"config key {key!r} must be a finite number >= 0, got {getattr(self, key)}")
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
@@ -79,9 +83,15 @@ class TrainConfig:
             raise ValueError(f"config key 'min_lr' ({self.min_lr}) must not exceed 'lr' ({self.lr})")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
-        if self.world_size != 1:
-            raise ValueError(f"config key 'world_size' is {self.world_size}: data parallelism (world_size > 1) "
-                             "is not available in this version of slidedp yet; use world_size=1")
+        try:
+            Budget.parse(self.budget)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config key 'budget': {exc}") from None
+        for key in ("model", "data", "output_dir"):
+            if not getattr(self, key).strip():
+                raise ValueError(f"config key {key!r} must not be empty")
+            if "\0" in getattr(self, key):
+                raise ValueError(f"config key {key!r} contains a NUL character")
         return self
 
     def to_dict(self) -> dict:
@@ -105,10 +115,12 @@ def _coerce(key: str, value, typ):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        except ValueError:
+        except (TypeError, ValueError, OverflowError):
             raise TypeError(f"config key {key!r} must be an integer, got {value!r}") from None
     if typ is float:
         if isinstance(value, bool):
+            raise TypeError(f"config key {key!r} must be a number, got {value!r}")
+        if not isinstance(value, (str, int, float)):
             raise TypeError(f"config key {key!r} must be a number, got {value!r}")
         try:
             return float(value)
@@ -126,23 +138,40 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config file {path}: cannot be read as UTF-8 text ({exc})") from None
         if p.suffix == ".toml":
             import tomllib
 
-            values = tomllib.loads(text)
+            try:
+                values = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
         elif p.suffix in (".yaml", ".yml"):
             import yaml
 
-            values = yaml.safe_load(text) or {}
+            try:
+                values = yaml.safe_load(text) or {}  # safe_load: plain values only, no Python objects
+            except yaml.YAMLError as exc:
+                raise ValueError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
         elif p.suffix == ".json":
-            values = json.loads(text)
+            try:
+                values = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"config file {path}: not valid JSON ({exc})") from None
         else:
             raise ValueError(f"config file {path}: expected .yaml, .yml, .toml or .json")
         if not isinstance(values, dict):
             raise ValueError(f"config file {path} must hold a mapping of keys to values")
     if isinstance(values.get("data"), list):  # a YAML/TOML list of files and folders
-        values["data"] = ",".join(str(v) for v in values["data"])
+        if not all(isinstance(v, str) for v in values["data"]):
+            raise TypeError(f"config key 'data': a list must hold file or folder names, got {values['data']!r}")
+        values["data"] = ",".join(values["data"])
+    unnamed = [k for k in values if not isinstance(k, str)]
+    if unnamed:
+        raise ValueError(f"config file {path}: keys must be names, got {unnamed[0]!r}")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -13,15 +13,25 @@ A checkpoint is written every `save_every` steps and at the end; the last `keep_
 `resume=true` continues from the latest checkpoint exactly: the same weights, moments, AdamW
 step, learning rate, data position and RNG state, so N steps + resume + N steps give bitwise the
 same result as 2N steps (CPU, fp32).
+
+Faults: SIGINT or SIGTERM during a step lets the step finish, writes a checkpoint at that step and
+stops with `TrainingInterrupted` (the command exits with 128 + the signal's number; a second
+signal stops at once, leaving the previous checkpoint). A step whose gradient is not finite is
+skipped by the engine (nothing changes) and logged; `max_skipped_steps` consecutive ones abort the
+run with `NonFiniteGradientError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +55,7 @@ def _log(msg: str) -> None:
 
 def load_model_and_tokenizer(cfg: TrainConfig):
     """(model, tokenizer): a Hugging Face folder, the SmolLM2 default, or a preset with random init."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slidedp.train.shapes import PRESETS, preset_config
@@ -54,7 +65,7 @@ def load_model_and_tokenizer(cfg: TrainConfig):
         from slidedp.train.smollm2 import ensure_smollm2
 
         folder = ensure_smollm2()
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
     elif cfg.model in PRESETS:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.model), dtype=torch.float32)
@@ -63,7 +74,15 @@ def load_model_and_tokenizer(cfg: TrainConfig):
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"config key 'model': {cfg.model} is neither a Hugging Face folder (no "
                                     f"config.json) nor 'smollm2' nor a preset ({', '.join(PRESETS)})")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if not any(folder.glob("*.safetensors")):
+            raise ValueError(f"config key 'model': {cfg.model} holds no .safetensors weights; slidedp does not "
+                             "read pickled weights (pytorch_model.bin); convert them with save_pretrained("
+                             "..., safe_serialization=True) in a trusted environment")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+            raise ValueError(f"config key 'model': cannot load the weights of {folder} "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     source = cfg.tokenizer or (str(folder) if folder is not None else "smollm2")
     if source == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
@@ -92,7 +111,8 @@ def load_data(cfg: TrainConfig, tokenizer):
     max_rows = cfg.max_rows or STDLIB_ROWS
     if cfg.packing:
         return stdlib_dataset(tokenizer, cfg.seq_len, max_rows=max_rows, seed=cfg.seed)
-    examples = (Example(read_document(f)) for f in stdlib_source_files())
+    texts = (read_document(f) for f in stdlib_source_files())
+    examples = (Example(text) for text in texts if text.strip())  # empty __init__.py files: nothing to train
     rows = build_rows(examples, tokenizer, cfg.seq_len, packing=False, max_rows=max_rows)
     return PackedDataset(rows["input_ids"], seed=cfg.seed, labels=rows["labels"],
                          attention_mask=rows["attention_mask"])
@@ -157,8 +177,17 @@ def read_trainer_state(folder: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} has no {TRAINER_STATE}: it was not written by "
                               "`slidedp train` and cannot be resumed by it") from None
-    if state.get("format") != TRAINER_FORMAT:
-        raise CheckpointError(f"checkpoint {folder}: trainer state format {state.get('format')!r} is not supported")
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} is not valid JSON ({exc})") from None
+    if not isinstance(state, dict) or state.get("format") != TRAINER_FORMAT:
+        fmt = state.get("format") if isinstance(state, dict) else None
+        raise CheckpointError(f"checkpoint {folder}: trainer state format {fmt!r} is not supported")
+    for key, typ in (("step", int), ("data", dict), ("config", dict)):
+        if not isinstance(state.get(key), typ) or isinstance(state.get(key), bool):
+            raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key {key!r} is missing or not "
+                                  f"a{'n' if typ is int else ''} {typ.__name__} ({state.get(key)!r})")
+    if state["step"] < 0:
+        raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key 'step' is negative ({state['step']})")
     return state
 
 
@@ -180,13 +209,48 @@ def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.de
 
 
 # --------------------------------------------------------------------------------------------
+# Signals
+
+
+class _Stop:
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
+    """While inside, SIGINT/SIGTERM only set `.signum` of the yielded object: the loop finishes its
+    step, writes a checkpoint and stops. A second signal raises KeyboardInterrupt at once (an
+    unfinished checkpoint is discarded, the previous one stays). Off the main thread (where Python
+    cannot install handlers) nothing is installed."""
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.signum is not None:
+            raise KeyboardInterrupt
+        stop.signum = signum
+        # os.write: a print here could re-enter sys.stderr's buffer if the signal came during a print
+        os.write(2, f"[slidedp] {signal.Signals(signum).name} received: stopping after this step and writing "
+                    "a checkpoint (send it again to stop at once)\n".encode())
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------------------------
 # The run
 
 
 def run(cfg: TrainConfig) -> dict:
     """Train as the config says; returns a summary (losses, steps, last checkpoint)."""
     import slidedp
-    from slidedp.checkpoint import verify_checkpoint
+    from slidedp.checkpoint import ENGINE_JSON, verify_checkpoint
 
     cfg.validate()
     out = Path(cfg.output_dir)
@@ -215,7 +279,7 @@ def run(cfg: TrainConfig) -> dict:
     plan = None
     if resume_from is not None:
         _log(f"[slidedp] resuming from {resume_from}: verifying it")
-        verify_checkpoint(resume_from)
+        verify_checkpoint(resume_from, required=(ENGINE_JSON, TRAINER_STATE))
         trainer_state = read_trainer_state(resume_from)
         plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
 
@@ -253,6 +317,7 @@ def run(cfg: TrainConfig) -> dict:
 def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
                 resume_from: Path | None, trainer_state: dict | None) -> dict:
     from slidedp.checkpoint import read_engine_state
+    from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
     from slidedp.train.metrics import (MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step,
                                        peak_flops_per_s)
     from slidedp.train.schedule import lr_at, schedule_state
@@ -260,12 +325,14 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
     start = 0
     tokens_seen = 0
     val_loss = None
+    consecutive_skips = 0  # steps skipped in a row for a non-finite gradient
     if trainer_state is not None:
         read_engine_state(engine, resume_from, verify=False)  # verified before compiling
         train.load_state_dict(trainer_state["data"])
         start = int(trainer_state["step"])
         tokens_seen = int(trainer_state.get("tokens_seen", 0))
         val_loss = trainer_state.get("val_loss")
+        consecutive_skips = int(trainer_state.get("consecutive_skips", 0))
         _log(f"[slidedp] resumed at step {start} (AdamW step {engine.host.step}, epoch {train.epoch})")
     if start >= cfg.max_steps:
         _log(f"[slidedp] the checkpoint is at step {start}, max_steps is {cfg.max_steps}: nothing to do")
@@ -282,40 +349,73 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
         return {
             "format": TRAINER_FORMAT, "step": step, "tokens_seen": tokens_seen, "data": train.state_dict(),
             "schedule": schedule_state(step, **sched), "val_loss": val_loss, "config": cfg.to_dict(),
-            "device": device.type, "precision": precision,
+            "device": device.type, "precision": precision, "consecutive_skips": consecutive_skips,
         }
 
     logger = MetricsLogger(out, max_steps=cfg.max_steps, start_step=start, log_every=cfg.log_every,
                            progress=cfg.progress, tensorboard=cfg.tensorboard)
+    step = saved_step = start
     try:
-        for step in range(start + 1, cfg.max_steps + 1):
-            lr = lr_at(step, **sched)
-            engine.optimizer = dataclasses.replace(engine.optimizer, lr=lr)
-            batch = train.next_fields(rows_per_step)
-            t0 = time.perf_counter()
-            loss = engine.step(batch.input_ids, batch.labels, batch.attention_mask)
-            step_s = time.perf_counter() - t0
-            info = engine.last_step
-            mask = batch.attention_mask
-            n_tokens = int(mask.sum()) if mask is not None else batch.input_ids.numel()
-            tokens_seen += n_tokens
-            losses.append(loss)
-            record = {
-                "step": step, "loss": loss, "grad_norm": info.grad_norm, "lr": lr, "skipped": info.skipped,
-                "clip_coef": info.clip_coef, "trained_tokens": info.tokens, "tokens_per_s": n_tokens / step_s,
-                "tflops": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
-                "step_s": step_s, "predicted_step_s": engine.plan.predicted_step_time_s, "epoch": train.epoch,
-                "device_bytes": device_memory_bytes(device), "host_rss_bytes": host_rss_bytes(),
-            }
-            if val is not None and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.max_steps):
-                val_loss = validation_loss(engine, val, cfg.batch_size * cfg.grad_accum)
-                record["val_loss"] = val_loss
-            logger.log(record)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+        with stop_on_signals() as stop:
+            for step in range(start + 1, cfg.max_steps + 1):
+                if stop.signum is not None:  # arrived during the last checkpoint or validation
+                    step -= 1
+                    break
+                lr = lr_at(step, **sched)
+                engine.optimizer = dataclasses.replace(engine.optimizer, lr=lr)
+                batch = train.next_fields(rows_per_step)
+                t0 = time.perf_counter()
+                loss = engine.step(batch.input_ids, batch.labels, batch.attention_mask)
+                step_s = time.perf_counter() - t0
+                info = engine.last_step
+                mask = batch.attention_mask
+                n_tokens = int(mask.sum()) if mask is not None else batch.input_ids.numel()
+                tokens_seen += n_tokens
+                losses.append(loss)
+                record = {
+                    "step": step, "loss": loss, "grad_norm": info.grad_norm, "lr": lr, "skipped": info.skipped,
+                    "skipped_steps": engine.skipped_steps,
+                    "clip_coef": info.clip_coef, "trained_tokens": info.tokens, "tokens_per_s": n_tokens / step_s,
+                    "tflops": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
+                    "step_s": step_s, "predicted_step_s": engine.plan.predicted_step_time_s, "epoch": train.epoch,
+                    "device_bytes": device_memory_bytes(device), "host_rss_bytes": host_rss_bytes(),
+                }
+                if info.skipped:
+                    consecutive_skips += 1
+                    logger.write(f"[slidedp] step {step} skipped: non-finite gradient (norm {info.grad_norm}); "
+                                 f"nothing was updated ({consecutive_skips} in a row, {engine.skipped_steps} in all)")
+                    if cfg.max_skipped_steps and consecutive_skips >= cfg.max_skipped_steps:
+                        logger.log(record)
+                        raise NonFiniteGradientError(
+                            f"{consecutive_skips} consecutive steps (up to step {step}) had a non-finite gradient "
+                            f"(last norm {info.grad_norm}, loss {loss}) and were skipped: stopping "
+                            f"(max_skipped_steps={cfg.max_skipped_steps}). The weights are those of step "
+                            f"{step - consecutive_skips}; latest checkpoint: {checkpoint or 'none'}. Lower lr, "
+                            "check the data, or use precision=fp32")
+                else:
+                    consecutive_skips = 0
+                if val is not None and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.max_steps):
+                    val_loss = validation_loss(engine, val, cfg.batch_size * cfg.grad_accum)
+                    record["val_loss"] = val_loss
+                logger.log(record)
+                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+                    checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, cfg.keep_last)
+                    saved_step = step
+                    logger.write(f"[slidedp] checkpoint written: {checkpoint}")
+                if stop.signum is not None:
+                    break
+            if stop.signum is not None and step > start and saved_step != step:
                 checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, cfg.keep_last)
+                saved_step = step
                 logger.write(f"[slidedp] checkpoint written: {checkpoint}")
     finally:
         logger.close()
+    if stop.signum is not None and step < cfg.max_steps:
+        name = signal.Signals(stop.signum).name
+        where = (f"checkpoint {checkpoint} (step {step}); continue with resume=true" if checkpoint
+                 else "no checkpoint (no step was taken)")
+        raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.max_steps}: {where}",
+                                  signum=stop.signum, step=step, checkpoint=str(checkpoint) if checkpoint else None)
     if losses:
         _log(f"[slidedp] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
              f"{f', validation loss {val_loss:.4f}' if val_loss is not None else ''}; checkpoint {checkpoint}; "

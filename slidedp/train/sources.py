@@ -23,14 +23,18 @@ Two ways to make rows of exactly ``seq_len`` tokens:
   fits, filled with the pad token (the tokenizer's, else EOS); ``attention_mask`` is 0 and the
   label -100 on the filling.
 
-Rows in which no token is trained (a prompt that fills the whole row) are dropped.
+Bad data is refused with an error naming the file, the line (or parquet row) and the field: a line
+that is not JSON or not UTF-8, a missing or non-string field, an empty text or completion, a file
+with no example at all; and, when padding, an example whose prompt fills the whole row (all its
+labels would be -100). When packing, a row that holds only prompt tokens (a long prompt cut across
+rows) is dropped; if no row is left, the error says so.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 class Example:
     text: str  # the text, or the completion
     prompt: str | None = None  # None: a plain text, every token trained
+    source: str = field(default="", compare=False)  # "data file F line N": where it came from, for errors
 
 
 def find_data_files(spec: str) -> list[Path]:
@@ -70,35 +75,41 @@ def find_data_files(spec: str) -> list[Path]:
     return files
 
 
-def _example(obj: Any, where: str) -> Example | None:
+def _example(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion'")
     if "text" in obj and obj["text"] is not None:
         text = obj["text"]
         if not isinstance(text, str):
             raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
-        return Example(text) if text.strip() else None
+        if not text.strip():
+            raise ValueError(f"{where}: 'text' is empty ({text!r}): nothing to train on")
+        return Example(text, source=where)
     if "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
-        return Example(completion, prompt) if completion else None
+        if not completion:
+            raise ValueError(f"{where}: 'completion' is empty: nothing to train on")
+        return Example(completion, prompt, source=where)
     raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion' (found {sorted(obj)})")
 
 
 def _jsonl_examples(path: Path) -> Iterator[Example]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"data file {path} line {number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not valid UTF-8 ({exc})") from None
             if not line.strip():
                 continue
-            where = f"data file {path} line {number}"
             try:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc})") from None
-            example = _example(obj, where)
-            if example is not None:
-                yield example
+            yield _example(obj, where)
 
 
 def _parquet_examples(path: Path) -> Iterator[Example]:
@@ -120,25 +131,33 @@ def _parquet_examples(path: Path) -> Iterator[Example]:
     for batch in f.iter_batches(columns=columns, batch_size=1024):
         values = {c: batch.column(c).to_pylist() for c in columns}
         for i in range(batch.num_rows):
-            example = _example({c: values[c][i] for c in columns}, f"data file {path} row {row}")
+            yield _example({c: values[c][i] for c in columns}, f"data file {path} row {row}")
             row += 1
-            if example is not None:
-                yield example
 
 
 def iter_examples(files: list[Path]) -> Iterator[Example]:
-    """Examples of every file, in order, read lazily."""
+    """Examples of every file, in order, read lazily; a file without any example is refused."""
     for path in files:
+        count = 0
         if path.suffix == ".txt":
             text = read_document(path)
             if text.strip():
-                yield Example(text)
+                count += 1
+                yield Example(text, source=f"data file {path}")
         elif path.suffix == ".jsonl":
-            yield from _jsonl_examples(path)
+            for example in _jsonl_examples(path):
+                count += 1
+                yield example
         elif path.suffix == ".parquet":
-            yield from _parquet_examples(path)
+            for example in _parquet_examples(path):
+                count += 1
+                yield example
         else:
             raise ValueError(f"data file {path}: not a {', '.join(SUFFIXES)} file")
+        if count == 0:
+            raise ValueError(f"data file {path} is empty: it holds no example "
+                             f"({'only whitespace' if path.suffix == '.txt' else 'no line with data'}); "
+                             "remove it or fill it")
 
 
 def tokenize_example(example: Example, tokenizer: Any, eos: int) -> tuple[list[int], list[int]]:
@@ -177,8 +196,15 @@ def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, pac
     for example in examples:
         any_prompt |= example.prompt is not None
         ids, labels = tokenize_example(example, tokenizer, eos)
+        where = example.source or "an example"
+        if len(ids) < 2:
+            raise ValueError(f"{where}: gives {len(ids)} token(s) with EOS; a next-token loss needs at least 2")
         if not packing:
             ids, labels = ids[:seq_len], labels[:seq_len]
+            if example.source and not any(v != -100 for v in labels[1:]):
+                raise ValueError(f"{where}: the prompt fills the whole row of seq_len={seq_len} tokens, so no "
+                                 "completion token is trained (all labels -100); raise seq_len, shorten the "
+                                 "prompt, or use packing=true")
             fill = seq_len - len(ids)
             if emit(ids + [pad] * fill, labels + [-100] * fill, [1] * len(ids) + [0] * fill):
                 break
@@ -211,8 +237,9 @@ def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = Tru
     files = find_data_files(spec)
     rows = build_rows(iter_examples(files), tokenizer, seq_len, packing=packing, max_rows=max_rows)
     if rows["input_ids"].shape[0] == 0:
-        raise ValueError(f"config key 'data': {spec} gives no row of {seq_len} tokens "
-                         f"({'packing' if packing else 'padding'}); add data or lower seq_len")
+        raise ValueError(f"config key 'data': {spec} gives no row of {seq_len} tokens with a trained label "
+                         f"({'packing' if packing else 'padding'}; rows whose labels are all -100 are dropped); "
+                         "add data or lower seq_len")
     return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"], attention_mask=rows["attention_mask"])
 
 

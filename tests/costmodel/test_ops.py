@@ -65,6 +65,34 @@ def test_compute_update_and_offload_times():
     assert ops.cpu_reduce_time_s(1e9, 2, 1, hw, lanes=1) == 0
 
 
+def test_block_times_are_bounded_below_by_the_host_and_the_head_has_its_own_rate():
+    hw = replace(PRESETS["h100-sxm"], host_block_fwd_s=2e-3, host_block_bwd_s=6e-3, head_efficiency=0.4)
+    rate = 750e12 * 0.6
+    big = LayerCosts(flops_fwd=4.5e12, flops_bwd=9e12)  # 10 / 20 ms on the GPU: the GPU bounds
+    assert ops.block_forward_time_s(big, hw, 2) == pytest.approx(2 * 4.5e12 / rate)
+    assert ops.block_backward_time_s(big, hw, 2, recompute=True) == pytest.approx(2 * 13.5e12 / rate)
+    small = LayerCosts(flops_fwd=4.5e11, flops_bwd=9e11)  # 1 / 2 ms on the GPU: the host bounds
+    assert ops.block_forward_time_s(small, hw, 3) == pytest.approx(3 * 2e-3)
+    assert ops.block_backward_time_s(small, hw, 3, recompute=False) == pytest.approx(3 * 6e-3)
+    assert ops.block_backward_time_s(small, hw, 3, recompute=True) == pytest.approx(3 * 8e-3)
+    head = LayerCosts(flops_fwd=3e12, flops_bwd=6e12)
+    assert ops.epilogue_time_s(head, hw, 2) == pytest.approx(2 * 9e12 / (750e12 * 0.4))
+    # without host figures (0) and head efficiency (0): the flop-rate formulas
+    plain = PRESETS["h100-sxm"]
+    assert ops.block_forward_time_s(small, plain, 3) == pytest.approx(ops.forward_time_s(small, plain, 3))
+    assert ops.block_backward_time_s(small, plain, 3, recompute=True) == pytest.approx(
+        ops.backward_time_s(small, plain, 3, recompute=True))
+    assert ops.epilogue_time_s(head, plain, 2) == pytest.approx(
+        ops.forward_time_s(head, plain, 2) + ops.backward_time_s(head, plain, 2, recompute=False))
+    with pytest.raises(ValueError, match="host_block_bwd_s"):
+        replace(plain, host_block_bwd_s=-1.0)
+    # profiles written before these fields existed still load (defaults)
+    data = plain.to_dict()
+    for key in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency"):
+        data.pop(key)
+    assert Hardware.from_dict(data) == plain
+
+
 def test_collectives_ring_over_p2p_and_bounce_through_the_host_without_it():
     h100 = PRESETS["h100-sxm"]
     assert ops.all_gather_time_s(8e9, 4, h100) == pytest.approx(6e9 / 450e9)

@@ -49,9 +49,23 @@ REFERENCE_SCRIPT = textwrap.dedent(
                                                  local_files_only=True).eval()
     with torch.no_grad():
         logits = [model(input_ids=torch.tensor([i])).logits[0] for i in ids]
-    torch.save({"ids": ids, "logits": logits, "eos": tok.eos_token_id}, out)
+    from safetensors.torch import save_file  # no pickle: tensors in safetensors, the rest in its metadata
+    tensors = {f"logits.{k}": t.contiguous() for k, t in enumerate(logits)}
+    tensors.update({f"ids.{k}": torch.tensor(i, dtype=torch.long) for k, i in enumerate(ids)})
+    save_file(tensors, out, metadata={"eos": str(tok.eos_token_id), "n": str(len(ids))})
     """
 )
+
+
+def read_reference(path) -> dict:
+    """{"ids", "logits", "eos"} written by REFERENCE_SCRIPT (safetensors, never unpickled)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        n = int(meta["n"])
+        return {"ids": [f.get_tensor(f"ids.{k}").tolist() for k in range(n)],
+                "logits": [f.get_tensor(f"logits.{k}") for k in range(n)], "eos": int(meta["eos"])}
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +77,7 @@ def converted(tmp_path_factory):
     stale = cache / f".{MODEL_DIRNAME}.tmp-424242-deadbeef"
     stale.mkdir()
     (stale / "config.json").write_text("{half")
-    ref_file = cache / "reference.pt"
+    ref_file = cache / "reference.safetensors"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.Popen(
         [sys.executable, "-c", REFERENCE_SCRIPT, str(locate_gguf()), str(ref_file), *PROMPTS],
@@ -77,7 +91,7 @@ def converted(tmp_path_factory):
         _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     print(f"\nSmolLM2 conversion took {seconds:.1f} s", file=sys.stderr)
-    return folder, torch.load(ref_file), stale, seconds
+    return folder, read_reference(ref_file), stale, seconds
 
 
 @needs_wheel

@@ -35,7 +35,7 @@ def write_jsonl(path, records):
 
 
 def test_text_packing_matches_pack_sequences(tmp_path):
-    texts = ["alpha beta\n", "gamma", "   ", "delta epsilon zeta\n" * 3]
+    texts = ["alpha beta\n", "gamma", "delta epsilon zeta\n" * 3]
     for i, t in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(t)
     write_jsonl(tmp_path / "more.jsonl", [{"text": t} for t in texts])
@@ -59,7 +59,6 @@ def test_padding_gives_masks_and_ignored_labels(tmp_path):
     path = write_jsonl(tmp_path / "pc.jsonl", [
         {"prompt": "Q?", "completion": "A."},
         {"text": "abcdefghijk"},  # longer than a row: truncated, no EOS
-        {"prompt": "long prompt!!", "completion": "x"},  # the prompt fills the row: nothing to train, dropped
     ])
     rows = build_rows(iter_examples([path]), ByteTokenizer(), 8, packing=False)
     assert rows["input_ids"].tolist() == [ids("Q?") + ids("A.") + [EOS] + [PAD] * 3, ids("abcdefgh")]
@@ -81,6 +80,8 @@ def test_max_rows_stops_reading(tmp_path):
     ('{"text": 5}', "line 2: 'text' must be a string"),
     ('{"prompt": "a", "completion": 3}', "line 2: 'prompt' and 'completion' must be strings"),
     ('{"text": "a"', "line 2: not valid JSON"),
+    ('{"text": "   "}', "line 2: 'text' is empty"),
+    ('{"prompt": "a", "completion": ""}', "line 2: 'completion' is empty"),
 ])
 def test_bad_jsonl_names_file_and_line(tmp_path, line, words):
     path = tmp_path / "bad.jsonl"
@@ -110,7 +111,7 @@ def test_parquet_text_and_prompt_completion(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": ["alpha", "beta gamma", ""], "other": [1, 2, 3]}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": ["alpha", "beta gamma"], "other": [1, 2]}), tmp_path / "t.parquet")
     pq.write_table(pa.table({"prompt": ["Q?", "Hi"], "completion": ["A.", "yo"]}), tmp_path / "pc.parquet")
     assert list(iter_examples([tmp_path / "t.parquet"])) == [Example("alpha"), Example("beta gamma")]
     assert list(iter_examples([tmp_path / "pc.parquet"])) == [Example("A.", "Q?"), Example("yo", "Hi")]
@@ -121,6 +122,9 @@ def test_parquet_text_and_prompt_completion(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="bad.parquet: expected a 'text' column"):
         list(iter_examples([tmp_path / "bad.parquet"]))
+    pq.write_table(pa.table({"text": ["alpha", ""]}), tmp_path / "empty-row.parquet")
+    with pytest.raises(ValueError, match="empty-row.parquet row 1: 'text' is empty"):
+        list(iter_examples([tmp_path / "empty-row.parquet"]))
 
 
 def test_parquet_without_pyarrow_names_the_package(tmp_path, monkeypatch):

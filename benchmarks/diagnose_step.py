@@ -1,0 +1,174 @@
+"""Where a slidedp step's time goes on the GPU: overlapped and isolated step times, a per-operation
+breakdown with a device synchronisation after every program operation, host page faults and
+context switches, and a torch.profiler table of one step.
+
+    python benchmarks/diagnose_step.py --blocks 36 --tokens 16384 --out-dir /tmp/diag
+
+Builds the Qwen3-4B shape (optionally with fewer blocks) exactly as benchmarks/h200_qwen3_4b.py does
+(seeded per-parameter init on the GPU, bf16 model on the host), compiles it with the solver's plan
+(or every block forced to --policy), then per --tokens point:
+
+* `overlapped`: steps as training runs them (the previous step's CPU update overlaps the pass);
+* `isolated`: the previous update finished first, so `pass_s` is the forward + backward alone;
+* `synced`: isolated, with `torch.cuda.synchronize()` after every program operation, timed per
+  operation kind (the sum is the serial time of the pass; each kind's share says what is slow);
+* `profile` (with --profile): torch.profiler tables of one overlapped step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import h200_qwen3_4b as bench  # noqa: E402
+
+import slidedp  # noqa: E402
+
+
+def rusage() -> dict:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"minflt": r.ru_minflt, "majflt": r.ru_majflt, "nvcsw": r.ru_nvcsw, "nivcsw": r.ru_nivcsw,
+            "utime": r.ru_utime, "stime": r.ru_stime}
+
+
+def delta(a: dict, b: dict) -> dict:
+    return {k: round(b[k] - a[k], 4) for k in a}
+
+
+def timed_steps(engine, data, isolated: bool) -> list[dict]:
+    out = []
+    for ids in data:
+        if isolated:
+            engine.updates.flush()
+        torch.cuda.synchronize()
+        r0, t0 = rusage(), time.perf_counter()
+        engine.step(ids)
+        info = engine.last_step
+        out.append({"step_s": time.perf_counter() - t0, "pass_s": info.pass_s, "wait_s": info.wait_s,
+                    "previous_update_s": engine.updates.last_duration_s, "rusage": delta(r0, rusage())})
+    engine.updates.flush()
+    return out
+
+
+def synced_step(engine, ids) -> dict:
+    """One isolated step with a device synchronisation after every program operation."""
+    ex = engine.executor
+    per_kind: dict[str, float] = collections.defaultdict(float)
+    per_op: list[tuple[str, float]] = []
+    names = ["_op_prologue", "_op_h2d_weights", "_op_fwd", "_op_epilogue", "_op_bwd", "_op_prologue_bwd",
+             "_op_d2h_grad"]
+    originals = {n: getattr(ex, n) for n in names}
+
+    def wrap(name, fn):
+        def timed(op, st):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(op, st)
+            t_host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            key = name[4:] + ("/" + op.policy if getattr(op, "policy", None) else "")
+            per_kind[key] += dt
+            per_kind[key + " (host issue)"] += t_host
+            per_op.append((op.text(), round(dt * 1e3, 3), round(t_host * 1e3, 3)))
+        return timed
+
+    for n, fn in originals.items():
+        setattr(ex, n, wrap(n, fn))
+    try:
+        engine.updates.flush()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step(ids)
+        step_s = time.perf_counter() - t0
+        engine.updates.flush()
+    finally:
+        for n in names:
+            delattr(ex, n)
+    return {"step_s": step_s, "per_kind_s": {k: round(v, 4) for k, v in sorted(per_kind.items())},
+            "slowest_ops_ms": sorted(per_op, key=lambda x: -x[1])[:25]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--blocks", type=int, default=36)
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384])
+    p.add_argument("--budget", default="40GiB")
+    p.add_argument("--hardware", default="h200-sxm")
+    p.add_argument("--policy", choices=["plan", "keep", "recompute"], default="plan")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-synced", action="store_true")
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = dict(bench.SHAPES["4b"], blocks=args.blocks)
+    bench.SHAPES["diag"] = shape
+    t0 = time.perf_counter()
+    model = bench.build_model("diag", dtype=torch.bfloat16, device="cpu", init_device=torch.device("cuda"), seed=0)
+    torch.cuda.empty_cache()
+    results = {"blocks": args.blocks, "build_s": time.perf_counter() - t0, "points": []}
+    hardware = args.hardware
+    if hardware.endswith(".json"):
+        hardware = slidedp.Hardware.load(hardware) if hasattr(slidedp.Hardware, "load") else hardware
+    for tokens in args.tokens:
+        rows = tokens // shape["seq"]
+        kwargs = dict(batch_size=1, seq_len=shape["seq"], device="cuda", precision="bf16", micro_batches=rows,
+                      hardware=hardware, max_grad_norm=1.0,
+                      optimizer=slidedp.AdamW(lr=bench.LR, betas=bench.BETAS, eps=bench.EPS))
+        plan = None
+        if args.policy != "plan":
+            plan = slidedp.plan(model, args.budget, **kwargs)
+            plan = dataclasses.replace(plan, decisions=tuple(
+                dataclasses.replace(d, activation=args.policy) if d.kind == "block" else d for d in plan.decisions))
+        t0 = time.perf_counter()
+        engine = slidedp.compile(model, args.budget, plan=plan, **kwargs)
+        point = {"tokens": tokens, "compile_s": time.perf_counter() - t0, "policy": args.policy,
+                 "predicted_step_s": engine.plan.predicted_step_time_s, "predicted": engine.plan.predicted,
+                 "activation": [d.activation for d in engine.plan.decisions], "window": engine.plan.window,
+                 "update_threads": engine.updates.num_threads}
+        print(engine.plan.summary(), flush=True)
+        data = bench.batches(shape["vocab"], rows, shape["seq"], args.steps + 1, seed=0)
+        torch.cuda.reset_peak_memory_stats()
+        point["warmup"] = timed_steps(engine, data[:1], isolated=False)
+        point["overlapped"] = timed_steps(engine, data[1:], isolated=False)
+        point["isolated"] = timed_steps(engine, data[1:2], isolated=True)
+        point["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+        point["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        print(json.dumps({k: v for k, v in point.items() if k not in ("predicted", "activation")}), flush=True)
+        if not args.no_synced:
+            point["synced"] = synced_step(engine, data[1])
+            print(json.dumps(point["synced"], indent=1), flush=True)
+        if args.profile:
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                timed_steps(engine, data[1:2], isolated=False)
+                torch.cuda.synchronize()
+            avg = prof.key_averages()
+            for key in ("self_cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
+                table = avg.table(sort_by=key, row_limit=35, max_name_column_width=60)
+                point["profile_" + key] = table
+                print(table, flush=True)
+            trace = out_dir / f"trace_{args.blocks}b_{tokens}.json"
+            prof.export_chrome_trace(str(trace))
+            os.system(f"gzip -f {trace}")
+        engine.close()
+        del engine
+        torch.cuda.empty_cache()
+        results["points"].append(point)
+        (out_dir / f"diag_{args.blocks}b_{args.policy}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
