@@ -39,11 +39,17 @@ def measure(world_size: int, args) -> dict:
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.blocks,
                       num_attention_heads=8, num_key_value_heads=8, vocab_size=args.vocab,
                       tie_word_embeddings=False, max_position_embeddings=args.seq)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the build's peak (fp32 masters are made from it)
     model = LlamaForCausalLM(cfg)
-    if args.precision == "bf16":
-        model = model.to(torch.bfloat16)
-    engine = slidedp.compile(model, "64GiB", batch_size=1, seq_len=args.seq, world_size=world_size,
-                             device="cpu", precision=args.precision)
+    torch.set_default_dtype(torch.float32)
+    kwargs = dict(batch_size=1, seq_len=args.seq, world_size=world_size, device="cpu", precision=args.precision)
+    budget = args.budget
+    if budget == "min":  # the smallest budget the solver can plan in: one weight slot per rank
+        try:
+            slidedp.plan(model, 1, **kwargs)
+        except slidedp.InfeasibleBudgetError as e:
+            budget = e.min_budget_bytes
+    engine = slidedp.compile(model, budget, **kwargs)
     ids = torch.randint(0, args.vocab, (world_size, args.seq))
     t0 = time.perf_counter()
     for _ in range(2):
@@ -56,6 +62,8 @@ def measure(world_size: int, args) -> dict:
         "world_size": world_size,
         "params": sum(p.numel() for p in model.parameters()),
         "host_state_bytes": engine.host.nbytes,
+        "budget_bytes": engine.plan.budget_bytes,
+        "window": engine.plan.window,
         "pss_bytes_total": sum(per_process.values()),
         "pss_bytes_per_process": list(per_process.values()),
         "anonymous_bytes_per_process": [smaps_bytes(pid, "Anonymous") for pid in pids],
@@ -73,6 +81,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--budget", default="64GiB", help="per-rank device budget; 'min': the smallest plannable")
     p.add_argument("--out")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure one world size
     args = p.parse_args()
@@ -82,7 +91,7 @@ def main() -> None:
     records = []
     for w in args.world_sizes:  # each in a fresh process, so nothing of one run is counted in the next
         cmd = [sys.executable, __file__, "--one", str(w), "--blocks", str(args.blocks), "--hidden", str(args.hidden),
-               "--vocab", str(args.vocab), "--seq", str(args.seq), "--precision", args.precision]
+               "--vocab", str(args.vocab), "--seq", str(args.seq), "--precision", args.precision, "--budget", args.budget]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         records.append(json.loads(out.strip().splitlines()[-1]))
         print(f"world_size={w}: PSS {records[-1]['pss_bytes_total'] / 2**30:.2f} GiB "

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402
-from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError  # noqa: E402
+from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError  # noqa: E402
 from slidedp.optim import AdamW  # noqa: E402
 from slidedp.scheduler.plan import Plan  # noqa: E402
 
@@ -26,5 +26,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "AdamW", "Budget", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "UnsupportedModelError",
-    "compile", "plan", "__version__",
+    "WorkerError", "compile", "plan", "__version__",
 ]

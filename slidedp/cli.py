@@ -141,7 +141,7 @@ def _run_command(args) -> int:
     (SLIDEDP_DEBUG=1 re-raises them). 2: bad input (config, data, model, budget, plan, checkpoint,
     a missing file or package); 1: the run failed (repeated non-finite gradients, not enough memory,
     an unexpected error); 128 + N: stopped by signal N (SIGINT 130, SIGTERM 143)."""
-    from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted
+    from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted, WorkerError
 
     debug = os.environ.get("SLIDEDP_DEBUG", "") not in ("", "0")
     prefix = f"slidedp {args.command}"
@@ -155,10 +155,10 @@ def _run_command(args) -> int:
             raise
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
-    except (NonFiniteGradientError, InsufficientMemoryError) as exc:
+    except (NonFiniteGradientError, InsufficientMemoryError, WorkerError) as exc:
         if debug:
             raise
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        print(f"{prefix}: error: {str(exc).splitlines()[0]}", file=sys.stderr)  # a rank's traceback follows
         return 1
     except (ValueError, TypeError, LookupError, OSError, ImportError) as exc:
         if debug:

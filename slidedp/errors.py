@@ -55,3 +55,11 @@ class TrainingInterrupted(SlidedpError):
         self.step = int(step)
         self.checkpoint = checkpoint
         self.exit_code = 128 + self.signum
+
+
+class WorkerError(SlidedpError, RuntimeError):
+    """A rank's worker process failed or died; `rank` names it. Every other rank was stopped."""
+
+    def __init__(self, rank: int, detail: str):
+        super().__init__(f"rank {rank} failed: {detail}")
+        self.rank = rank

@@ -26,20 +26,14 @@ import shutil
 import signal
 import tempfile
 import traceback
+from multiprocessing import resource_sharer
 from multiprocessing.connection import wait as wait_any
 
 import torch
 from torch import nn
 
 from slidedp.backend.rank import RankStep
-
-
-class WorkerError(RuntimeError):
-    """A rank's worker process failed; `rank` names it."""
-
-    def __init__(self, rank: int, detail: str):
-        super().__init__(f"rank {rank} failed: {detail}")
-        self.rank = rank
+from slidedp.errors import WorkerError  # noqa: F401 - raised here, re-exported
 
 
 # -- the job skeleton ---------------------------------------------------------------------------
@@ -83,6 +77,9 @@ class WorkerPool:
             for conn in self.conns:
                 conn.send_bytes(skeleton)
             self._gather(timeout_s=start_timeout_s)
+            # The workers have their pipes: stop the thread that handed them over, so that it is not
+            # caught in accept() when this process exits (it restarts if anything else needs it).
+            resource_sharer.stop()
         except BaseException:
             self.close()
             raise
@@ -185,6 +182,7 @@ def _die_with_parent(controller_pid: int) -> None:
         # than stay in glibc's heap (its threshold otherwise grows with them), so a rank's private
         # memory stays its working set.
         libc.mallopt(-3, 1 << 20)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX: the rank's many threads share two heaps
     except (OSError, AttributeError):
         pass
     try:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import slidedp
-from slidedp.backend.workers import WorkerError
+from slidedp import WorkerError
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
 from slidedp.scheduler import baselines
