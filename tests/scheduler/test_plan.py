@@ -87,3 +87,17 @@ def test_default_plan_is_the_fixed_baseline_and_refuses_too_small_a_budget():
     with pytest.raises(slidedp.InfeasibleBudgetError) as info:
         default_plan(graph, budget_bytes=1000, **kwargs)
     assert info.value.min_budget_bytes > 1000
+
+
+def test_unknown_hardware_is_refused_naming_the_presets(tmp_path, capsys):
+    from slidedp.cli import main
+
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"unknown hardware 'tpu-v5'.*h100-sxm"):
+        slidedp.plan(model, "1GiB", batch_size=2, seq_len=16, hardware="tpu-v5")
+    with pytest.raises(TypeError, match="hardware must be"):
+        slidedp.plan(model, "1GiB", batch_size=2, seq_len=16, hardware=3.5)
+    assert main(["plan", "llama-tiny", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "16",
+                 "--hardware", "tpu-v5", "--out", str(tmp_path / "p.json")]) == 2
+    assert not (tmp_path / "p.json").exists()
+    assert "unknown hardware 'tpu-v5'" in capsys.readouterr().err
