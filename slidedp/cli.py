@@ -49,6 +49,39 @@ def _plan(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slidedp.bench import run_bench, to_json
+    from slidedp.train.shapes import preset_config
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    if os.path.isdir(args.model):
+        model = AutoModelForCausalLM.from_pretrained(args.model, use_safetensors=True)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(preset_config(args.model))
+    print(f"slidedp bench: {args.model} on {device.type} ({precision}), {args.steps} timed steps after a warm-up",
+          file=sys.stderr)
+    records = run_bench(model, budget=args.budget, tokens=args.tokens, batch_size=args.batch_size,
+                        seq_len=args.seq_len, device=device, precision=precision, hardware=args.hardware,
+                        steps=args.steps, progress=lambda line: print(line, flush=True))
+    result = to_json(records)
+    for r in result["ratios"]:
+        vs = f"{r['slidedp_over_pytorch']:.2f}x PyTorch" if r["slidedp_over_pytorch"] else "PyTorch out of memory"
+        print(f"{r['tokens_per_step']:>9,} tokens/step  slidedp {vs}; measured / predicted step "
+              f"{r['measured_over_predicted']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def _inspect(args) -> int:
     from slidedp.scheduler.plan import Plan
 
@@ -127,6 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes, rougher figures")
     p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")
+    p.add_argument("model", help="a local Hugging Face folder or a preset shape (random init, e.g. llama-tiny)")
+    p.add_argument("--budget", required=True, help="slidedp's device-memory budget")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--tokens", type=int, nargs="+", required=True, help="tokens per step (multiples of batch x seq)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--hardware", default=None, help="preset name or hardware profile JSON (default: detected)")
+    p.add_argument("--out", help="write the records and ratios here (JSON)")
+    p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     # A config file given as `key=value` belongs to the overrides.
