@@ -152,7 +152,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     bf16 = precision == "bf16"
     if dev.type == "cuda" and launched_rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
-    flag_ints = StepFlags.ints_needed(world_size, len(graph.layers)) if world_size > 1 else 0
+    flag_ints = StepFlags.ints_needed(world_size, len(graph.layers))
     from slidedp.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
     host = None
     if launched_rank is None or launched_rank == 0:
@@ -170,7 +170,10 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         order = update_order(the_plan, graph)
         job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
                    loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=order)
-        if world_size == 1 or launched_rank is not None:
+        # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
+        # on a machine with one GPU; for diagnosis)
+        in_process = world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")
+        if in_process or launched_rank is not None:
             if dev.type == "cuda":
                 host.pin()
             rank = launched_rank or 0

@@ -38,7 +38,8 @@ class Routes:
         self.rank, self.world_size, self.comm, self.flags = rank, world_size, comm, flags
         self.host, self.streams = host, streams
         self.delivery = {d.layer_id: d.delivery for d in plan.decisions}
-        self.reduction = {d.layer_id: d.reduction if world_size > 1 else "gpu" for d in plan.decisions}
+        # one rank in its own process (flags) follows the plan's route; in the engine's process, a copy
+        self.reduction = {d.layer_id: d.reduction if flags is not None else "gpu" for d in plan.decisions}
         self.chunks = {d.layer_id: chunk_bounds(d.numel, d.chunks) for d in plan.decisions}
         self.owners = {d.layer_id: tuple(d.owners[c] if c < len(d.owners) else c % world_size
                                           for c in range(len(self.chunks[d.layer_id])))

@@ -140,3 +140,13 @@ def test_a_killed_rank_stops_every_process():
         engine.step(batch)
     assert time.perf_counter() - t0 < 60
     _assert_all_gone(engine, shm_before)
+
+
+def test_one_rank_in_a_worker_process(monkeypatch):
+    """SLIDEDP_WORKER_PROCESSES=1 runs even one rank through the worker path (CPU reduction in turn)."""
+    monkeypatch.setenv("SLIDEDP_WORKER_PROCESSES", "1")
+    model = make_model("llama", tied=True)
+    ref = copy.deepcopy(model).eval()
+    with compile_ranks(model, 1, routed_plan(model, 1, ("replicated", "cpu"))) as engine:
+        assert len(engine.runner.procs) == 1
+        train_against_reference(engine, ref, world_size=1)
