@@ -11,11 +11,9 @@ from torch import nn
 
 from slidedp import __version__
 from slidedp.backend.comm import RankComm
-from slidedp.backend.executor import StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.program import Program, lower
-from slidedp.backend.rank import Rank
-from slidedp.backend.routes import Routes
+from slidedp.backend.rank import build_rank
 from slidedp.backend.simulate import simulate
 from slidedp.backend.step_flags import StepFlags
 from slidedp.backend.workers import WorkerPool, job_skeleton
@@ -167,27 +165,17 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         if comm is not None:
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
-        order = update_order(the_plan, graph)
         job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
-                   loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=order)
+                   loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=update_order(the_plan, graph))
         # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
         # on a machine with one GPU; for diagnosis)
         in_process = world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")
         if in_process or launched_rank is not None:
             if dev.type == "cuda":
                 host.pin()
-            rank = launched_rank or 0
             flags = StepFlags(host.control(), world_size, len(graph.layers)) if comm is not None else None
-            executor = StreamedExecutor(
-                model, graph, host, program, device=dev, compute_dtype=job["compute_dtype"],
-                loss_chunk_tokens=job["loss_chunk_tokens"],
-                routes_for=lambda streams: Routes(plan=the_plan, host=host, streams=streams, rank=rank,
-                                                  world_size=world_size, comm=comm, flags=flags))
-            cores = os.cpu_count() or 2
-            threads = max(1, (cores - world_size) // world_size) if dev.type == "cuda" else (
-                None if world_size == 1 else max(1, cores // world_size))  # with a GPU, a core issues its work
-            runner = Rank(executor=executor, host=host, graph=graph, update_order=order, rank=rank, comm=comm,
-                          flags=flags, num_threads=threads)
+            runner = build_rank(model=model, host=host, device=dev, rank=launched_rank or 0, world_size=world_size,
+                                comm=comm, flags=flags, **job)
         else:
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)

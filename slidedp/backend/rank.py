@@ -16,6 +16,7 @@ of a multi-rank engine (backend/workers.py). A step:
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -148,6 +149,28 @@ class Rank:
             self.routes.close()
             if self.comm is not None:
                 self.comm.close()
+
+
+def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, device: torch.device,
+               compute_dtype: torch.dtype, loss_chunk_tokens: int | None, update_order: list[int], rank: int = 0,
+               world_size: int = 1, comm=None, flags=None) -> Rank:
+    """A rank on `device`: its executor (streams, buffers, routes) and its step. The same for the
+    engine's own process, a worker process and a torchrun process."""
+    executor = StreamedExecutor(
+        model, graph, host, program, device=device, compute_dtype=compute_dtype, loss_chunk_tokens=loss_chunk_tokens,
+        routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
+                                          comm=comm, flags=flags))
+    return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
+                flags=flags, num_threads=update_threads(device, world_size))
+
+
+def update_threads(device: torch.device, world_size: int) -> int | None:
+    """CPU threads of one rank's optimizer: the cores shared by the ranks, less one per GPU (its
+    work is issued by a thread of its own); None (all) for a single CPU rank."""
+    cores = os.cpu_count() or 2
+    if device.type == "cuda":
+        return max(1, (cores - world_size) // world_size)
+    return None if world_size == 1 else max(1, cores // world_size)
 
 
 def decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:

@@ -195,36 +195,26 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
     """A rank's process: build the rank from the skeleton, then serve the controller's commands."""
     _die_with_parent(controller_pid)
     from slidedp.backend.comm import RankComm
-    from slidedp.backend.executor import StreamedExecutor
     from slidedp.backend.host_state import HostState
-    from slidedp.backend.rank import Rank
-    from slidedp.backend.routes import Routes
+    from slidedp.backend.rank import build_rank
     from slidedp.backend.step_flags import StepFlags
 
-    flags = runner = host = comm = None
+    flags = runner = host = None
     try:
         job = pickle.loads(conn.recv_bytes())
-        device = torch.device("cuda", rank) if job["device"] == "cuda" else torch.device("cpu")
-        cores = os.cpu_count() or 1
+        model, device_type, handle = job.pop("model"), job.pop("device"), job.pop("host")
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            update_threads = max(1, (cores - world_size) // world_size)
         else:
-            torch.set_num_threads(max(1, cores // world_size))
-            update_threads = max(1, cores // world_size)
-        host = HostState.attach(job["host"])
-        graph, plan = job["graph"], job["plan"]
-        flags = StepFlags(host.control(), world_size, len(graph.layers))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        host = HostState.attach(handle)
+        flags = StepFlags(host.control(), world_size, len(job["graph"].layers))
         comm = RankComm(rank, world_size, device, init_method=init_method)
         if device.type == "cuda":
             host.pin()
-        executor = StreamedExecutor(
-            job["model"], graph, host, job["program"], device=device, compute_dtype=job["compute_dtype"],
-            loss_chunk_tokens=job["loss_chunk_tokens"],
-            routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank,
-                                              world_size=world_size, comm=comm, flags=flags))
-        runner = Rank(executor=executor, host=host, graph=graph, update_order=job["update_order"], rank=rank,
-                      comm=comm, flags=flags, num_threads=update_threads)
+        runner = build_rank(model=model, host=host, device=device, rank=rank, world_size=world_size, comm=comm,
+                            flags=flags, **job)
         conn.send(("ok", None))
         while True:
             command, kwargs = conn.recv()
