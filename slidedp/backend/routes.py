@@ -7,9 +7,9 @@ update it, whatever the route. Per layer group the plan picks
   `sharded`: the owner copies the chunk, then broadcasts it to the other GPUs;
 - reduction `gpu`: the chunk's gradient is summed onto its owner's GPU (reduce), and only the owner
   copies it to the host;
-  `cpu`: every rank copies its whole gradient into a staging buffer of its own, and adds it into the
-  host gradient in rank order (a per-layer turn counter in the shared state), so the sum is the same
-  in every run.
+  `cpu`: every rank copies its whole gradient down, chunk by chunk, through staging buffers of its
+  own, and adds it into the host gradient in rank order (a per-layer turn counter in the shared
+  state), so the sum is the same in every run.
 
 With one rank both routes are a plain copy. Gradients of a later pass (gradient accumulation over
 several passes) are staged and added on the host. Host-side adds run on one reducer thread per
