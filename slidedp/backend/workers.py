@@ -74,8 +74,8 @@ class WorkerPool:
                 theirs.close()
                 self.conns.append(ours)
                 self.procs.append(proc)
-            for conn in self.conns:
-                conn.send_bytes(skeleton)
+            for r in range(world_size):
+                self._send(r, skeleton)
             self._gather(timeout_s=start_timeout_s)
             # The workers have their pipes: stop the thread that handed them over, so that it is not
             # caught in accept() when this process exits (it restarts if anything else needs it).
@@ -86,9 +86,18 @@ class WorkerPool:
 
     def call(self, command: str, kwargs_per_rank: list[dict]) -> list:
         """Send `command` to every rank (its own keyword arguments) and collect the replies in rank order."""
-        for conn, kwargs in zip(self.conns, kwargs_per_rank):
-            conn.send((command, kwargs))
+        for r, kwargs in enumerate(kwargs_per_rank):
+            self._send(r, (command, kwargs))
         return self._gather()
+
+    def _send(self, rank: int, message) -> None:
+        try:
+            if isinstance(message, bytes):
+                self.conns[rank].send_bytes(message)
+            else:
+                self.conns[rank].send(message)
+        except OSError:  # the pipe is broken: the process is gone
+            self._exited(rank)
 
     def _gather(self, timeout_s: float | None = None) -> list:
         replies: list = [None] * self.world_size
@@ -109,18 +118,20 @@ class WorkerPool:
                     continue
                 conn = self.conns[r]
                 if handle is not conn and not conn.poll():
-                    self.procs[r].join(1.0)
-                    self._fail(r, f"its process exited (exit code {self.procs[r].exitcode})")
+                    self._exited(r)
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
-                    self.procs[r].join(1.0)
-                    self._fail(r, f"its process exited (exit code {self.procs[r].exitcode})")
+                    self._exited(r)
                 if kind == "error":
                     self._fail(r, value)
                 replies[r] = value
                 waiting.discard(r)
         return replies
+
+    def _exited(self, rank: int):
+        self.procs[rank].join(1.0)
+        self._fail(rank, f"its process exited (exit code {self.procs[rank].exitcode})")
 
     def _fail(self, rank: int, detail: str):
         if self.flags is not None:
