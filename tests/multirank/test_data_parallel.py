@@ -135,6 +135,7 @@ def test_a_killed_rank_stops_every_process():
     batch = torch.randint(0, VOCAB, (2 * BATCH, SEQ))
     engine.step(batch)
     os.kill(engine.runner.procs[1].pid, signal.SIGKILL)
+    engine.runner.procs[1].join(30)  # gone before the next step: sending it the step fails
     t0 = time.perf_counter()
     with pytest.raises(WorkerError, match="rank 1 failed: its process exited"):
         engine.step(batch)
