@@ -266,6 +266,22 @@ def _safe_relative(rel) -> bool:
     return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
+def read_checkpoint_json(folder: Path, name: str, *, fmt, what: str, missing: str) -> dict:
+    """A JSON object file of a checkpoint whose "format" must be `fmt`; a CheckpointError names the
+    folder and the file otherwise (`missing`: why the file may be absent; `what`: the file's role)."""
+    try:
+        data = json.loads((Path(folder) / name).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} has no {name}: {missing}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {folder}: {name} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise CheckpointError(f"checkpoint {folder}: {what} format {found!r} is not supported "
+                              f"(this slidedp reads format {fmt})")
+    return data
+
+
 def verify_checkpoint(folder: str | os.PathLike, *, required: tuple[str, ...] = ()) -> dict:
     """Check every file of the manifest (presence, size, sha256), that the manifest lists every
     file of the folder and the `required` ones, and that its names stay inside the folder;
@@ -273,17 +289,9 @@ def verify_checkpoint(folder: str | os.PathLike, *, required: tuple[str, ...] = 
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint {folder} does not exist")
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} is not a complete slidedp checkpoint: it has no {MANIFEST} "
-                              "(it may come from an interrupted save)") from None
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        fmt = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(f"checkpoint {folder}: format {fmt!r} is not supported "
-                              f"(this slidedp reads format {FORMAT})")
+    manifest = read_checkpoint_json(folder, MANIFEST, fmt=FORMAT, what="checkpoint",
+                                    missing="it is not a complete slidedp checkpoint (it may come from an "
+                                            "interrupted save)")
     entries = manifest.get("files")
     if not isinstance(entries, dict) or not entries:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} has no 'files' table (altered)")
@@ -398,15 +406,8 @@ def write_engine_state(engine, writer: CheckpointWriter) -> None:
 
 
 def read_engine_meta(folder: Path) -> dict:
-    try:
-        meta = json.loads((Path(folder) / ENGINE_JSON).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder} has no {ENGINE_JSON}: it holds no engine state") from None
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} is not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"checkpoint {folder}: engine state format {fmt!r} is not supported")
+    meta = read_checkpoint_json(folder, ENGINE_JSON, fmt=FORMAT, what="engine state",
+                                missing="it holds no engine state")
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'step' must be an integer >= 0, got {step!r}")

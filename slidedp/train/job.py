@@ -170,18 +170,10 @@ def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict
 
 
 def read_trainer_state(folder: Path) -> dict:
-    from slidedp.checkpoint import CheckpointError
+    from slidedp.checkpoint import CheckpointError, read_checkpoint_json
 
-    try:
-        state = json.loads((folder / TRAINER_STATE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder} has no {TRAINER_STATE}: it was not written by "
-                              "`slidedp train` and cannot be resumed by it") from None
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} is not valid JSON ({exc})") from None
-    if not isinstance(state, dict) or state.get("format") != TRAINER_FORMAT:
-        fmt = state.get("format") if isinstance(state, dict) else None
-        raise CheckpointError(f"checkpoint {folder}: trainer state format {fmt!r} is not supported")
+    state = read_checkpoint_json(folder, TRAINER_STATE, fmt=TRAINER_FORMAT, what="trainer state",
+                                 missing="it was not written by `slidedp train` and cannot be resumed by it")
     for key, typ in (("step", int), ("data", dict), ("config", dict)):
         if not isinstance(state.get(key), typ) or isinstance(state.get(key), bool):
             raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key {key!r} is missing or not "
