@@ -331,7 +331,7 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             _FP32_OUT_MATMUL[kind] = True
             return
-        except (RuntimeError, TypeError):  # NotImplementedError (no such kernel here) is a RuntimeError
+        except (RuntimeError, TypeError):  # no such kernel for this device (a RuntimeError), or an older torch
             _FP32_OUT_MATMUL[kind] = False
     acc.add_(a @ b)
 
