@@ -88,7 +88,7 @@ from collections import deque
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("slidedp", "gpu_resident", "fsdp2_cpu_offload")
+SYSTEMS = ("slidedp", "slidedp_eager", "gpu_resident", "fsdp2_cpu_offload")
 BASELINES = ("gpu_resident", "fsdp2_cpu_offload")
 REQUIRED_KEYS = ("system", "tokens_per_step", "tokens_per_s", "peak_device_bytes", "peak_host_bytes",
                  "measured_step_s", "predicted_step_s", "budget_bytes", "date", "command")
@@ -115,7 +115,7 @@ def qwen3_config(shape: str):
     cfg = Qwen3Config(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["blocks"],
                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
                       vocab_size=s["vocab"], tie_word_embeddings=False, use_cache=False,
-                      max_position_embeddings=max(s["seq"], 4096))
+                      max_position_embeddings=max(s["seq"], 1 << 18))  # default RoPE: a bound only
     cfg._attn_implementation = "sdpa"  # the same attention kernels in every system
     return cfg
 
@@ -258,7 +258,7 @@ class Point:
         self.dev = torch.device(args.device)
         self.cuda = self.dev.type == "cuda"
         self.shape = SHAPES[args.shape]
-        self.seq = self.shape["seq"]
+        self.seq = args.seq or self.shape["seq"]
         if args.tokens % self.seq:
             raise ValueError(f"--tokens {args.tokens} is not a multiple of seq {self.seq}")
         self.rows = args.tokens // self.seq
@@ -359,7 +359,11 @@ class Point:
             close()
 
     # -- slidedp --
-    def setup_slidedp(self):
+    def setup_slidedp_eager(self):
+        """slidedp with every block eager (`compile_blocks=False`): the same-run baseline of torch.compile."""
+        return self.setup_slidedp(compile_blocks=False)
+
+    def setup_slidedp(self, compile_blocks=None):
         import slidedp
 
         torch, a = self.torch, self.args
@@ -374,7 +378,9 @@ class Point:
         engine = slidedp.compile(model, budget, batch_size=1, seq_len=self.seq, device=self.dev.type,
                                  precision=precision, micro_batches=self.rows,
                                  optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                                 max_grad_norm=MAX_GRAD_NORM, hardware=a.hardware, plan=plan)
+                                 max_grad_norm=MAX_GRAD_NORM, hardware=a.hardware, plan=plan,
+                                 compile_blocks=compile_blocks)
+        self.record["compile_blocks"] = getattr(engine.executor, "compile_blocks", None)
         del model  # the engine keeps it; its parameters are now views of the host state
         self.record.update(
             predicted_step_s=float(engine.plan.predicted_step_time_s),
@@ -581,9 +587,9 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--shape", args.shape, "--device", args.device, "--budget", args.budget, "--steps", str(args.steps),
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
                "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows)]
-        for opt in ("plan", "hardware", "precision"):
+        for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
-                cmd += ["--" + opt, getattr(args, opt)]
+                cmd += ["--" + opt, str(getattr(args, opt))]
         print(f"\n=== {system}, {tokens} tokens/step ===", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -690,7 +696,7 @@ def drive(args) -> int:
 
 # -- rendering ------------------------------------------------------------------------------------------
 
-NAMES = {"slidedp": "slidedp", "gpu_resident": "GPU-resident", "fsdp2_cpu_offload": "FSDP2 + CPU offload"}
+NAMES = {"slidedp": "slidedp", "slidedp_eager": "slidedp, eager blocks", "gpu_resident": "GPU-resident", "fsdp2_cpu_offload": "FSDP2 + CPU offload"}
 
 
 def _gib(x) -> str:
@@ -808,7 +814,7 @@ def solve_plans(args) -> int:
     import slidedp
 
     precision = args.precision or "bf16"
-    seq = SHAPES[args.shape]["seq"]
+    seq = args.seq or SHAPES[args.shape]["seq"]
     with torch.device("meta"):
         model = Qwen3ForCausalLM(qwen3_config(args.shape))
     model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -830,6 +836,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per step")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test)")
     p.add_argument("--budget", default="40GiB", help="slidedp's device-memory budget")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")

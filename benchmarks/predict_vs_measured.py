@@ -54,7 +54,7 @@ def main() -> None:
     hw = resolve_hardware(args.hardware, "cuda" if args.hardware == "auto" else "cpu")
     no_update = dataclasses.replace(hw, cpu_adamw_params_per_s=1e18)
     records = [r for r in json.loads(Path(args.records).read_text())
-               if r["system"] == "slidedp" and not r.get("error")]
+               if r["system"].startswith("slidedp") and not r.get("error")]
     graphs = {}
     rows = []
     for r in sorted(records, key=lambda r: r["tokens_per_step"]):
@@ -70,8 +70,10 @@ def main() -> None:
         plan = Plan.load(args.plans.format(tokens=r["tokens_per_step"], shape=shape))
         m = plan.workload.micro_batches
         d = decisions_of(plan)
-        step = simulate(ProblemCosts(Problem(graph, hw, 1, m, plan.loss_chunk_tokens)), d).step_s
-        pass_only = simulate(ProblemCosts(Problem(graph, no_update, 1, m, plan.loss_chunk_tokens)), d).step_s
+        compiled = bool(r.get("compile_blocks", plan.workload.compiled_blocks))
+        step = simulate(ProblemCosts(Problem(graph, hw, 1, m, plan.loss_chunk_tokens, compiled)), d).step_s
+        pass_only = simulate(ProblemCosts(Problem(graph, no_update, 1, m, plan.loss_chunk_tokens, compiled)),
+                             d).step_s
         info = r.get("step_info") or []
         timed = info[1:]  # info[0] is the warm-up step
         overlapped = [s["pass_s"] for s in timed if s.get("wait_s", 0) > 0.05]

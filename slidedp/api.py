@@ -49,8 +49,11 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
-             max_grad_norm, hardware, plan, micro_batches):
-    """Validate every argument and solve (or load) the plan; allocates nothing."""
+             max_grad_norm, hardware, plan, micro_batches, compile_blocks, planning_only=False):
+    """Validate every argument and solve (or load) the plan; allocates nothing.
+
+    `compile_blocks` None: a given plan's choice; else on CUDA (and, when only planning, for any
+    GPU hardware profile) yes, on the CPU no."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = Budget.parse(budget)
@@ -68,6 +71,8 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         raise TypeError(f"optimizer must be a slidedp.AdamW, got {type(optimizer).__name__}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if compile_blocks is not None and not isinstance(compile_blocks, bool):
+        raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
     dev = _resolve_device(device)
     hw = resolve_hardware(hardware, dev.type)
     graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
@@ -76,15 +81,21 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         the_plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
         if not isinstance(the_plan, Plan):
             raise TypeError(f"plan must be a slidedp.Plan or a path, got {type(plan).__name__}")
-        check_plan_matches(the_plan, graph, world_size=world_size, precision=precision)
+        check_plan_matches(the_plan, graph, world_size=world_size, precision=precision,
+                           compiled_blocks=compile_blocks)
     else:
+        if compile_blocks is None:
+            compile_blocks = dev.type == "cuda" or (planning_only and hw.name != "cpu")
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
-                              precision=precision, micro_batches=micro_batches, version=__version__)
+                              precision=precision, micro_batches=micro_batches, version=__version__,
+                              compiled_blocks=compile_blocks)
     return graph, the_plan, dev, optimizer, max_grad_norm
 
 
-def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str) -> None:
-    """Refuse a plan made for another model, workload or world size, naming the difference."""
+def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
+                       compiled_blocks: bool | None = None) -> None:
+    """Refuse a plan made for another model, workload or world size, naming the difference
+    (`compiled_blocks` None: whatever the plan says)."""
     w = plan.workload
     for name, planned, actual in (
         ("model fingerprint", plan.model_fingerprint, graph.fingerprint()),
@@ -92,6 +103,7 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
         ("seq_len", w.seq_len, graph.seq_len),
         ("world_size", w.world_size, world_size),
         ("precision", w.precision, precision),
+        ("compile_blocks", w.compiled_blocks, w.compiled_blocks if compiled_blocks is None else compiled_blocks),
     ):
         if planned != actual:
             raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
@@ -100,24 +112,31 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
 
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
          device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
-         max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1) -> Plan:
-    """Solve a schedule without allocating anything (works on a meta-device model)."""
+         max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
+         compile_blocks: bool | None = None) -> Plan:
+    """Solve a schedule without allocating anything (works on a meta-device model).
+    `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU."""
     if device == "auto":
         device = "cpu" if hardware is None and not torch.cuda.is_available() else device
     _, the_plan, *_ = _prepare(model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
                                device=device, precision=precision, optimizer=optimizer,
                                max_grad_norm=max_grad_norm, hardware=hardware, plan=plan,
-                               micro_batches=micro_batches)
+                               micro_batches=micro_batches, compile_blocks=compile_blocks, planning_only=True)
     return the_plan
 
 
 def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
             device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
-            max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1) -> Engine:
+            max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
+            compile_blocks: bool | None = None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
+
+    `compile_blocks`: run recomputed blocks through `torch.compile` (backend/executor.py), and plan
+    with the hardware's compiled block rate; None (default): as a given plan says, else on CUDA
+    devices but not on the CPU, where compiling costs more than it saves.
 
     With `world_size` > 1 the ranks are worker processes (one per GPU, or CPU processes), started
     here and driven by this process: `step()` takes the global batch (backend/workers.py). Under
@@ -129,7 +148,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     graph, the_plan, dev, optimizer, max_grad_norm = _prepare(
         model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
         precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm, hardware=hardware,
-        plan=plan, micro_batches=micro_batches)
+        plan=plan, micro_batches=micro_batches, compile_blocks=compile_blocks)
     comm = None
     if launched_rank is not None:
         if dev.type == "cuda":
@@ -166,7 +185,8 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
         job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
-                   loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=update_order(the_plan, graph))
+                   loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=update_order(the_plan, graph),
+                   compile_blocks=the_plan.workload.compiled_blocks)
         # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
         # on a machine with one GPU; for diagnosis)
         in_process = world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")

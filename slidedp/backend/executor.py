@@ -15,6 +15,14 @@ forward and at most once more for backward, whatever the number of micro-batches
 
 Numerics are the model's own: blocks run through `torch.func.functional_call` with device views
 of the streamed weights. Prologue and epilogue weights stay resident for the whole step.
+
+With `compile_blocks`, a recomputed block's forward (without autograd in the forward pass, with it
+in backward) runs through `torch.compile` of that same functional call: one compiled graph per
+grad mode and input shape serves every block of the model (the weights are graph inputs, so the
+blocks do not recompile), fusing the elementwise work between the matmuls and cutting the Python
+issued per block. Kept and offloaded blocks stay eager: their saved-tensor hooks (which redirect
+weights to the slot that holds them in backward, or move activations to the host) act on the
+tensors autograd saves, which a compiled graph does not expose.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ class StreamedExecutor:
 
     def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, program: Program, *,
                  device: torch.device, compute_dtype: torch.dtype, routes_for: Callable[[Streams], Routes],
-                 loss_chunk_tokens: int | None = None):
+                 loss_chunk_tokens: int | None = None, compile_blocks: bool = False):
         self.model = model
         self.graph = graph
         self.host = host
@@ -76,6 +84,8 @@ class StreamedExecutor:
         self.window = program.n_slots
         self.activation = [op.policy for op in program.ops if op.kind == FWD]
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.compile_blocks = compile_blocks
+        self.recompute_block = torch.compile(run_block, dynamic=False) if compile_blocks else run_block
         self.head = HeadCapture.find(model)  # a plain linear head: the loss is fused (see _op_epilogue)
         self.fused_head: bool | None = None  # known after the first epilogue
         self.epilogue_names = [p.name for p in graph.epilogue.params] + list(graph.epilogue.tied_param_names)
@@ -190,7 +200,7 @@ class StreamedExecutor:
                 st.stash[k][m] = st.hidden[m]
                 args, kwargs = call[k].with_hidden(st.hidden[m])
                 with torch.no_grad():
-                    out = torch.func.functional_call(module, params, args, kwargs)
+                    out = self.recompute_block(module, params, args, kwargs)
                 st.hidden[m] = unwrap_block_output(out)[0]
                 continue
             x = st.hidden[m].detach().requires_grad_(True)
@@ -290,7 +300,7 @@ class StreamedExecutor:
                 st.stash[k][m] = None
                 args, kwargs = call[k].with_hidden(x)
                 with torch.enable_grad():
-                    out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                    out = unwrap_block_output(self.recompute_block(module, params, args, kwargs))[0]
                 leaves = params
             else:  # the forward's graph, its weights read from the slot that holds them now
                 fwd, st.kept[k][m] = st.kept[k][m], None
@@ -366,6 +376,11 @@ class KeptForward:
     out: torch.Tensor
     params: dict[str, torch.Tensor]
     saved: SavedActivations
+
+
+def run_block(module: nn.Module, params: dict, args: tuple, kwargs: dict):
+    """One block's forward with the given weights (what `compile_blocks` compiles)."""
+    return torch.func.functional_call(module, params, args, kwargs)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

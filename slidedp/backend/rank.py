@@ -153,11 +153,12 @@ class Rank:
 
 def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, device: torch.device,
                compute_dtype: torch.dtype, loss_chunk_tokens: int | None, update_order: list[int], rank: int = 0,
-               world_size: int = 1, comm=None, flags=None) -> Rank:
+               world_size: int = 1, comm=None, flags=None, compile_blocks: bool = False) -> Rank:
     """A rank on `device`: its executor (streams, buffers, routes) and its step. The same for the
     engine's own process, a worker process and a torchrun process."""
     executor = StreamedExecutor(
         model, graph, host, program, device=device, compute_dtype=compute_dtype, loss_chunk_tokens=loss_chunk_tokens,
+        compile_blocks=compile_blocks,
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,

@@ -194,7 +194,13 @@ def qwen3_block_config(shape: BlockShape, num_hidden_layers: int = 1):
 
 
 def count_block_flops(shape: BlockShape, dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOPs of one forward + backward (input and parameter gradients) of a Qwen3 decoder layer.
+    """FLOPs of one forward + backward (input and parameter gradients) of a Qwen3 decoder layer
+    (the sum of `count_block_flops_fwd_bwd`)."""
+    return sum(count_block_flops_fwd_bwd(shape, dtype))
+
+
+def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """FLOPs of one forward and of one backward (input and parameter gradients) of a Qwen3 decoder layer.
 
     Counted as slidedp.ir counts a block's flops_fwd + flops_bwd: FlopCounterMode with the IR's
     extra formulas, on fake CPU tensors (no memory, any shape), forward and backward under separate
@@ -223,13 +229,19 @@ def count_block_flops(shape: BlockShape, dtype: torch.dtype = torch.bfloat16) ->
             out = out[0] if isinstance(out, tuple) else out
         with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter:
             torch.autograd.grad(out, [hidden, *params.values()], torch.ones_like(out))
-    return float(fwd_counter.get_total_flops() + bwd_counter.get_total_flops())
+    return float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
 
 
-def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int) -> float:
+def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
     """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
-    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU."""
+    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
+
+    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
+    without autograd, then forward and backward, each through `torch.compile` (compiled before the
+    timing)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from slidedp.backend.executor import run_block
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -243,11 +255,19 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     with torch.no_grad():
         cos, sin = rotary(hidden, positions)
     inputs = [hidden, *layer.parameters()]
+    params = dict(layer.named_parameters())
+    kwargs = dict(attention_mask=None, position_embeddings=(cos, sin))
+    block = torch.compile(run_block, dynamic=False) if compiled else run_block
 
     def step():
-        out = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+        if compiled:
+            with torch.no_grad():
+                block(layer, params, (hidden,), kwargs)
+        out = block(layer, params, (hidden,), kwargs)
         torch.autograd.grad(out[0] if isinstance(out, tuple) else out, inputs, grad_out)
 
+    if compiled:
+        step()  # compile outside the timing
     return _time_s(step, cuda, repeats=repeats)
 
 
@@ -457,13 +477,22 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
     matmul = measure_matmul_flops_per_s(dev, sizes.matmul_n, repeats=reps)
     say(f"matmul          {sizes.matmul_n}^3 {'bf16' if cuda else 'fp32'}: {matmul / 1e12:.4g} TFLOP/s")
 
-    flops = count_block_flops(shape, torch.bfloat16 if cuda else torch.float32)
+    flops_fwd, flops_bwd = count_block_flops_fwd_bwd(shape, torch.bfloat16 if cuda else torch.float32)
+    flops = flops_fwd + flops_bwd
     block_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps)
     efficiency = flops / block_s / matmul
     say(f"block fwd+bwd   Qwen3 hidden {shape.hidden_size}, {shape.batch_size}x{shape.seq_len} tokens: "
         f"{block_s * 1e3:.4g} ms for {flops / 1e12:.4g} TFLOP = {flops / block_s / 1e12:.4g} TFLOP/s, "
         f"block_efficiency {efficiency:.3f}")
+    compiled_efficiency = 0.0  # the CPU backend does not compile blocks by default (api.compile)
     if cuda:
+        torch.cuda.empty_cache()
+        recompute_flops = 2 * flops_fwd + flops_bwd
+        compiled_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps, compiled=True)
+        compiled_efficiency = recompute_flops / compiled_s / matmul
+        say(f"compiled block  forward, recompute + backward (torch.compile): {compiled_s * 1e3:.4g} ms for "
+            f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
+            f"compiled_block_efficiency {compiled_efficiency:.3f}")
         torch.cuda.empty_cache()
 
     buffers = CopyBuffers(dev, sizes.transfer_bytes[-1])
@@ -530,4 +559,5 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, host_dram_bytes_per_s=host_dram,
         cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
+        compiled_block_efficiency=compiled_efficiency,
     )

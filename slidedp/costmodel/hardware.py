@@ -46,6 +46,10 @@ class Hardware:
     # Fraction of matmul_flops_per_s that the head + loss (fused linear + cross-entropy) reaches;
     # 0: block_efficiency.
     head_efficiency: float = 0.0
+    # Fraction of matmul_flops_per_s that a block run through torch.compile reaches (forward,
+    # recompute and backward; its few fused kernels leave the host no floor); 0: not measured, the
+    # eager figures above apply.
+    compiled_block_efficiency: float = 0.0
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -61,7 +65,7 @@ class Hardware:
             raise ValueError(f"cpu_adamw_params_per_s_by_threads must be (threads >= 1, params/s > 0) pairs by "
                              f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
         object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
-        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency"):
+        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -96,12 +100,14 @@ PRESETS: dict[str, Hardware] = {
     # per 4096 tokens), but the host needs at least 2.3 / 6.0 ms to issue them (Python, autograd);
     # the fused head + loss reaches 0.405; the CPU update overlapping the next forward (weights
     # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9.
+    # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.76.
     "h200-sxm": Hardware(
         name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.565,
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
         host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.9,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
         host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.405,
+        compiled_block_efficiency=0.76,
     ),
     "h100-sxm": Hardware(
         name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,

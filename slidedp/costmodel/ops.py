@@ -106,22 +106,29 @@ def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, reco
     return micro_batches * flops / compute_flops_per_s(hw)
 
 
-def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> float:
+def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, compiled: bool = False) -> float:
     """Forward of one block for every micro-batch, issued from Python [s]:
 
     t = m * max(flops_fwd / rate, host_block_fwd_s): each micro-batch's kernels run no faster than
-    the host thread issues them (host_block_fwd_s, measured; 0 ignores the host).
+    the host thread issues them (host_block_fwd_s, measured; 0 ignores the host). Compiled (and
+    measured: compiled_block_efficiency > 0): t = m * flops_fwd / (matmul rate * compiled efficiency).
     """
+    if compiled and hw.compiled_block_efficiency > 0:
+        return micro_batches * costs.flops_fwd / (hw.matmul_flops_per_s * hw.compiled_block_efficiency)
     return micro_batches * max(costs.flops_fwd / compute_flops_per_s(hw), hw.host_block_fwd_s)
 
 
-def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool) -> float:
+def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool,
+                          compiled: bool = False) -> float:
     """Backward of one block for every micro-batch (recomputing its forward first if asked) [s]:
 
     t = m * max((flops_bwd + [recompute] flops_fwd) / rate,
                 host_block_bwd_s + [recompute] host_block_fwd_s)
+    or, compiled (recomputed blocks only: kept ones run eager), m * flops / (matmul rate * compiled efficiency).
     """
     flops = costs.flops_bwd + (costs.flops_fwd if recompute else 0.0)
+    if compiled and recompute and hw.compiled_block_efficiency > 0:
+        return micro_batches * flops / (hw.matmul_flops_per_s * hw.compiled_block_efficiency)
     host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
     return micro_batches * max(flops / compute_flops_per_s(hw), host)
 

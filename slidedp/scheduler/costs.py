@@ -149,9 +149,13 @@ class ProblemCosts:
         for layer in g.blocks:
             c = layer.costs
             bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False))
+            # compiled: one forward duration for every policy, the compiled one (a kept block's eager
+            # forward is predicted that fast too: the solver has one forward interval per block)
+            compiled = problem.compiled_blocks
             self.blocks[layer.id] = BlockTicks(
-                fwd=t(ops.block_forward_time_s(c, hw, m)),
-                bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True)), KEEP: bwd_plain,
+                fwd=t(ops.block_forward_time_s(c, hw, m, compiled=compiled)),
+                bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True, compiled=compiled)),
+                     KEEP: bwd_plain,
                      OFFLOAD: bwd_plain},
                 offload=t(ops.offload_time_s(c.saved_activation_bytes, m, d2h_duplex, curve)),
                 reload=t(ops.offload_time_s(c.saved_activation_bytes, m, h2d_duplex, curve)),

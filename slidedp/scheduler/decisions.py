@@ -29,6 +29,7 @@ class Problem:
     world_size: int = 1
     micro_batches: int = 1
     loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
+    compiled_blocks: bool = False  # block compute at the hardware's compiled rate (costmodel.ops)
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):

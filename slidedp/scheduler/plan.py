@@ -72,6 +72,7 @@ class Workload:
     world_size: int
     precision: str
     micro_batches: int  # micro-batches per rank that share one pass over the weights
+    compiled_blocks: bool = False  # recomputed blocks run through torch.compile (backend/executor.py)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class Plan:
         lines = [
             f"slidedp plan for {self.model_class} (fingerprint {self.model_fingerprint[:12]})",
             f"  workload: {w.world_size} rank(s) x {w.micro_batches} micro-batch(es) x {w.batch_size} x {w.seq_len} "
-            f"tokens, {w.precision}",
+            f"tokens, {w.precision}" + (", blocks compiled" if w.compiled_blocks else ""),
             f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),

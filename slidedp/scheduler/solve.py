@@ -128,10 +128,12 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
 
 def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
                precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
-               options: SolverOptions | None = None, version: str = "0", explain: bool = True) -> Plan:
+               options: SolverOptions | None = None, version: str = "0", explain: bool = True,
+               compiled_blocks: bool = False) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan."""
     t0 = time.perf_counter()
-    costs = ProblemCosts(Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens), options)
+    costs = ProblemCosts(Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks),
+                         options)
     sol = solve(costs, budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
@@ -218,7 +220,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         slidedp_version=version,
         model_fingerprint=g.fingerprint(),
         model_class=g.model_class,
-        workload=Workload(g.batch_size, g.seq_len, problem.world_size, precision, problem.micro_batches),
+        workload=Workload(g.batch_size, g.seq_len, problem.world_size, precision, problem.micro_batches,
+                          problem.compiled_blocks),
         budget_bytes=int(budget_bytes),
         hardware=problem.hardware.to_dict(),
         solver=solver,
@@ -239,9 +242,9 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
 
 def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, hardware: Hardware, world_size: int,
                precision: str, micro_batches: int, loss_chunk_tokens: int = 4096,
-               options: SolverOptions | None = None, version: str = "0") -> Plan:
+               options: SolverOptions | None = None, version: str = "0", compiled_blocks: bool = False) -> Plan:
     """The plan of a baseline rule `decide(costs, budget) -> Decisions | None` (no search)."""
-    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens)
+    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks)
     costs = ProblemCosts(problem, options)
     decisions = decide(costs, budget_bytes)
     if decisions is None:

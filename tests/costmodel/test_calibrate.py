@@ -100,7 +100,10 @@ def test_block_flops_match_the_layer_ir():
     graph = build_layer_graph(model, batch_size=2, seq_len=32)
     block = graph.blocks[0]
     assert block.costs.flops_fwd + block.costs.flops_bwd == cal.count_block_flops(shape)
+    assert (block.costs.flops_fwd, block.costs.flops_bwd) == cal.count_block_flops_fwd_bwd(shape)
     assert cal.measure_block_fwd_bwd_s(torch.device("cpu"), shape, repeats=1) > 0
+    # what compiled blocks run (forward without autograd, then forward and backward), compiled first
+    assert cal.measure_block_fwd_bwd_s(torch.device("cpu"), shape, repeats=1, compiled=True) > 0
 
 
 def test_default_sizes_sweep_64kib_to_1gib_and_quick_is_smaller():

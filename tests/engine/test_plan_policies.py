@@ -11,9 +11,9 @@ from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_
 from tests.models import make_model
 
 
-def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None):
+def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None, compile_blocks=None):
     plan = slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu",
-                        micro_batches=2)
+                        micro_batches=2, compile_blocks=compile_blocks)
     policies = iter(activations)
     decisions = tuple(
         dataclasses.replace(d, chunks=chunks, activation=next(policies) if d.kind == "block" else d.activation)
@@ -49,3 +49,38 @@ def test_unknown_policy_is_refused():
     plan = edited_plan(model, activations=["keep", "swap", "keep"], chunks=1, window=2)
     with pytest.raises(ValueError, match="activation policy"):
         slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", plan=plan)
+
+
+def test_compiled_blocks_are_exact_and_compile_once():
+    """compile_blocks: recomputed blocks run through torch.compile (here inductor on the CPU), one
+    graph per grad mode for all blocks, and training stays exact against torch.optim.AdamW."""
+    import torch._dynamo
+
+    model = make_model("qwen3")
+    ref = copy.deepcopy(model).eval()
+    plan = edited_plan(model, activations=["recompute", "keep", "recompute"], chunks=1, window=2,
+                       compile_blocks=True)
+    assert plan.workload.compiled_blocks and "blocks compiled" in plan.summary()
+    with pytest.raises(ValueError, match="compile_blocks is True in the plan but False here"):
+        slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", plan=plan,
+                        compile_blocks=False)
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, plan=plan)
+    assert engine.executor.compile_blocks  # the plan's choice
+    torch._dynamo.utils.counters.clear()
+    with engine:
+        train_side_by_side(engine, ref, steps=2, seed=7)
+    stats = torch._dynamo.utils.counters["stats"]
+    # forward without autograd and recompute with it: two graphs, whatever the number of blocks and steps
+    assert stats["unique_graphs"] == 2, dict(stats)
+    assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
+
+
+def test_compile_blocks_defaults_off_on_the_cpu_and_on_for_gpu_plans():
+    model = make_model("llama")
+    with slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32") as engine:
+        assert not engine.executor.compile_blocks and not engine.plan.workload.compiled_blocks
+    plan = slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, hardware="h200-sxm")
+    assert plan.workload.compiled_blocks
+    with pytest.raises(TypeError, match="compile_blocks"):
+        slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, compile_blocks="yes")
