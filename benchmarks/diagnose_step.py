@@ -12,7 +12,8 @@ Builds the Qwen3-4B shape (optionally with fewer blocks) exactly as benchmarks/h
 * `isolated`: the previous update finished first, so `pass_s` is the forward + backward alone;
 * `synced`: isolated, with `torch.cuda.synchronize()` after every program operation, timed per
   operation kind (the sum is the serial time of the pass; each kind's share says what is slow);
-* `profile` (with --profile): torch.profiler tables of one overlapped step.
+* `profile` (with --profile): torch.profiler tables and trace of one overlapped step, and the
+  plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def main() -> None:
         point = {"tokens": tokens, "compile_s": time.perf_counter() - t0, "policy": args.policy,
                  "predicted_step_s": engine.plan.predicted_step_time_s, "predicted": engine.plan.predicted,
                  "activation": [d.activation for d in engine.plan.decisions], "window": engine.plan.window,
-                 "update_threads": engine.updates.num_threads}
+                 "update_threads": getattr(engine.updates, "num_threads", None)}
         print(engine.plan.summary(), flush=True)
         data = bench.batches(shape["vocab"], rows, shape["seq"], args.steps + 1, seed=0)
         torch.cuda.reset_peak_memory_stats()
@@ -163,6 +164,8 @@ def main() -> None:
             trace = out_dir / f"trace_{args.blocks}b_{tokens}.json"
             prof.export_chrome_trace(str(trace))
             os.system(f"gzip -f {trace}")
+            # the plan's predicted timeline of the same step, to open beside it in Perfetto
+            engine.plan.to_chrome_trace(out_dir / f"predicted_{args.blocks}b_{tokens}.json")
         engine.close()
         del engine
         torch.cuda.empty_cache()
