@@ -140,3 +140,23 @@ def test_failures_become_records(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["error"].startswith("timeout") and r["tokens_per_s"] is None
     assert all(k in r for k in bench.REQUIRED_KEYS)
+
+
+def test_largest_shape_counts_sixteen_bytes_per_parameter(tmp_path, monkeypatch):
+    """benchmarks/largest_shape.py: host state of each Qwen3 size against a given amount of RAM."""
+    from slidedp import preflight
+
+    spec = importlib.util.spec_from_file_location("largest_shape", ROOT / "benchmarks" / "largest_shape.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(mod.SHAPES, "tiny", (64, 128, 2, 4, 2, 16, 512, True))
+    for name in ("1.7b", "8b", "14b", "32b"):  # keep the test quick: 0.6b, 4b and the tiny one
+        monkeypatch.delitem(mod.SHAPES, name)
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 40 << 30)
+    out = tmp_path / "largest.json"
+    assert mod.main(["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    by = {r["shape"]: r for r in result["shapes"]}
+    assert abs(by["4b"]["bytes_per_param"] - 16.0) < 0.01 and by["4b"]["params"] == 4_411_424_256
+    assert by["0.6b"]["fits"] and not by["4b"]["fits"]  # 65.7 GiB > 40 GiB
+    assert result["largest"] == "0.6b"

@@ -1,6 +1,5 @@
 """The same ranks launched by torchrun (one process per rank, no controller) on CPU."""
 
-import copy
 import os
 import shutil
 import subprocess
