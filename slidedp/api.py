@@ -88,8 +88,20 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             compile_blocks = dev.type == "cuda" or (planning_only and hw.name != "cpu")
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,
-                              compiled_blocks=compile_blocks)
+                              compiled_blocks=compile_blocks,
+                              host_offload_bytes=None if planning_only else _host_offload_bytes(graph, precision))
     return graph, the_plan, dev, optimizer, max_grad_norm
+
+
+def _host_offload_bytes(graph: LayerGraph, precision: str) -> int | None:
+    """Host RAM that offloaded activations may take on this machine: what is available, less the
+    host state compile will allocate and the preflight's headroom (None: unknown)."""
+    from slidedp.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
+
+    available = host_available_bytes()
+    if available is None:
+        return None
+    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES)
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
@@ -108,6 +120,10 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
         if planned != actual:
             raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
                              f"but {actual!r} here")
+    blocks = {layer.id for layer in graph.blocks}
+    if not set(plan.device_state) <= blocks or (plan.device_state and world_size > 1):
+        raise ValueError(f"the plan's device_state {list(plan.device_state)} must name blocks of this model "
+                         "(layer ids 1..N), and only for one rank")
 
 
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
@@ -197,6 +213,9 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             runner = build_rank(model=model, host=host, device=dev, rank=launched_rank or 0, world_size=world_size,
                                 comm=comm, flags=flags, **job)
         else:
+            if the_plan.device_state:
+                raise ValueError("a plan that keeps optimizer state on the device runs in the engine's own "
+                                 "process: unset SLIDEDP_WORKER_PROCESSES")
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
             runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)
@@ -215,7 +234,8 @@ def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
     """The Program of one pass over the weights, as the plan decides it."""
     return lower(graph, window=plan.window, micro_batches=plan.workload.micro_batches,
                  activation={d.layer_id: d.activation for d in plan.decisions if d.kind == BLOCK},
-                 chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens)
+                 chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens,
+                 device_state=plan.device_state)
 
 
 def _launched_rank(world_size: int) -> int | None:

@@ -133,7 +133,7 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
         self._check_open()
-        self.runner.flush()
+        self.runner.sync_host()
         out = {}
         for layer in self.graph.layers:
             views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
@@ -210,7 +210,7 @@ class Engine:
         from slidedp.checkpoint import atomic_checkpoint, write_engine_state
 
         self._check_open()
-        self.runner.flush()
+        self.runner.sync_host()
         if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
             with atomic_checkpoint(dir) as writer:
                 write_engine_state(self, writer)
@@ -245,7 +245,7 @@ class Engine:
         from slidedp.checkpoint import save_hf
 
         self._check_open()
-        self.runner.flush()
+        self.runner.sync_host()
         weights: dict[str, torch.Tensor] = {}
         for layer in self.graph.layers:
             views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)

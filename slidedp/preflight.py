@@ -141,6 +141,14 @@ def host_state_bytes(graph, *, precision: str, control_ints: int = 0) -> int:
                        control_ints=control_ints)[2]
 
 
+def offloaded_activation_bytes(graph, plan) -> int:
+    """Host memory (pinned) that the plan's offloaded activations take per rank in a pass: for every
+    offloading block, what it saves per micro-batch times the micro-batches."""
+    policy = plan.activation_policy()
+    return plan.workload.micro_batches * sum(layer.costs.saved_activation_bytes for layer in graph.layers
+                                             if policy.get(layer.id) == "offload")
+
+
 def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0) -> Needs:
     """What `compile` allocates for this graph and plan on this device: one host state (shared by
     the ranks), and the plan's device peak per rank (host RAM when the ranks are CPU processes)."""
@@ -149,7 +157,7 @@ def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, c
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
     return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints),
-                 host_other_bytes=device_bytes * world_size if on_cpu else 0,
+                 host_other_bytes=((device_bytes if on_cpu else 0) + offloaded_activation_bytes(graph, plan)) * world_size,
                  device_bytes=0 if on_cpu else device_bytes)
 
 

@@ -10,7 +10,9 @@ of a multi-rank engine (backend/workers.py). A step:
      every rank gets the same norm, clip coefficient and finite check;
   3. if finite, this rank's CPU threads start AdamW on the chunks it owns, layer by layer in update
      order, in the background (update_stream.py); the next step's loads wait for each layer's
-     update on every rank (routes.wait_updated).
+     update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
+     (device_state.py, one rank) are updated there instead, on the compute stream, before any
+     later copy (the copy streams wait for it by an event).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from slidedp.backend import cpu_adamw
+from slidedp.backend.device_state import DeviceState
 from slidedp.backend.executor import MicroBatch, StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.routes import Routes
@@ -43,12 +46,16 @@ class RankStep:
 
 class Rank:
     def __init__(self, *, executor: StreamedExecutor, host: HostState, graph: LayerGraph, update_order: list[int],
-                 rank: int = 0, comm=None, flags=None, num_threads: int | None = None):
+                 rank: int = 0, comm=None, flags=None, num_threads: int | None = None,
+                 device_state: DeviceState | None = None):
         self.executor, self.host, self.graph = executor, host, graph
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
         self.world_size = comm.world_size if comm is not None else 1
-        self.updates = UpdateStream(order=update_order, num_threads=num_threads)
+        self.device_state = device_state
+        self.routes.device_state = device_state
+        on_device = device_state.layers if device_state is not None else {}
+        self.updates = UpdateStream(order=[i for i in update_order if i not in on_device], num_threads=num_threads)
         if flags is None:
             self.routes.wait_local_update = self.updates.wait
         else:
@@ -115,6 +122,14 @@ class Rank:
             if self.flags is not None:
                 self.flags.mark_updated(self.rank, layer_id, rounds)
 
+        if self.device_state is not None:
+            streams = self.executor.streams
+            with streams.on("compute"):
+                for layer_id in self.device_state.layers:
+                    self.device_state.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
+            done = streams.record("compute")
+            for stream in ("h2d", "d2h"):  # the next step's copies into the slots, and of gradients
+                streams.wait(stream, done)
         self.updates.start(update)
         self.executor.resident_stale.update(self.executor.resident_ids)
 
@@ -135,15 +150,26 @@ class Rank:
         for layer_id in range(len(self.graph.layers)):
             self.routes.wait_updated(layer_id)
 
+    def sync_host(self) -> None:
+        """Flush, then bring the host state up to date: the state kept on the device copied down."""
+        self.flush()
+        if self.device_state is not None:
+            self.device_state.store_to_host()
+
     def reload(self, step: int) -> None:
-        """The host state was rewritten (a checkpoint): reload the resident weights, take its step."""
+        """The host state was rewritten (a checkpoint): reload the resident weights and the state
+        kept on the device, take its step."""
         self.flush()
         self.host.step = step
         self.executor.resident_stale.update(self.executor.resident_ids)
+        if self.device_state is not None:
+            self.device_state.load_from_host()
 
     def close(self) -> None:
         try:
             self.updates.flush()
+            if self.device_state is not None:  # the model's parameters (host views) get the trained weights
+                self.device_state.store_to_host()
         finally:
             self.updates.close()
             self.routes.close()
@@ -161,8 +187,10 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         compile_blocks=compile_blocks,
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
+    device_state = (DeviceState(host, plan.device_state, device=device, compute_dtype=compute_dtype)
+                    if plan.device_state else None)
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
-                flags=flags, num_threads=update_threads(device, world_size))
+                flags=flags, num_threads=update_threads(device, world_size), device_state=device_state)
 
 
 def update_threads(device: torch.device, world_size: int) -> int | None:

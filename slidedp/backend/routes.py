@@ -16,6 +16,9 @@ several passes) are staged and added on the host. Host-side adds run on one redu
 rank, so the device streams never wait for another rank. The norm of the whole gradient is the sum
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
 there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
+
+Layers whose optimizer state lives on the device (`device_state`, one rank) take neither route: the
+weights are copied into the slot from the device's own copy, the gradient into the device's buffer.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Routes:
         self._grad_dtype, self._staging_slots = host.layers[0].grad.dtype, staging_slots
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._free: queue.Queue[int] = queue.Queue()
+        self.device_state = None  # backend.device_state.DeviceState, set by the rank when the plan has one
 
     def owned(self, layer_id: int) -> list[tuple[int, int]]:
         return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
@@ -79,6 +83,9 @@ class Routes:
     # -- weights up -----------------------------------------------------------------------------
     def load(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
+        if self.device_state is not None and layer_id in self.device_state:
+            self.streams.copy("h2d", dst, self.device_state.layers[layer_id].weights)  # within the device
+            return
         self.wait_updated(layer_id)
         sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"
         for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
@@ -92,6 +99,9 @@ class Routes:
     def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the
         D2H stream) into the host gradient, by the layer's reduction route."""
+        if self.device_state is not None and layer_id in self.device_state:
+            self._device_gradient(layer_id, acc, local_sumsq)
+            return
         target = self.host.layers[layer_id].grad
         chunks = self.chunks[layer_id]
         if self.reduction[layer_id] == "cpu":
@@ -118,6 +128,21 @@ class Routes:
             return
         for chunk in owned:
             self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
+
+    def _device_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
+        """The gradient of a layer whose state lives on the device: into its buffer there (cast on
+        the D2H stream like the host's copy), added to it in a later pass."""
+        target = self.device_state.layers[layer_id].grad
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        if self._first:
+            self.streams.copy("d2h", target, acc)
+        else:
+            with self.streams.on("d2h"):
+                target.add_(acc.to(target.dtype))
+                if acc.is_cuda:
+                    acc.record_stream(self.streams.d2h)  # not reused before this add has run
+        self._guards.append(self.streams.record("d2h"))
 
     def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """On the D2H stream, cast there when the host gradient is bf16."""
@@ -196,6 +221,9 @@ class Routes:
         for layer_id in self.chunks:
             if n_passes == 1 and layer_id in self._device_sumsq:
                 device.append(self._device_sumsq[layer_id].float())
+            elif self.device_state is not None and layer_id in self.device_state:
+                grad = self.device_state.layers[layer_id].grad
+                device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
             else:
                 grad = self.host.layers[layer_id].grad
                 host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))

@@ -154,6 +154,10 @@ class WorkerPool:
         if not self._closed:
             self.call("flush", [{}] * self.world_size)
 
+    def sync_host(self) -> None:
+        """Flush: every rank's state is in the shared host state (none is kept on a device)."""
+        self.flush()
+
     def reload(self, step: int) -> None:
         self.call("reload", [dict(step=step)] * self.world_size)
 

@@ -205,9 +205,8 @@ def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bflo
     Counted as slidedp.ir counts a block's flops_fwd + flops_bwd: FlopCounterMode with the IR's
     extra formulas, on fake CPU tensors (no memory, any shape), forward and backward under separate
     counters; so the IR's FLOPs divided by the rate measured with this count predict the block's
-    time. An explicit causal mask makes transformers repeat the key/value heads: FlopCounterMode's
-    SDPA formulas refuse grouped-query shapes, which SDPA gets without a mask on some versions (the
-    count is the same: attention FLOPs scale with the query heads).
+    time. No mask, as the executor runs a block without padding: SDPA is causal and counts half
+    of the query-key pairs (slidedp.ir.export_trace.EXTRA_FLOP_FORMULAS).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -222,10 +221,9 @@ def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bflo
         params = {name: torch.empty(p.shape, dtype=dtype, requires_grad=True) for name, p in layer.named_parameters()}
         hidden = torch.empty(*tokens, shape.hidden_size, dtype=dtype, requires_grad=True)
         rotary = (torch.empty(*tokens, shape.head_dim, dtype=dtype), torch.empty(*tokens, shape.head_dim, dtype=dtype))
-        causal = torch.ones(shape.seq_len, shape.seq_len, dtype=torch.bool).tril().expand(shape.batch_size, 1, -1, -1)
         with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as fwd_counter:
             out = torch.func.functional_call(layer, params, (hidden,),
-                                             dict(attention_mask=causal, position_embeddings=rotary))
+                                             dict(attention_mask=None, position_embeddings=rotary))
             out = out[0] if isinstance(out, tuple) else out
         with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter:
             torch.autograd.grad(out, [hidden, *params.values()], torch.ones_like(out))

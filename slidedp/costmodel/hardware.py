@@ -50,6 +50,9 @@ class Hardware:
     # recompute and backward; its few fused kernels leave the host no floor); 0: not measured, the
     # eager figures above apply.
     compiled_block_efficiency: float = 0.0
+    # Device memory bandwidth reached by an optimizer kernel (reads and writes together); 0: not
+    # known, and the optimizer state of a layer is never planned on the device (ops.device_update_time_s).
+    gpu_memory_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -65,7 +68,8 @@ class Hardware:
             raise ValueError(f"cpu_adamw_params_per_s_by_threads must be (threads >= 1, params/s > 0) pairs by "
                              f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
         object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
-        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency"):
+        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency",
+                     "gpu_memory_bytes_per_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -96,36 +100,42 @@ GiB = 2**30
 
 PRESETS: dict[str, Hardware] = {
     # Measured on the H200 host (DESIGN.md §5; benchmarks/README.md, "Predicted against measured"):
-    # a Qwen3-4B block's forward / backward kernels run at 0.565 of the matmul rate (2.5 / 5.2 ms
+    # a Qwen3-4B block's forward / backward kernels run at 0.494 of the matmul rate (2.5 / 5.1 ms
     # per 4096 tokens), but the host needs at least 2.3 / 6.0 ms to issue them (Python, autograd);
     # the fused head + loss reaches 0.405; the CPU update overlapping the next forward (weights
     # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9.
-    # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.76.
+    # Device memory: about 60% of the H200's 4.8 TB/s for an optimizer kernel (an estimate).
+    # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.657.
+    # (Fitted as 0.565 and 0.76 when causal attention counted every query-key pair; rescaled by the
+    # FLOP ratio at 4,096-token sequences, 0.875 forward, 0.864 forward + recompute + backward.)
     "h200-sxm": Hardware(
-        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.565,
+        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.494,
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
         host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.9,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
         host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.405,
-        compiled_block_efficiency=0.76,
+        compiled_block_efficiency=0.657, gpu_memory_bytes_per_s=3.0e12,
     ),
     "h100-sxm": Hardware(
         name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,
         h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9,
         host_dram_bytes_per_s=200e9, cpu_adamw_params_per_s=6e9, cpu_adamw_contended_fraction=0.66,
         cpu_cores=48, gpu_p2p_bytes_per_s=450e9,
+        gpu_memory_bytes_per_s=2.5e12,
     ),
     "a100-sxm": Hardware(
         name="a100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=280e12, block_efficiency=0.6,
         h2d_bytes_per_s=24e9, d2h_bytes_per_s=24e9, duplex_bytes_per_s=40e9,
         host_dram_bytes_per_s=150e9, cpu_adamw_params_per_s=5e9, cpu_adamw_contended_fraction=0.66,
         cpu_cores=64, gpu_p2p_bytes_per_s=300e9,
+        gpu_memory_bytes_per_s=1.5e12,
     ),
     "rtx4090": Hardware(
         name="rtx4090", gpu_memory_bytes=24 * GiB, matmul_flops_per_s=150e12, block_efficiency=0.6,
         h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9, duplex_bytes_per_s=40e9,
         host_dram_bytes_per_s=60e9, cpu_adamw_params_per_s=2e9, cpu_adamw_contended_fraction=0.66,
         cpu_cores=16, gpu_p2p_bytes_per_s=0.0, gpus_per_root_complex=2,
+        gpu_memory_bytes_per_s=0.8e12,
     ),
     # The CPU "device" of tests and CI: compute on the host, copies are memcpy.
     "cpu": Hardware(

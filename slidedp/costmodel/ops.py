@@ -164,6 +164,19 @@ def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: 
     return numel * lanes / (hw.cpu_adamw_params_per_s * fraction)
 
 
+# AdamW on the device reads the fp32 master and moments and the gradient and writes the three and the
+# compute-dtype weights: 4 * 3 * 2 + 2 * 2 bytes per parameter in bf16.
+DEVICE_ADAMW_BYTES_PER_PARAM = 28
+
+
+def device_update_time_s(numel: float, hw: Hardware) -> float:
+    """AdamW of `numel` parameters whose state lives on the device [s]:
+    t = numel * 28 B / gpu_memory_bytes_per_s (host_dram_bytes_per_s where the figure is unknown,
+    as for the CPU "device")."""
+    rate = hw.gpu_memory_bytes_per_s or hw.host_dram_bytes_per_s
+    return numel * DEVICE_ADAMW_BYTES_PER_PARAM / rate
+
+
 def cpu_reduce_time_s(numel: float, elem_bytes: int, world_size: int, hw: Hardware, *, lanes: int) -> float:
     """Sum W ranks' gradient copies of `numel` parameters into fp32 on one rank's CPU lane [s].
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -83,6 +84,28 @@ def _fake_state(
         if skip_prefix is None or not name.startswith(skip_prefix):
             state[name] = torch.empty(b.shape, dtype=dtype if b.is_floating_point() else b.dtype)
     return state
+
+
+@contextmanager
+def _masks_as_at_runtime():
+    """Hugging Face mask helpers treat a FakeTensor as tracing and then build a dense [b, 1, s, s]
+    causal mask, where the executor (real tensors, one unpacked sequence per row, no padding mask)
+    gets none and SDPA runs causal: quadratic memory that exists only in the trace (64 GiB at
+    262,144 tokens). During the trace, report what the runtime finds: no packed sequences."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _no_decay(module: nn.Module, param_name: str) -> bool:
@@ -163,7 +186,7 @@ def build_layer_graph(
         return wrap_block_output(call.hidden, block_kind["kind"])
 
     block_kind = {"kind": "tensor"}
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _masks_as_at_runtime():
         fake = _fake_state(model, compute_dtype, requires_grad=False, skip_prefix=blocks_path + ".")
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         # The block's output kind is needed by the proxies: trace block 0 on its own first.

@@ -34,7 +34,7 @@ def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions]
     best = None
     for d in all_decisions(costs):
         keys = build_program(costs.n_blocks, d.window, False).compute_keys
-        if evaluate(costs, d, keys).peak_bytes > budget_bytes:
+        if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
             continue
         t = simulate(costs, d).makespan
         if best is None or t < best[0]:

@@ -8,14 +8,14 @@ the same decisions are the same integer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from slidedp.costmodel import memory as mem
 from slidedp.costmodel import ops
 from slidedp.costmodel.memory import DTYPE_BYTES
 from slidedp.scheduler.decisions import (
-    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Problem, SolverOptions,
+    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions, Problem, SolverOptions,
 )
 
 
@@ -119,6 +119,7 @@ class ProblemCosts:
         self.layer_options: list[tuple[TransferOption, ...]] = []
         for layer in g.layers:
             numel, opts = layer.numel, []
+            on_device = layer.id in problem.device_state  # copies within the device, update there
             for mult, (delivery, reduction) in product(self.options.chunk_multiples, self.routes):
                 k = mult * W
                 piece_bytes = numel * self.elem / k
@@ -128,7 +129,7 @@ class ProblemCosts:
                 update = ops.cpu_update_time_s(numel / k, hw, lanes=W)
                 if reduction == CPU:
                     update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=W)
-                opts.append(TransferOption(
+                option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
                     fwd_piece=t(ops.transfer_time_s(piece_bytes, h2d_alone, curve)),
                     fwd_piece_duplex=t(ops.transfer_time_s(piece_bytes, h2d_duplex, curve)),
@@ -141,7 +142,11 @@ class ProblemCosts:
                                     if reduction == GPU else 0),
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
-                ))
+                )
+                if on_device:
+                    option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=0, update_piece=0,
+                                     staging_bytes=0)
+                opts.append(option)
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
 
@@ -164,7 +169,11 @@ class ProblemCosts:
                 param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
             )
         pro, epi = g.prologue.costs, g.epilogue.costs
-        self.prologue_fwd = t(ops.forward_time_s(pro, hw, m))
+        # the device's AdamW of the layers whose state lives there: at the step boundary, before the prologue
+        on_device = [layer.numel for layer in g.layers if layer.id in problem.device_state]
+        self.device_state_bytes = sum(mem.device_state_bytes(n, self.elem) for n in on_device)
+        self.device_update = t(sum(ops.device_update_time_s(n, hw) for n in on_device))
+        self.prologue_fwd = t(ops.forward_time_s(pro, hw, m)) + self.device_update
         self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
         self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
 
@@ -179,6 +188,16 @@ class ProblemCosts:
             g.batch_size * g.seq_len, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens)
 
     # -- helpers -------------------------------------------------------------------------------
+    def host_offload_bytes(self, d: Decisions) -> int:
+        """Host memory the offloaded activations of `d` take: sum over offloading blocks of m * saved."""
+        m = self.problem.micro_batches
+        return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
+
+    def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
+        """The device peak within the budget and the offloaded activations within host memory."""
+        limit = self.problem.host_offload_bytes
+        return peak_bytes <= budget_bytes and (limit is None or self.host_offload_bytes(d) <= limit)
+
     def windows(self) -> tuple[int, ...]:
         """Window sizes worth trying: the options, capped at the number of blocks."""
         return tuple(sorted({min(w, self.n_blocks) for w in self.options.windows}))

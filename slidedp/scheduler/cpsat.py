@@ -394,6 +394,7 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         staging >= sum_o opt[L,o] staging_o                        for every layer L
         kept_i = kept_(i-1) + m saved_i act[i,keep]                 (blocks 1..i keep, prefix sum)
         base(x) + staging + kept_(j(x)) + sum_i (offload and recompute terms(x) act[i,.]) <= cap
+        sum_i m saved_i act[i,offload] <= host_offload_bytes            (host memory, when limited)
 
     where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward)."""
     for i, opts in enumerate(costs.layer_options):
@@ -417,6 +418,10 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         for policy, pairs in ((OFFLOAD, t.offload), (RECOMPUTE, t.recompute)):
             expr += sum(b * v.act[(i, policy)] for i, b in pairs if (i, policy) in v.act)
         m.add(expr <= cap)
+    limit = costs.problem.host_offload_bytes
+    offloads = [(m_batches * b.saved_bytes, v.act[(i, OFFLOAD)]) for i, b in costs.blocks.items() if (i, OFFLOAD) in v.act]
+    if limit is not None and offloads:
+        m.add(sum(b * lit for b, lit in offloads) <= limit)  # host memory of the offloaded activations
 
 
 def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:

@@ -30,12 +30,22 @@ class Problem:
     micro_batches: int = 1
     loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
     compiled_blocks: bool = False  # block compute at the hardware's compiled rate (costmodel.ops)
+    host_offload_bytes: int | None = None  # host memory that offloaded activations may take (None: no limit)
+    # Blocks whose fp32 master weights and AdamW moments live on the device (loaded once, updated
+    # there, never copied over PCIe); the solver picks a prefix of the blocks (solve.py).
+    device_state: frozenset = frozenset()
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not set(self.device_state) <= {layer.id for layer in self.graph.blocks}:
+            raise ValueError(f"device_state must be block layer ids, got {sorted(self.device_state)}")
+        if self.device_state and self.world_size > 1:
+            raise ValueError("optimizer state on the device is planned for one rank only")
+        if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
+            raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
 
     @property
     def n_blocks(self) -> int:
@@ -98,6 +108,9 @@ class SolverOptions:
     all_windows_up_to_blocks: int = 16
     large_deterministic_time: float = 0.2
     local_search_evaluations: int = 200
+    # How many leading blocks keep their optimizer state on the device: None lets the planner choose
+    # (one rank, device bandwidth known; solve.py), an int fixes it.
+    device_state_blocks: int | None = None
     seed: int = 0
     workers: int = 1
     hints: bool = True
@@ -114,5 +127,8 @@ class SolverOptions:
             raise ValueError(f"activations must include 'recompute' and be among {ACTIVATIONS}")
         if REPLICATED not in self.deliveries or CPU not in self.reductions:
             raise ValueError("the replicated delivery and the CPU reduction are always allowed")
+        if self.device_state_blocks is not None and (isinstance(self.device_state_blocks, bool) or not isinstance(
+                self.device_state_blocks, int) or self.device_state_blocks < 0):
+            raise ValueError(f"device_state_blocks must be an int >= 0 or None, got {self.device_state_blocks!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:
             raise ValueError(f"update_orders must be among {(FORWARD_ORDER, HEAD_FIRST)}")

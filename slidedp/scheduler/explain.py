@@ -94,7 +94,7 @@ def _try(costs: ProblemCosts, d: Decisions, budget_bytes: int):
     """(step_s or None if it does not fit, peak bytes) of some decisions."""
     keys = build_program(costs.n_blocks, d.window, False).compute_keys
     peak = evaluate(costs, d, keys).peak_bytes
-    if peak > budget_bytes:
+    if not costs.fits(d, peak, budget_bytes):
         return None, peak
     return closed_form.evaluate(costs, d).makespan * costs.scale.tick_s, peak
 

@@ -6,6 +6,7 @@ before the compute that reuses it, see program.py). At compute position x:
 
   mem(x) = resident weights + resident fp32 gradients + window * largest block
            + 2 fp32 block gradient accumulators + max over layers of its gradient staging
+           + the optimizer state of the blocks that keep it on the device (costmodel.memory)
            + boundary stash(x) * m + working set(x)
            + sum over kept blocks i with fwd_i <= x <= bwd_i of m * saved_i
            + sum over offloaded blocks i with x in {fwd_i, fwd_i + 1, bwd_i - 1, bwd_i} of m * saved_i
@@ -30,7 +31,7 @@ from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
 
 CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
               "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
-              "working_bytes")
+              "working_bytes", "device_state_bytes")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
     static = (("resident_params_bytes", costs.resident_params_bytes),
               ("resident_grads_bytes", costs.resident_grads_bytes),
               ("weight_slots_bytes", costs.weight_slots_bytes(window)),
-              ("grad_accumulators_bytes", costs.grad_accumulators_bytes))
+              ("grad_accumulators_bytes", costs.grad_accumulators_bytes),
+              ("device_state_bytes", costs.device_state_bytes))
     out = []
     for x, key in enumerate(compute_keys):
         if x == 0:

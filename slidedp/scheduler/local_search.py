@@ -16,7 +16,7 @@ from slidedp.scheduler.program import build_program
 def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
     """Makespan in ticks (closed_form: the simulator's number), or infinity if `d` does not fit."""
     keys = build_program(costs.n_blocks, d.window, False).compute_keys
-    if evaluate(costs, d, keys).peak_bytes > budget_bytes:
+    if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
         return float("inf")
     return closed_form.evaluate(costs, d).makespan
 

@@ -13,6 +13,9 @@ What the executor must honour (the predicted timing and memory assume it):
   decisions[i].delivery / reduction, owners: routes, and the rank updating each chunk
   update_order            layer ids in the order the CPU updates them after the step boundary; the
                           next step's load of a layer waits for its update
+  device_state            block layer ids whose fp32 master weights and AdamW moments live on the
+                          device: loaded once, updated there after the step's norm, their weights
+                          copied into the slots within the device (the CPU skips them)
   loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
   workload.micro_batches  micro-batches per rank sharing one pass over the weights
 """
@@ -129,6 +132,7 @@ class Plan:
     loss_chunk_tokens: int = 0  # tokens per chunk of the epilogue's loss; 0 : the whole micro-batch
     groups: tuple[GroupPrediction, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
+    device_state: tuple[int, ...] = ()  # block layer ids whose optimizer state lives on the device
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -154,6 +158,7 @@ class Plan:
         data["timeline"] = tuple(TimelineEvent(**e) for e in data.get("timeline", ()))
         data["memory_timeline"] = tuple(MemoryPoint(**m) for m in data.get("memory_timeline", ()))
         data["update_order"] = tuple(data.get("update_order", ()))
+        data["device_state"] = tuple(data.get("device_state", ()))
         data["groups"] = tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])})
                                for g in data.get("groups", ()))
         data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
@@ -204,6 +209,9 @@ class Plan:
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
             f"  update order after the step boundary: {order}",
+            *([f"  optimizer state on the device: {_blocks_label(self.decisions, self.device_state)} "
+               f"({format_bytes(self.memory.get('device_state_bytes', 0))}, updated there, no PCIe traffic)"]
+              if self.device_state else []),
             f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
             f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
             f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "
@@ -245,6 +253,13 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def _blocks_label(decisions, layer_ids) -> str:
+    """"model.layers.0 .. 16 (17 blocks)" for the decisions of `layer_ids` (in order)."""
+    names = [d.name for d in decisions if d.layer_id in set(layer_ids)]
+    first, last = names[0], names[-1].rsplit(".", 1)[-1]
+    return (first if len(names) == 1 else f"{first} .. {last}") + f" ({len(names)} blocks)"
 
 
 def _ms(seconds: float) -> str:

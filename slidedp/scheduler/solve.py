@@ -18,9 +18,12 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.costmodel.hardware import Hardware
 from slidedp.scheduler import baselines, cpsat, local_search
 from slidedp.scheduler.costs import ProblemCosts
+from slidedp.costmodel import memory as mem
 from slidedp.scheduler.decisions import GPU, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
-from slidedp.scheduler.plan import SCHEMA_VERSION, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload
+from slidedp.scheduler.plan import (
+    SCHEMA_VERSION, Alternative, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload,
+)
 from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D
 from slidedp.scheduler.simulate import Simulation, simulate
 
@@ -129,12 +132,14 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
 def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
                precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
-               compiled_blocks: bool = False) -> Plan:
-    """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan."""
+               compiled_blocks: bool = False, host_offload_bytes: int | None = None) -> Plan:
+    """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
+    offloaded activations take at most `host_offload_bytes` of host memory (None: no limit).
+    How many blocks keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
-    costs = ProblemCosts(Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks),
-                         options)
-    sol = solve(costs, budget_bytes)
+    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
+                      host_offload_bytes)
+    costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
     solver = {
@@ -158,10 +163,83 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "seed": costs.options.seed,
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
+        "device_state_blocks_tried": {str(k): step_s for k, step_s in sorted(tried.items())},
         "wall_s": wall,
     }
-    return plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
+    plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver=solver, explain=explain)
+    if explain and len(tried) > 1:
+        plan = replace(plan, alternatives=plan.alternatives + (_device_state_alternative(tried, len(plan.device_state)),))
+    return plan
+
+
+def _device_state_alternative(tried: dict[int, float], chosen: int) -> Alternative:
+    """The number of blocks whose state lives on the device against the best other number tried."""
+    other = min((k for k in tried if k != chosen), key=lambda k: (tried[k], k))
+    why = ("each block kept there takes its state's device memory for good, and takes its copies "
+           "and its update off PCIe and the CPU")
+    return Alternative("optimizer state on the device", f"{chosen} blocks", f"{other} blocks", tried[chosen],
+                       tried[other], 0, f"{chosen} blocks: {tried[chosen] * 1e3:.1f} ms; {other} blocks: "
+                       f"{tried[other] * 1e3:.1f} ms. {why}")
+
+
+def _device_state_search(problem: Problem, options: SolverOptions,
+                         budget_bytes: int) -> tuple[ProblemCosts, Solution, dict[int, float]]:
+    """Solve with the optimizer state of the first k blocks on the device, for the best k.
+
+    Their master weights and moments take device memory for good (costmodel.memory.device_state_bytes)
+    that the other decisions (window, kept activations) no longer have; in exchange their weights
+    never cross PCIe and their update leaves the CPU, which is what bounds a step once the host's
+    DRAM is busy. k = options.device_state_blocks when given; else 0 unless the problem has one rank
+    and the device's bandwidth is known, in which case k is searched over 0..k_max (the most whose
+    state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then the
+    midpoints around the best, until neighbours are tried (ties: the smaller k). Returns the costs
+    and solution of the best k, and every k tried with its predicted step [s].
+    """
+    blocks = problem.graph.blocks
+
+    def attempt(k: int) -> tuple[ProblemCosts, Solution]:
+        costs = ProblemCosts(replace(problem, device_state=frozenset(b.id for b in blocks[:k])), options)
+        return costs, solve(costs, budget_bytes)
+
+    fixed = options.device_state_blocks
+    if fixed is not None:
+        if fixed > len(blocks):
+            raise ValueError(f"device_state_blocks={fixed}, but the model has {len(blocks)} blocks")
+        costs, sol = attempt(fixed)
+        return costs, sol, {fixed: sol.makespan * costs.scale.tick_s}
+    costs, sol = attempt(0)  # the least memory: raises InfeasibleBudgetError if nothing fits
+    results = {0: (costs, sol)}
+    if problem.world_size > 1 or problem.hardware.gpu_memory_bytes_per_s <= 0:
+        return costs, sol, {0: sol.makespan * costs.scale.tick_s}
+    spare = budget_bytes - sol.min_budget_bytes
+    k_max = 0
+    while k_max < len(blocks) and mem.device_state_bytes(
+            sum(b.numel for b in blocks[: k_max + 1]), costs.elem) <= spare:
+        k_max += 1
+
+    def step_s(k: int) -> float:
+        c, s = results[k]
+        return s.makespan * c.scale.tick_s
+
+    def run(k: int) -> None:
+        if k not in results:
+            results[k] = attempt(k)
+
+    for k in sorted({round(k_max * f) for f in (0.25, 0.5, 0.75, 1.0)}):
+        run(k)
+    while True:
+        tried = sorted(results)
+        best = min(tried, key=lambda k: (step_s(k), k))
+        i = tried.index(best)
+        around = [(tried[j] + best) // 2 for j in (i - 1, i + 1) if 0 <= j < len(tried)]
+        todo = [k for k in around if k not in results]
+        if not todo:
+            break
+        for k in todo:
+            run(k)
+    costs, sol = results[best]
+    return costs, sol, {k: step_s(k) for k in results}
 
 
 def _best(items):
@@ -237,6 +315,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         loss_chunk_tokens=problem.effective_loss_chunk_tokens,
         groups=groups,
         alternatives=alts,
+        device_state=tuple(sorted(problem.device_state)),
     )
 
 

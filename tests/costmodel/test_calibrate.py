@@ -77,10 +77,11 @@ def test_adamw_rates_median_and_fraction():
 
 
 def block_flops_by_hand(s: cal.BlockShape) -> float:
-    """Linear layers 6 T P; SDPA 4 b H s^2 d forward and 2.5 times that backward (FlopCounterMode's)."""
+    """Linear layers 6 T P; causal SDPA half of 4 b H s^2 d forward and 2.5 times that backward
+    (FlopCounterMode's count of every query-key pair, halved)."""
     q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
     linear_params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.intermediate_size
-    attention = 4 * s.batch_size * s.num_attention_heads * s.seq_len**2 * s.head_dim
+    attention = 2 * s.batch_size * s.num_attention_heads * s.seq_len**2 * s.head_dim
     return 6 * s.batch_size * s.seq_len * linear_params + 3.5 * attention
 
 

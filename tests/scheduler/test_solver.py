@@ -149,3 +149,32 @@ def test_plan_fields_the_executor_reads():
     assert {e.rank for e in plan.timeline} == {0, 1}
     loaded = slidedp.Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert loaded == plan
+
+
+def test_offloaded_activations_stay_within_host_memory():
+    """A host-memory limit on offloaded activations binds the solver like brute force, also for the
+    smallest budget (offloading is what lowers the device peak)."""
+    c = CASES["activations, windows, orders"]
+    graph = c["graph"]()
+
+    def costs_with(limit):
+        return ProblemCosts(Problem(graph, PRESETS[c["hardware"]], 1, micro_batches=2, host_offload_bytes=limit),
+                            SolverOptions(**c["options"]))
+
+    free = costs_with(None)
+    one_block = max(2 * b.saved_bytes for b in free.blocks.values())
+    for limit in (0, one_block):
+        costs = costs_with(limit)
+        allowed = [d for d in all_decisions(costs) if costs.host_offload_bytes(d) <= limit]
+        smallest = min(peak(costs, d) for d in allowed)
+        with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+            solve(costs, smallest - 1)
+        assert info.value.min_budget_bytes == smallest
+        for budget in (smallest, binding_budget(costs)):
+            best, _ = brute_force(costs, budget)
+            sol = solve(costs, budget)
+            assert sol.makespan == best and costs.host_offload_bytes(sol.decisions) <= limit
+    # the limit matters: at some budget the unlimited plan offloads and is faster than any without
+    peaks = sorted({peak(free, d) for d in all_decisions(free)})
+    assert any(free.host_offload_bytes(sol.decisions) > 0 and sol.makespan < solve(costs_with(0), b).makespan
+               for b in peaks[::7] for sol in [solve(free, b)])

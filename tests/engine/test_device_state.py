@@ -1,0 +1,111 @@
+"""Optimizer state kept on the device for some blocks (plan.device_state): the same training as
+torch.optim.AdamW, checkpoints and state_dict see it, and the planner chooses it only where it pays."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.ir.build import build_layer_graph
+from slidedp.scheduler.decisions import SolverOptions
+from slidedp.scheduler.solve import solve_plan
+from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, random_batch, train_side_by_side
+from tests.models import make_model
+
+GiB = 2**30
+
+
+def device_state_plan(model, blocks: int, *, micro_batches: int = 2, budget=GiB):
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+    return solve_plan(graph, budget_bytes=budget, hardware=PRESETS["cpu"], precision="fp32",
+                      micro_batches=micro_batches, options=SolverOptions(device_state_blocks=blocks))
+
+
+def compiled(model, plan, **kw):
+    return slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                           optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, plan=plan, **kw)
+
+
+@pytest.mark.parametrize("family, tied, blocks", [("llama", False, 2), ("gpt2", True, 3), ("qwen3", False, 1)])
+def test_device_state_is_exact(family, tied, blocks):
+    model = make_model(family, tied=tied)
+    ref = copy.deepcopy(model).eval()
+    plan = device_state_plan(model, blocks)
+    assert plan.device_state == tuple(range(1, blocks + 1))
+    assert plan.memory["device_state_bytes"] > 0 and "optimizer state on the device" in plan.summary()
+    assert slidedp.Plan.from_dict(plan.to_dict()) == plan
+    with compiled(model, plan) as engine:
+        assert engine.runner.device_state is not None
+        assert set(engine.runner.updates.order).isdisjoint(plan.device_state)  # the CPU skips them
+        train_side_by_side(engine, ref, steps=3, seed=11)
+
+
+def test_gradient_accumulation_over_passes_and_checkpoint_round_trip(tmp_path):
+    """Two passes per step (the device gradient is added to), then a checkpoint saved mid-run and
+    loaded into a fresh engine continues exactly like the uninterrupted one."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model).eval()
+    plan = device_state_plan(model, 2, micro_batches=1)  # 2 rows per step: two passes of one micro-batch
+    with compiled(model, plan) as engine:
+        train_side_by_side(engine, ref, steps=2, seed=3)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        gen = torch.Generator().manual_seed(99)
+        batches = [random_batch(gen, 2 * BATCH) for _ in range(2)]
+        losses = [engine.step(*b) for b in batches]
+        final = engine.state_dict()
+    fresh = make_model("llama", seed=1)  # other weights: everything must come from the checkpoint
+    with compiled(fresh, plan) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert [engine.step(*b) for b in batches] == losses
+        resumed = engine.state_dict()
+    for name, value in final.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_close_leaves_the_trained_weights_in_the_model():
+    model = make_model("qwen3")
+    plan = device_state_plan(model, 3)
+    engine = compiled(model, plan)
+    gen = torch.Generator().manual_seed(0)
+    engine.step(*random_batch(gen, 2 * BATCH))
+    state = engine.state_dict()
+    engine.close()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), state[name]), name
+
+
+def test_planner_keeps_state_on_the_device_where_it_pays():
+    """On an H200 profile with a spare budget the planner puts the state of leading blocks on the
+    device and predicts a shorter step than with none; on the CPU profile (no device bandwidth
+    figure) and for several ranks it never does; a fixed count beyond the blocks is refused."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    graph = build_layer_graph(model, batch_size=1, seq_len=2048)
+    kw = dict(budget_bytes=20 * GiB, hardware=PRESETS["h200-sxm"], compiled_blocks=True)
+    chosen = solve_plan(graph, **kw)
+    none = solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=0))
+    assert chosen.device_state and chosen.device_state == tuple(range(1, len(chosen.device_state) + 1))
+    assert chosen.predicted_step_time_s < none.predicted_step_time_s and none.device_state == ()
+    tried = chosen.solver["device_state_blocks_tried"]
+    assert min(tried, key=lambda k: (tried[k], int(k))) == str(len(chosen.device_state))
+    assert chosen.peak_device_bytes <= 20 * GiB
+    assert solve_plan(graph, **{**kw, "hardware": PRESETS["cpu"]}).device_state == ()
+    assert solve_plan(graph, **kw, world_size=2).device_state == ()
+    with pytest.raises(ValueError, match="blocks"):
+        solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=9))
+
+
+def test_a_plan_with_device_state_is_refused_for_several_ranks():
+    model = make_model("llama")
+    plan = device_state_plan(model, 1)
+    plan = dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, world_size=2))
+    with pytest.raises(ValueError, match="only for one rank"):
+        slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", plan=plan,
+                        world_size=2)
