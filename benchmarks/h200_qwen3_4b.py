@@ -317,16 +317,19 @@ class Point:
             torch.cuda.empty_cache()  # the build's temporaries (per-parameter init on the GPU)
             torch.cuda.reset_peak_memory_stats()
         try:
-            t = time.perf_counter()
-            losses = [step(self.data[0])]  # warm-up = training step 1
-            if finish:
-                finish()
-            self.sync()
-            self.record["warmup_s"] = time.perf_counter() - t
+            losses, warmup = [], 0 if self.args.no_warmup else 1
+            self.record["warmup_steps"] = warmup
+            if warmup:
+                t = time.perf_counter()
+                losses.append(step(self.data[0]))  # warm-up = training step 1
+                if finish:
+                    finish()
+                self.sync()
+                self.record["warmup_s"] = time.perf_counter() - t
             times = []
             self.sync()
             start = prev = time.perf_counter()
-            for ids in self.data[1:]:
+            for ids in self.data[warmup : warmup + self.args.steps]:
                 losses.append(step(ids))
                 now = time.perf_counter()
                 times.append(now - prev)
@@ -592,6 +595,8 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
+        if args.no_warmup:
+            cmd.append("--no-warmup")
         print(f"\n=== {system}, {tokens} tokens/step ===", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -842,6 +847,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test)")
     p.add_argument("--budget", default="40GiB", help="slidedp's device-memory budget")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="time from the first step (it then includes first-call costs; for runs of minutes a step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "h200_qwen3_4b.json"))
     p.add_argument("--merge", action="store_true",

@@ -94,14 +94,18 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
 
 
 def _host_offload_bytes(graph: LayerGraph, precision: str) -> int | None:
-    """Host RAM that offloaded activations may take on this machine: what is available, less the
-    host state compile will allocate and the preflight's headroom (None: unknown)."""
+    """Host RAM that offloaded activations may take on this machine: half of what is available
+    beyond the host state compile will allocate and the preflight's headroom (None: unknown); the
+    other half stays for the rest of the process (the model as built, compile workers, data). Seen
+    on the H200 host: a 262,144-token plan offloading 41.7 GiB beside 70 GiB of host state was
+    killed for host memory (then each offloaded tensor was pinned on its own, rounded up to a power
+    of two; it now goes into one arena of the exact size, saved_activations.HostArena)."""
     from slidedp.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
 
     available = host_available_bytes()
     if available is None:
         return None
-    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES)
+    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES) // 2
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,

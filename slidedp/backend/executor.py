@@ -16,13 +16,13 @@ forward and at most once more for backward, whatever the number of micro-batches
 Numerics are the model's own: blocks run through `torch.func.functional_call` with device views
 of the streamed weights. Prologue and epilogue weights stay resident for the whole step.
 
-With `compile_blocks`, a recomputed block's forward (without autograd in the forward pass, with it
-in backward) runs through `torch.compile` of that same functional call: one compiled graph per
-grad mode and input shape serves every block of the model (the weights are graph inputs, so the
-blocks do not recompile), fusing the elementwise work between the matmuls and cutting the Python
-issued per block. Kept and offloaded blocks stay eager: their saved-tensor hooks (which redirect
-weights to the slot that holds them in backward, or move activations to the host) act on the
-tensors autograd saves, which a compiled graph does not expose.
+With `compile_blocks`, every block's forward (without autograd when it is recomputed later, with
+it in a kept or offloaded block's forward and in a recomputation) runs through `torch.compile` of
+that same functional call: one compiled graph per grad mode and input shape serves every block of
+the model (the weights are graph inputs, so the blocks do not recompile), fusing the elementwise
+work between the matmuls and cutting the Python issued per block. The saved-tensor hooks of kept
+and offloaded blocks (saved_activations.py) act on what the compiled graph saves for its backward
+as they do on eager autograd's saved tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slidedp.backend.host_state import HostState
-from slidedp.backend.saved_activations import SavedActivations
+from slidedp.backend.saved_activations import HostArena, SavedActivations
 from slidedp.backend.routes import Routes
 from slidedp.backend.streams import Streams
 from slidedp.backend.program import (
@@ -85,13 +85,14 @@ class StreamedExecutor:
         self.activation = [op.policy for op in program.ops if op.kind == FWD]
         self.loss_chunk_tokens = loss_chunk_tokens
         self.compile_blocks = compile_blocks
-        self.recompute_block = torch.compile(run_block, dynamic=False) if compile_blocks else run_block
+        self.call_block = torch.compile(run_block, dynamic=False) if compile_blocks else run_block
         self.head = HeadCapture.find(model)  # a plain linear head: the loss is fused (see _op_epilogue)
         self.fused_head: bool | None = None  # known after the first epilogue
         self.epilogue_names = [p.name for p in graph.epilogue.params] + list(graph.epilogue.tied_param_names)
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
         self.resident_stale: set[int] = set(self.resident_ids)  # resident weights to (re)load
         self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
+        self.arena: HostArena | None = None  # host memory of offloaded activations, made on first use
         # Where each stored parameter lives: name -> (layer id, start, numel).
         self.locate = {
             name: (layout.layer_id, start, numel)
@@ -147,6 +148,7 @@ class StreamedExecutor:
         Returns the pass's loss: sum over its micro-batches of (token CE sum / global_tokens)."""
         st = _PassState(self, micro_batches, global_tokens)
         self.offloaded_bytes = 0
+        self._arena_for(len(micro_batches)).reset()
         events: dict[int, object] = {}
         handlers = {
             PROLOGUE: self._op_prologue, H2D_WEIGHTS: self._op_h2d_weights, FWD: self._op_fwd,
@@ -200,18 +202,35 @@ class StreamedExecutor:
                 st.stash[k][m] = st.hidden[m]
                 args, kwargs = call[k].with_hidden(st.hidden[m])
                 with torch.no_grad():
-                    out = self.recompute_block(module, params, args, kwargs)
+                    out = self.call_block(module, params, args, kwargs)
                 st.hidden[m] = unwrap_block_output(out)[0]
                 continue
             x = st.hidden[m].detach().requires_grad_(True)
             saved = SavedActivations(self.slots[op.slot], self.streams, offload=policy == "offload",
-                                     min_offload_bytes=self.min_offload_bytes)
+                                     min_offload_bytes=self.min_offload_bytes, arena=self.arena)
             args, kwargs = call[k].with_hidden(x)
             with torch.enable_grad(), saved.hooks():
-                out = unwrap_block_output(torch.func.functional_call(module, params, args, kwargs))[0]
+                out = unwrap_block_output(self.call_block(module, params, args, kwargs))[0]
             st.kept[k][m] = KeptForward(x, out, params, saved)
             self.offloaded_bytes += saved.offloaded_bytes
             st.hidden[m] = out.detach()
+
+    def _arena_for(self, micro_batches: int) -> HostArena:
+        """The host arena of offloaded activations: what the offloading blocks save per micro-batch
+        (the IR's figure) times the micro-batches, allocated (and registered) once."""
+        need = micro_batches * sum(layer.costs.saved_activation_bytes
+                                   for layer, policy in zip(self.block_layers, self.activation) if policy == "offload")
+        if self.arena is None or self.arena.buffer.numel() < need:
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = HostArena(need, pin=self.streams.cuda)
+        return self.arena
+
+    def close(self) -> None:
+        """Release the host arena (unregistered first)."""
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
     def _op_epilogue(self, op, st: "_PassState") -> None:
         """Head and token-weighted loss per micro-batch; gradient of the last hidden state.
@@ -300,7 +319,7 @@ class StreamedExecutor:
                 st.stash[k][m] = None
                 args, kwargs = call[k].with_hidden(x)
                 with torch.enable_grad():
-                    out = unwrap_block_output(self.recompute_block(module, params, args, kwargs))[0]
+                    out = unwrap_block_output(self.call_block(module, params, args, kwargs))[0]
                 leaves = params
             else:  # the forward's graph, its weights read from the slot that holds them now
                 fwd, st.kept[k][m] = st.kept[k][m], None

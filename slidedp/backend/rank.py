@@ -173,6 +173,7 @@ class Rank:
         finally:
             self.updates.close()
             self.routes.close()
+            self.executor.close()
             if self.comm is not None:
                 self.comm.close()
 

@@ -124,10 +124,10 @@ def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *
 
     t = m * max((flops_bwd + [recompute] flops_fwd) / rate,
                 host_block_bwd_s + [recompute] host_block_fwd_s)
-    or, compiled (recomputed blocks only: kept ones run eager), m * flops / (matmul rate * compiled efficiency).
+    or, compiled (every policy: executor.py), m * flops / (matmul rate * compiled efficiency).
     """
     flops = costs.flops_bwd + (costs.flops_fwd if recompute else 0.0)
-    if compiled and recompute and hw.compiled_block_efficiency > 0:
+    if compiled and hw.compiled_block_efficiency > 0:
         return micro_batches * flops / (hw.matmul_flops_per_s * hw.compiled_block_efficiency)
     host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
     return micro_batches * max(flops / compute_flops_per_s(hw), host)

@@ -153,9 +153,8 @@ class ProblemCosts:
         self.blocks: dict[int, BlockTicks] = {}
         for layer in g.blocks:
             c = layer.costs
-            bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False))
-            # compiled: one forward duration for every policy, the compiled one (a kept block's eager
-            # forward is predicted that fast too: the solver has one forward interval per block)
+            bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False, compiled=problem.compiled_blocks))
+            # compiled: every policy's forward and backward at the compiled rate (executor.py)
             compiled = problem.compiled_blocks
             self.blocks[layer.id] = BlockTicks(
                 fwd=t(ops.block_forward_time_s(c, hw, m, compiled=compiled)),

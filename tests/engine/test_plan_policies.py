@@ -42,6 +42,7 @@ def test_policies_are_exact(family, tied, activations, chunks, window):
     with engine:
         train_side_by_side(engine, ref, steps=3, seed=5)
         assert (engine.executor.offloaded_bytes > 0) == ("offload" in activations)
+        assert (engine.executor.arena.used > 0) == ("offload" in activations)  # offloaded into the arena
 
 
 def test_unknown_policy_is_refused():
@@ -52,13 +53,15 @@ def test_unknown_policy_is_refused():
 
 
 def test_compiled_blocks_are_exact_and_compile_once():
-    """compile_blocks: recomputed blocks run through torch.compile (here inductor on the CPU), one
-    graph per grad mode for all blocks, and training stays exact against torch.optim.AdamW."""
+    """compile_blocks: every block runs through torch.compile (here inductor on the CPU), one graph
+    per grad mode for all blocks whatever their policy (kept and offloaded blocks' saved-tensor
+    hooks act on the compiled graph's saved tensors), and training stays exact against
+    torch.optim.AdamW."""
     import torch._dynamo
 
     model = make_model("qwen3")
     ref = copy.deepcopy(model).eval()
-    plan = edited_plan(model, activations=["recompute", "keep", "recompute"], chunks=1, window=2,
+    plan = edited_plan(model, activations=["recompute", "keep", "offload"], chunks=1, window=2,
                        compile_blocks=True)
     assert plan.workload.compiled_blocks and "blocks compiled" in plan.summary()
     with pytest.raises(ValueError, match="compile_blocks is True in the plan but False here"):
@@ -67,9 +70,11 @@ def test_compiled_blocks_are_exact_and_compile_once():
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, plan=plan)
     assert engine.executor.compile_blocks  # the plan's choice
+    engine.executor.min_offload_bytes = 0  # tiny model: offload every saved activation
     torch._dynamo.utils.counters.clear()
     with engine:
         train_side_by_side(engine, ref, steps=2, seed=7)
+        assert engine.executor.offloaded_bytes > 0
     stats = torch._dynamo.utils.counters["stats"]
     # forward without autograd and recompute with it: two graphs, whatever the number of blocks and steps
     assert stats["unique_graphs"] == 2, dict(stats)
