@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from importlib.metadata import version as package_version
 
 from slidedp.budget import format_bytes
+from slidedp.costmodel import memory as mem
+from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
-from slidedp.costmodel.hardware import Hardware
 from slidedp.scheduler import baselines, cpsat, local_search
 from slidedp.scheduler.costs import ProblemCosts
-from slidedp.costmodel import memory as mem
 from slidedp.scheduler.decisions import GPU, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
