@@ -1,10 +1,11 @@
 """The optimizer state of the blocks the plan keeps on the device (`plan.device_state`).
 
-For these layers the device holds the fp32 master weights, both AdamW moments, the weights in the
-compute dtype (the master itself in fp32) and the step's gradient (in the host gradient's dtype).
-A step then moves nothing of them over PCIe: the weight "load" into a slot is a copy within the
-device, the gradient stays there, and once the step's norm is known (rank.py) AdamW runs on the
-device's compute stream, before the next step's copies (which wait for it by an event).
+For these layers the device holds the fp32 master weights, both AdamW moments and the step's
+gradient (in the host gradient's dtype). A step then moves nothing of them over PCIe: the weight
+"load" into a slot is a copy within the device that casts the master to the compute dtype (round
+to nearest even, as the CPU optimizer writes the host's delivery copy), the gradient stays there,
+and once the step's norm is known (rank.py) AdamW runs on the device's compute stream, before the
+next step's copies (which wait for it by an event).
 
 The host state keeps its arrays for these layers as the place checkpoints, `state_dict` and the
 model's parameters read: `store_to_host` copies the device state down (the engine's `sync_host`),
@@ -27,55 +28,44 @@ from slidedp.optim import AdamW
 
 @dataclass
 class DeviceLayer:
-    master: torch.Tensor  # fp32
+    master: torch.Tensor  # fp32; what the slots copy, cast to the compute dtype
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    weights: torch.Tensor  # compute dtype: what the slots copy (the master itself in fp32)
     grad: torch.Tensor  # this step's gradient, in the host gradient's dtype
 
 
 class DeviceState:
-    def __init__(self, host: HostState, layer_ids, *, device: torch.device, compute_dtype: torch.dtype,
-                 piece_numel: int = 1 << 24):
+    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24):
         self.host, self.device, self.piece_numel = host, device, piece_numel
         self.layers: dict[int, DeviceLayer] = {}
         for layer_id in layer_ids:
             arrays = host.layers[layer_id]
             n = arrays.layout.numel
             master = torch.empty(n, dtype=torch.float32, device=device)
-            self.layers[layer_id] = DeviceLayer(
-                master, torch.empty_like(master), torch.empty_like(master),
-                master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device),
-                torch.empty(n, dtype=arrays.grad.dtype, device=device))
+            self.layers[layer_id] = DeviceLayer(master, torch.empty_like(master), torch.empty_like(master),
+                                                torch.empty(n, dtype=arrays.grad.dtype, device=device))
         self.load_from_host()
 
     def __contains__(self, layer_id: int) -> bool:
         return layer_id in self.layers
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in self.layers.values()
-                   for t in {id(x): x for x in (d.master, d.exp_avg, d.exp_avg_sq, d.weights, d.grad)}.values())
-
     def load_from_host(self) -> None:
-        """The host's master weights, moments and delivery copy onto the device (synchronous)."""
+        """The host's master weights and moments onto the device (synchronous)."""
         for layer_id, d in self.layers.items():
             arrays = self.host.layers[layer_id]
             for dst, src in ((d.master, arrays.master), (d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)):
                 dst.copy_(src)
-            if d.weights is not d.master:
-                d.weights.copy_(arrays.source)
         self._synchronize()
 
     def store_to_host(self) -> None:
-        """The device's master weights, moments and weights into the host state (synchronous)."""
+        """The device's master weights and moments into the host state, and its delivery copy (synchronous)."""
         self._synchronize()
         for layer_id, d in self.layers.items():
             arrays = self.host.layers[layer_id]
             for dst, src in ((arrays.master, d.master), (arrays.exp_avg, d.exp_avg), (arrays.exp_avg_sq, d.exp_avg_sq)):
                 dst.copy_(src)
             if arrays.delivery is not None:
-                arrays.delivery.copy_(d.weights)
+                arrays.delivery.copy_(arrays.master)  # round to nearest even, as the CPU optimizer writes it
 
     def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float) -> None:
         """AdamW of one layer on the current stream; `segments` are its (start, end, decay) runs."""
@@ -91,8 +81,6 @@ class DeviceState:
                     [d.master[lo:hi]], [grad], [d.exp_avg[lo:hi]], [d.exp_avg_sq[lo:hi]], [], steps,
                     lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1],
                     weight_decay=opt.weight_decay if decay else 0.0, eps=opt.eps, amsgrad=False, maximize=False)
-                if d.weights is not d.master:
-                    d.weights[lo:hi].copy_(d.master[lo:hi])  # round to nearest even, as the CPU writes it
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

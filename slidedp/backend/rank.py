@@ -188,8 +188,7 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         compile_blocks=compile_blocks,
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
-    device_state = (DeviceState(host, plan.device_state, device=device, compute_dtype=compute_dtype)
-                    if plan.device_state else None)
+    device_state = DeviceState(host, plan.device_state, device=device) if plan.device_state else None
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
                 flags=flags, num_threads=update_threads(device, world_size), device_state=device_state)
 

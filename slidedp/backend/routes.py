@@ -84,7 +84,7 @@ class Routes:
     def load(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
         if self.device_state is not None and layer_id in self.device_state:
-            self.streams.copy("h2d", dst, self.device_state.layers[layer_id].weights)  # within the device
+            self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
             return
         self.wait_updated(layer_id)
         sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"

@@ -47,9 +47,9 @@ def grad_staging_bytes(numel: int, elem_bytes: int, chunks: int, world_size: int
 
 def device_state_bytes(numel: int, elem_bytes: int) -> int:
     """A layer whose optimizer state lives on the device: fp32 master and both moments (12 B per
-    parameter), the weights in the compute dtype (none in fp32: the master is the weights) and the
-    gradient in the compute dtype, as the host would hold it."""
-    return numel * (12 + (elem_bytes if elem_bytes != 4 else 0) + elem_bytes)
+    parameter) and the gradient in the compute dtype, as the host would hold it (the weights are
+    cast from the master as they are copied into a slot)."""
+    return numel * (12 + elem_bytes)
 
 
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,

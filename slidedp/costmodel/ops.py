@@ -164,9 +164,10 @@ def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: 
     return numel * lanes / (hw.cpu_adamw_params_per_s * fraction)
 
 
-# AdamW on the device reads the fp32 master and moments and the gradient and writes the three and the
-# compute-dtype weights: 4 * 3 * 2 + 2 * 2 bytes per parameter in bf16.
-DEVICE_ADAMW_BYTES_PER_PARAM = 28
+# AdamW on the device reads the fp32 master and moments and the gradient and writes the three:
+# 4 * 3 * 2 + 2 bytes per parameter in bf16 (the fp32 copy of the gradient it multiplies by the clip
+# coefficient adds 8 more).
+DEVICE_ADAMW_BYTES_PER_PARAM = 34
 
 
 def device_update_time_s(numel: float, hw: Hardware) -> float:
