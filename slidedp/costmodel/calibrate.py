@@ -411,6 +411,27 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     return seconds, overlapped
 
 
+def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeats: int) -> float:
+    """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/device_state.py:
+    the bf16 gradient to fp32, times the clip coefficient, then torch._fused_adamw_ on the fp32
+    master and moments), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per parameter over the time."""
+    from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM
+
+    master = torch.zeros(numel, dtype=torch.float32, device=device)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=device)
+    steps = [torch.tensor(1.0, device=device)]
+
+    def update() -> None:
+        g = grad.float()
+        g.mul_(0.5)
+        torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], steps, lr=1e-5, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+    seconds = _time_s(update, device.type == "cuda", repeats=repeats)
+    return numel * DEVICE_ADAMW_BYTES_PER_PARAM / seconds
+
+
 def measure_gpu_p2p_bytes_per_s(nbytes: int, *, repeats: int) -> float | None:
     """GPU 0 -> GPU 1 copy bandwidth [bytes/s]; 0.0 without peer access, None with fewer than 2 GPUs."""
     if torch.cuda.device_count() < 2:
@@ -534,6 +555,13 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
         say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
     del buffers, state
 
+    device_adamw = 0.0  # the CPU device keeps the optimizer state on the host (scheduler: never on the "device")
+    if cuda:
+        device_adamw = measure_device_adamw_bytes_per_s(dev, sizes.adamw_numel, repeats=reps)
+        say(f"device AdamW    {sizes.adamw_numel / 1e6:g} M params (bf16 grad, fp32 state): "
+            f"{device_adamw / 1e9:.4g} GB/s of device memory, gpu_memory_bytes_per_s")
+        torch.cuda.empty_cache()
+
     p2p = None
     if cuda:
         torch.cuda.empty_cache()
@@ -557,5 +585,5 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, host_dram_bytes_per_s=host_dram,
         cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
-        compiled_block_efficiency=compiled_efficiency,
+        compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
     )

@@ -155,6 +155,7 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
     assert 1e7 <= hw.matmul_flops_per_s <= 1e14 and 1e6 <= hw.matmul_flops_per_s * hw.block_efficiency <= 1e14
     assert hw.gpu_memory_bytes > 2**28 and hw.gpu_p2p_bytes_per_s == 0.0
     assert hw.cpu_adamw_contended_fraction == 1.0 and hw.gpus_per_root_complex == 1
+    assert hw.gpu_memory_bytes_per_s == 0.0  # the CPU device: optimizer state never planned "on the device"
     sizes = [b for b, _ in hw.transfer_efficiency]
     assert sizes == sorted(set(sizes)) and sizes[0] == 64 * 2**10
     assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)
@@ -169,6 +170,13 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
                   "AdamW + copies", "GPU-to-GPU", "root complex", "memory"):
         assert words in text
     assert all(math.isfinite(v) for v in (hw.matmul_flops_per_s, hw.block_efficiency, hw.h2d_bytes_per_s))
+
+
+def test_device_adamw_bandwidth_runs_the_device_state_update():
+    """The measurement behind gpu_memory_bytes_per_s (CUDA calibrations), here on the CPU: the same
+    kernel sequence as backend/device_state.py, its bytes over its time."""
+    rate = cal.measure_device_adamw_bytes_per_s(torch.device("cpu"), 1 << 20, repeats=2)
+    assert 1e7 <= rate <= 1e13
 
 
 def test_profile_round_trips_and_plans(quick_cpu, tmp_path):
@@ -213,6 +221,7 @@ def test_quick_cuda_calibration(tmp_path):
     assert hw.duplex_bytes_per_s >= 0.5 * min(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s)
     assert 0 < hw.cpu_adamw_contended_fraction <= 1
     assert hw.gpu_p2p_bytes_per_s >= 0
+    assert 1e11 <= hw.gpu_memory_bytes_per_s <= 2e13
     assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)
     path = tmp_path / "hardware.json"
     hw.save(path)
