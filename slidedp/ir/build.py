@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from slidedp.errors import UnsupportedModelError
@@ -108,13 +109,39 @@ def _masks_as_at_runtime():
         masking_utils.find_packed_sequence_indices = original
 
 
+_aten = torch.ops.aten
+_SDPA_BACKWARD = {getattr(_aten, name) for name in (
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+) if hasattr(_aten, name)}
+
+
+class AttentionWorkspace(TorchDispatchMode):
+    """The transient memory of the largest SDPA backward seen: the gradients of query, key and value
+    (their dtype) and an fp32 accumulator of the query's gradient, as the GPU's flash backward
+    allocates (bytes = q (elem + 4) + (k + v) elem). What a block's saved tensors do not show, and
+    what grows to gigabytes at long sequences (4 GiB of accumulator at 262,144 tokens, Qwen3-4B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _SDPA_BACKWARD:
+            q, k, v = args[1], args[2], args[3]
+            self.bytes = max(self.bytes, q.numel() * (q.element_size() + 4) + (k.numel() + v.numel()) * k.element_size())
+        return out
+
+
 def _no_decay(module: nn.Module, param_name: str) -> bool:
     cls = type(module).__name__
     return param_name.endswith("bias") or any(s in cls for s in _NO_DECAY_CLASSES)
 
 
 def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple[LayerCosts, str]:
-    """FLOPs and saved-activation bytes of one block on fake tensors; also its output kind."""
+    """FLOPs and saved-activation bytes of one block on fake tensors; also its output kind.
+    Its workspace: the largest saved tensor, two boundary activations and the attention backward's."""
     params = _fake_state(block, dtype, requires_grad=True)
     hidden = call.hidden.detach().requires_grad_(True)
     args, kwargs = call.with_hidden(hidden)
@@ -132,7 +159,8 @@ def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple
             out = torch.func.functional_call(block, params, args, kwargs)
     out_hidden, kind = unwrap_block_output(out)
     grads_of = [hidden] + [p for p in params.values() if p.requires_grad]
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter, \
+            AttentionWorkspace() as attention:
         torch.autograd.grad(out_hidden, grads_of, torch.ones_like(out_hidden), allow_unused=True)
     boundary = out_hidden.numel() * out_hidden.element_size()
     costs = LayerCosts(
@@ -140,7 +168,7 @@ def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple
         flops_bwd=float(bwd_counter.get_total_flops()),
         boundary_activation_bytes=boundary,
         saved_activation_bytes=int(sum(saved.values())),
-        peak_workspace_bytes=int(max(saved.values(), default=0)) + 2 * boundary,
+        peak_workspace_bytes=int(max(saved.values(), default=0)) + 2 * boundary + attention.bytes,
     )
     return costs, kind
 

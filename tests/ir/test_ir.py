@@ -189,3 +189,16 @@ def test_block_memory_is_linear_in_sequence_length(family):
     short, long = (build_layer_graph(model, batch_size=1, seq_len=s).blocks[0].costs for s in (32, 64))
     assert long.saved_activation_bytes == 2 * short.saved_activation_bytes
     assert long.peak_workspace_bytes == 2 * short.peak_workspace_bytes
+
+
+def test_attention_backward_workspace_is_counted():
+    """A block's workspace holds the SDPA backward's gradients of q, k, v and the fp32 accumulator
+    of q's that the GPU flash kernel allocates (grouped-query attention: fewer key/value heads)."""
+    from slidedp.ir.build import AttentionWorkspace
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    with AttentionWorkspace() as workspace:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.sum().backward()
+    assert workspace.bytes == q.numel() * (4 + 4) + (k.numel() + v.numel()) * 4
