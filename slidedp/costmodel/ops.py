@@ -164,16 +164,15 @@ def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: 
     return numel * lanes / (hw.cpu_adamw_params_per_s * fraction)
 
 
-# AdamW on the device reads the fp32 master and moments and the gradient and writes the three:
-# 4 * 3 * 2 + 2 bytes per parameter in bf16 (the fp32 copy of the gradient it multiplies by the clip
-# coefficient adds 8 more).
+# AdamW on the device reads and writes the fp32 master and moments (24 B per parameter), reads the
+# bf16 gradient (2 B) and writes and reads its fp32 copy times the clip coefficient (8 B).
 DEVICE_ADAMW_BYTES_PER_PARAM = 34
 
 
 def device_update_time_s(numel: float, hw: Hardware) -> float:
     """AdamW of `numel` parameters whose state lives on the device [s]:
-    t = numel * 28 B / gpu_memory_bytes_per_s (host_dram_bytes_per_s where the figure is unknown,
-    as for the CPU "device")."""
+    t = numel * DEVICE_ADAMW_BYTES_PER_PARAM / gpu_memory_bytes_per_s (host_dram_bytes_per_s where
+    the figure is unknown, as for the CPU "device")."""
     rate = hw.gpu_memory_bytes_per_s or hw.host_dram_bytes_per_s
     return numel * DEVICE_ADAMW_BYTES_PER_PARAM / rate
 
