@@ -125,9 +125,9 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
             raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
                              f"but {actual!r} here")
     blocks = {layer.id for layer in graph.blocks}
-    if not set(plan.device_state) <= blocks or (plan.device_state and world_size > 1):
+    if not set(plan.device_state) <= blocks:
         raise ValueError(f"the plan's device_state {list(plan.device_state)} must name blocks of this model "
-                         "(layer ids 1..N), and only for one rank")
+                         "(layer ids 1..N)")
 
 
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
@@ -217,9 +217,6 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             runner = build_rank(model=model, host=host, device=dev, rank=launched_rank or 0, world_size=world_size,
                                 comm=comm, flags=flags, **job)
         else:
-            if the_plan.device_state:
-                raise ValueError("a plan that keeps optimizer state on the device runs in the engine's own "
-                                 "process: unset SLIDEDP_WORKER_PROCESSES")
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
             runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)

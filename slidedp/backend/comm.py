@@ -40,6 +40,11 @@ class RankComm:
         """Rank `dst`'s `tensor` <- the sum over ranks (a gradient chunk that rank owns)."""
         dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, group=self.reduce_group)
 
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """Every rank's `tensor` <- the sum over ranks (the gradient of a layer whose optimizer state
+        every rank keeps on its device)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.reduce_group)
+
     def all_reduce_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a small CPU tensor over the ranks, in place."""
         dist.all_reduce(tensor, group=self.host_group)

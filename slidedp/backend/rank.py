@@ -11,8 +11,9 @@ of a multi-rank engine (backend/workers.py). A step:
   3. if finite, this rank's CPU threads start AdamW on the chunks it owns, layer by layer in update
      order, in the background (update_stream.py); the next step's loads wait for each layer's
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
-     (device_state.py, one rank) are updated there instead, on the compute stream, before any
-     later copy (the copy streams wait for it by an event).
+     (device_state.py; every rank keeps the same copy and applies the same update) are updated
+     there instead, on the compute stream, before any later copy (the copy streams wait for it by
+     an event); rank 0 writes them back to the shared host state when it is read.
 """
 
 from __future__ import annotations
@@ -151,9 +152,10 @@ class Rank:
             self.routes.wait_updated(layer_id)
 
     def sync_host(self) -> None:
-        """Flush, then bring the host state up to date: the state kept on the device copied down."""
+        """Flush, then bring the host state up to date: the state kept on the device copied down
+        (by rank 0: every rank holds the same)."""
         self.flush()
-        if self.device_state is not None:
+        if self.device_state is not None and self.rank == 0:
             self.device_state.store_to_host()
 
     def reload(self, step: int) -> None:
@@ -168,7 +170,7 @@ class Rank:
     def close(self) -> None:
         try:
             self.updates.flush()
-            if self.device_state is not None:  # the model's parameters (host views) get the trained weights
+            if self.device_state is not None and self.rank == 0:  # the model's parameters (host views)
                 self.device_state.store_to_host()
         finally:
             self.updates.close()

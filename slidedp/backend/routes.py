@@ -17,8 +17,10 @@ rank, so the device streams never wait for another rank. The norm of the whole g
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
 there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
 
-Layers whose optimizer state lives on the device (`device_state`, one rank) take neither route: the
-weights are copied into the slot from the device's own copy, the gradient into the device's buffer.
+Layers whose optimizer state lives on the device (`device_state`: every rank keeps the same copy)
+take neither route: the weights are copied into the slot from the device's own master, the gradient
+is summed over the ranks on the devices (all-reduce) into the device's buffer, and rank 0 alone
+counts it in the norm.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Routes:
     # -- the step boundary ----------------------------------------------------------------------
     def wait_updated(self, layer_id: int) -> None:
         """Until every rank has finished the last started update of the layer."""
+        if self.device_state is not None and layer_id in self.device_state:
+            return  # updated on the device, in stream order
         t0 = time.perf_counter()
         if self.flags is None:
             self.wait_local_update(layer_id)
@@ -130,9 +134,15 @@ class Routes:
             self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
 
     def _device_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
-        """The gradient of a layer whose state lives on the device: into its buffer there (cast on
-        the D2H stream like the host's copy), added to it in a later pass."""
+        """The gradient of a layer whose state lives on the device: summed over the ranks there, into
+        its buffer (cast on the D2H stream like the host's copy), added to it in a later pass."""
         target = self.device_state.layers[layer_id].grad
+        if self.world_size > 1:
+            with self.streams.on("d2h"):
+                self.comm.all_reduce_(acc)
+                local_sumsq = torch.dot(acc, acc)
+                if acc.is_cuda:
+                    acc.record_stream(self.streams.d2h)
         if local_sumsq is not None:
             self._device_sumsq[layer_id] = local_sumsq
         if self._first:
@@ -219,11 +229,16 @@ class Routes:
             self.comm.barrier()
         device, host = [], 0.0
         for layer_id in self.chunks:
-            if n_passes == 1 and layer_id in self._device_sumsq:
+            if self.device_state is not None and layer_id in self.device_state:
+                if self.rank > 0:  # every rank holds the same summed gradient: counted once
+                    continue
+                if n_passes == 1 and layer_id in self._device_sumsq:
+                    device.append(self._device_sumsq[layer_id].float())
+                else:
+                    grad = self.device_state.layers[layer_id].grad
+                    device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+            elif n_passes == 1 and layer_id in self._device_sumsq:
                 device.append(self._device_sumsq[layer_id].float())
-            elif self.device_state is not None and layer_id in self.device_state:
-                grad = self.device_state.layers[layer_id].grad
-                device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
             else:
                 grad = self.host.layers[layer_id].grad
                 host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))

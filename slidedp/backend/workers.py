@@ -155,8 +155,9 @@ class WorkerPool:
             self.call("flush", [{}] * self.world_size)
 
     def sync_host(self) -> None:
-        """Flush: every rank's state is in the shared host state (none is kept on a device)."""
-        self.flush()
+        """Flush, and rank 0 copies the optimizer state kept on the devices into the shared host state."""
+        if not self._closed:
+            self.call("sync_host", [{}] * self.world_size)
 
     def reload(self, step: int) -> None:
         self.call("reload", [dict(step=step)] * self.world_size)
@@ -239,6 +240,8 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
                 reply = runner.step(**kwargs)
             elif command == "flush":
                 reply = runner.flush()
+            elif command == "sync_host":
+                reply = runner.sync_host()
             elif command == "reload":
                 reply = runner.reload(kwargs["step"])
             else:

@@ -207,6 +207,12 @@ def all_gather_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
             + moved / h2d_bytes_per_s(hw, world_size, duplex=True))
 
 
+def all_reduce_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+    """All-reduce of a gradient of `nbytes` per rank (every rank gets the sum) [s]: a reduce-scatter
+    then an all-gather, t = reduce_scatter_time_s + all_gather_time_s."""
+    return reduce_scatter_time_s(nbytes, world_size, hw) + all_gather_time_s(nbytes, world_size, hw)
+
+
 def reduce_scatter_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
     """Reduce-scatter of a gradient of `nbytes` per rank (each rank keeps nbytes / W summed) [s].
 

@@ -143,9 +143,10 @@ class ProblemCosts:
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
                 )
-                if on_device:
-                    option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=0, update_piece=0,
-                                     staging_bytes=0)
+                if on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
+                    all_reduce = ops.all_reduce_time_s(numel * 4, W, hw) / grad_pieces
+                    option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=t(all_reduce),
+                                     update_piece=0, all_gather=0, reduce_scatter=0, staging_bytes=0)
                 opts.append(option)
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}

@@ -31,8 +31,9 @@ class Problem:
     loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
     compiled_blocks: bool = False  # block compute at the hardware's compiled rate (costmodel.ops)
     host_offload_bytes: int | None = None  # host memory that offloaded activations may take (None: no limit)
-    # Blocks whose fp32 master weights and AdamW moments live on the device (loaded once, updated
-    # there, never copied over PCIe); the solver picks a prefix of the blocks (solve.py).
+    # Blocks whose fp32 master weights and AdamW moments live on the device, the same on every rank
+    # (loaded once, updated there, never copied over PCIe; their gradient is all-reduced between the
+    # devices); the solver picks a prefix of the blocks (solve.py).
     device_state: frozenset = frozenset()
 
     def __post_init__(self):
@@ -42,8 +43,6 @@ class Problem:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not set(self.device_state) <= {layer.id for layer in self.graph.blocks}:
             raise ValueError(f"device_state must be block layer ids, got {sorted(self.device_state)}")
-        if self.device_state and self.world_size > 1:
-            raise ValueError("optimizer state on the device is planned for one rank only")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
 
@@ -109,7 +108,8 @@ class SolverOptions:
     large_deterministic_time: float = 0.2
     local_search_evaluations: int = 200
     # How many leading blocks keep their optimizer state on the device: None lets the planner choose
-    # (one rank, device bandwidth known; solve.py), an int fixes it.
+    # (device bandwidth known, and peer-to-peer between the GPUs for several ranks; solve.py), an
+    # int fixes it.
     device_state_blocks: int | None = None
     seed: int = 0
     workers: int = 1

@@ -14,8 +14,9 @@ What the executor must honour (the predicted timing and memory assume it):
   update_order            layer ids in the order the CPU updates them after the step boundary; the
                           next step's load of a layer waits for its update
   device_state            block layer ids whose fp32 master weights and AdamW moments live on the
-                          device: loaded once, updated there after the step's norm, their weights
-                          copied into the slots within the device (the CPU skips them)
+                          device (the same on every rank): loaded once, updated there after the
+                          step's norm, their weights copied into the slots within the device, their
+                          gradient all-reduced between the devices (the CPU skips them)
   loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
   workload.micro_batches  micro-batches per rank sharing one pass over the weights
 """

@@ -190,11 +190,12 @@ def _device_state_search(problem: Problem, options: SolverOptions,
     Their master weights and moments take device memory for good (costmodel.memory.device_state_bytes)
     that the other decisions (window, kept activations) no longer have; in exchange their weights
     never cross PCIe and their update leaves the CPU, which is what bounds a step once the host's
-    DRAM is busy. k = options.device_state_blocks when given; else 0 unless the problem has one rank
-    and the device's bandwidth is known, in which case k is searched over 0..k_max (the most whose
-    state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then the
-    midpoints around the best, until neighbours are tried (ties: the smaller k). Returns the costs
-    and solution of the best k, and every k tried with its predicted step [s].
+    DRAM is busy. Every rank keeps the same copy (their gradient is all-reduced between the devices).
+    k = options.device_state_blocks when given; else 0 unless the device's bandwidth is known (and,
+    with several ranks, the GPUs reach each other directly), in which case k is searched over
+    0..k_max (the most whose state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2,
+    3/4, 1), then the midpoints around the best, until neighbours are tried (ties: the smaller k).
+    Returns the costs and solution of the best k, and every k tried with its predicted step [s].
     """
     blocks = problem.graph.blocks
 
@@ -210,7 +211,8 @@ def _device_state_search(problem: Problem, options: SolverOptions,
         return costs, sol, {fixed: sol.makespan * costs.scale.tick_s}
     costs, sol = attempt(0)  # the least memory: raises InfeasibleBudgetError if nothing fits
     results = {0: (costs, sol)}
-    if problem.world_size > 1 or problem.hardware.gpu_memory_bytes_per_s <= 0:
+    hw = problem.hardware
+    if hw.gpu_memory_bytes_per_s <= 0 or (problem.world_size > 1 and hw.gpu_p2p_bytes_per_s <= 0):
         return costs, sol, {0: sol.makespan * costs.scale.tick_s}
     spare = budget_bytes - sol.min_budget_bytes
     k_max = 0
