@@ -29,6 +29,7 @@ import traceback
 from multiprocessing import resource_sharer
 from multiprocessing.connection import wait as wait_any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -141,8 +142,10 @@ class WorkerPool:
 
     # -- the runner API the engine uses (the same as a local `Rank`) ------------------------------
     def step(self, input_ids, labels, attention_mask, global_tokens, **kw) -> RankStep:
-        batch = dict(input_ids=input_ids, labels=labels, attention_mask=attention_mask, global_tokens=global_tokens,
-                     **kw)
+        # numpy arrays pickle inline; a tensor would be shared through a file descriptor served by this
+        # process's resource-sharer thread, which prints a traceback when a rank dies before taking it
+        batch = dict(input_ids=_inline(input_ids), labels=_inline(labels), attention_mask=_inline(attention_mask),
+                     global_tokens=global_tokens, **kw)
         replies = self.call("step", [batch] * self.world_size)  # each rank takes its share of the rows
         first = replies[0]
         if kw.get("optimizer") is not None and not first.skipped:
@@ -237,7 +240,8 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
             if command == "close":
                 break
             if command == "step":
-                reply = runner.step(**kwargs)
+                reply = runner.step(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                                       for k, v in kwargs.items()})
             elif command == "flush":
                 reply = runner.flush()
             elif command == "sync_host":
@@ -260,3 +264,8 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
         host.close()
     finally:
         os._exit(0)
+
+
+def _inline(tensor):
+    """A CPU tensor as a numpy array (None stays None), to be pickled with its data."""
+    return None if tensor is None else tensor.numpy()
