@@ -154,7 +154,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
 
-    `compile_blocks`: run recomputed blocks through `torch.compile` (backend/executor.py), and plan
+    `compile_blocks`: run every block through `torch.compile` (backend/executor.py), and plan
     with the hardware's compiled block rate; None (default): as a given plan says, else on CUDA
     devices but not on the CPU, where compiling costs more than it saves.
 

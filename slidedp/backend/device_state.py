@@ -74,14 +74,21 @@ class DeviceState:
         for start, end, decay in segments:
             for lo in range(start, end, self.piece_numel):
                 hi = min(lo + self.piece_numel, end)
-                grad = d.grad[lo:hi].float()
-                if clip != 1.0:
-                    grad.mul_(clip)
-                torch._fused_adamw_(
-                    [d.master[lo:hi]], [grad], [d.exp_avg[lo:hi]], [d.exp_avg_sq[lo:hi]], [], steps,
-                    lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1],
-                    weight_decay=opt.weight_decay if decay else 0.0, eps=opt.eps, amsgrad=False, maximize=False)
+                adamw_piece_(d.master[lo:hi], d.exp_avg[lo:hi], d.exp_avg_sq[lo:hi], d.grad[lo:hi], steps, opt,
+                             decay=decay, clip=clip)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def adamw_piece_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                 steps: list[torch.Tensor], opt: AdamW, *, decay: bool = True, clip: float = 1.0) -> None:
+    """AdamW of one piece in place: its gradient to fp32 times `clip`, then the fused kernel
+    (`steps`: [the 1-based step as a float tensor on the device]). What `slidedp calibrate` times."""
+    g = grad.float()
+    if clip != 1.0:
+        g.mul_(clip)
+    torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], steps, lr=opt.lr, beta1=opt.betas[0],
+                        beta2=opt.betas[1], weight_decay=opt.weight_decay if decay else 0.0, eps=opt.eps,
+                        amsgrad=False, maximize=False)

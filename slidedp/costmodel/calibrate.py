@@ -412,23 +412,19 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
 
 
 def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeats: int) -> float:
-    """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/device_state.py:
-    the bf16 gradient to fp32, times the clip coefficient, then torch._fused_adamw_ on the fp32
-    master and moments), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per parameter over the time."""
+    """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/device_state.py's
+    `adamw_piece_` on a bf16 gradient with clipping), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per
+    parameter over the time."""
+    from slidedp.backend.device_state import adamw_piece_
     from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM
+    from slidedp.optim import AdamW
 
     master = torch.zeros(numel, dtype=torch.float32, device=device)
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=device)
-    steps = [torch.tensor(1.0, device=device)]
-
-    def update() -> None:
-        g = grad.float()
-        g.mul_(0.5)
-        torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], steps, lr=1e-5, beta1=0.9, beta2=0.999,
-                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
-
-    seconds = _time_s(update, device.type == "cuda", repeats=repeats)
+    steps, opt = [torch.tensor(1.0, device=device)], AdamW()
+    seconds = _time_s(lambda: adamw_piece_(master, exp_avg, exp_avg_sq, grad, steps, opt, clip=0.5),
+                      device.type == "cuda", repeats=repeats)
     return numel * DEVICE_ADAMW_BYTES_PER_PARAM / seconds
 
 

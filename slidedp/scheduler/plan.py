@@ -76,7 +76,7 @@ class Workload:
     world_size: int
     precision: str
     micro_batches: int  # micro-batches per rank that share one pass over the weights
-    compiled_blocks: bool = False  # recomputed blocks run through torch.compile (backend/executor.py)
+    compiled_blocks: bool = False  # blocks run through torch.compile (backend/executor.py)
 
 
 @dataclass(frozen=True)
