@@ -389,8 +389,8 @@ class Point:
             predicted_step_s=float(engine.plan.predicted_step_time_s),
             predicted_peak_device_bytes=int(engine.plan.peak_device_bytes),
             plan_summary=engine.plan.summary(), plan_reused=plan,
-            device_state_blocks=len(engine.plan.device_state),
-            optimizer="slidedp CPU AdamW (numba), fp32 master, bf16 weights out; blocks of plan.device_state: "
+            device_state_layers=list(engine.plan.device_state),
+            optimizer="slidedp CPU AdamW (numba), fp32 master, bf16 weights out; layers of plan.device_state: "
                       "fused AdamW on the GPU",
         )
         plan_path = Path(a.plans_dir) / f"qwen3_{a.shape}_{a.tokens}.json"

@@ -124,10 +124,9 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
         if planned != actual:
             raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
                              f"but {actual!r} here")
-    blocks = {layer.id for layer in graph.blocks}
-    if not set(plan.device_state) <= blocks:
-        raise ValueError(f"the plan's device_state {list(plan.device_state)} must name blocks of this model "
-                         "(layer ids 1..N)")
+    if not set(plan.device_state) <= {layer.id for layer in graph.layers}:
+        raise ValueError(f"the plan's device_state {list(plan.device_state)} must name layers of this model "
+                         f"(layer ids 0..{len(graph.layers) - 1})")
 
 
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,

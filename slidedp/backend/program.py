@@ -109,8 +109,8 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
     max_block = max(layer.numel for layer in blocks)
     persistent = (sum(mem.resident_layer_bytes(graph.prologue.numel + epi.numel, c))
                   + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
-                  + max(mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
-                        for layer in graph.layers if layer.id not in device_state)  # cast in place there
+                  + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
+                         for layer in graph.layers if layer.id not in device_state), default=0)  # cast in place there
                   + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state))
     tokens = graph.batch_size * graph.seq_len
     epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,

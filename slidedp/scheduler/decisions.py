@@ -31,9 +31,10 @@ class Problem:
     loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
     compiled_blocks: bool = False  # block compute at the hardware's compiled rate (costmodel.ops)
     host_offload_bytes: int | None = None  # host memory that offloaded activations may take (None: no limit)
-    # Blocks whose fp32 master weights and AdamW moments live on the device, the same on every rank
-    # (loaded once, updated there, never copied over PCIe; their gradient is all-reduced between the
-    # devices); the solver picks a prefix of the blocks (solve.py).
+    # Layers whose fp32 master weights and AdamW moments live on the device,
+    # the same on every rank (loaded once, updated there, never copied over PCIe; their gradient is
+    # all-reduced between the devices); the solver picks a prefix of the blocks (then the epilogue),
+    # with or without the prologue (solve.py).
     device_state: frozenset = frozenset()
 
     def __post_init__(self):
@@ -41,8 +42,8 @@ class Problem:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not set(self.device_state) <= {layer.id for layer in self.graph.blocks}:
-            raise ValueError(f"device_state must be block layer ids, got {sorted(self.device_state)}")
+        if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
+            raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
 
@@ -109,8 +110,10 @@ class SolverOptions:
     local_search_evaluations: int = 200
     # How many leading blocks keep their optimizer state on the device: None lets the planner choose
     # (device bandwidth known, and peer-to-peer between the GPUs for several ranks; solve.py), an
-    # int fixes it.
+    # int fixes it (blocks + 1: the epilogue too). device_state_prologue: the prologue's too (None: the planner chooses; with a
+    # fixed device_state_blocks, None means no).
     device_state_blocks: int | None = None
+    device_state_prologue: bool | None = None
     seed: int = 0
     workers: int = 1
     hints: bool = True
@@ -130,5 +133,7 @@ class SolverOptions:
         if self.device_state_blocks is not None and (isinstance(self.device_state_blocks, bool) or not isinstance(
                 self.device_state_blocks, int) or self.device_state_blocks < 0):
             raise ValueError(f"device_state_blocks must be an int >= 0 or None, got {self.device_state_blocks!r}")
+        if self.device_state_prologue not in (None, True, False):
+            raise ValueError(f"device_state_prologue must be a bool or None, got {self.device_state_prologue!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:
             raise ValueError(f"update_orders must be among {(FORWARD_ORDER, HEAD_FIRST)}")

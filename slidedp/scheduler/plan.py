@@ -13,7 +13,7 @@ What the executor must honour (the predicted timing and memory assume it):
   decisions[i].delivery / reduction, owners: routes, and the rank updating each chunk
   update_order            layer ids in the order the CPU updates them after the step boundary; the
                           next step's load of a layer waits for its update
-  device_state            block layer ids whose fp32 master weights and AdamW moments live on the
+  device_state            layer ids whose fp32 master weights and AdamW moments live on the
                           device (the same on every rank): loaded once, updated there after the
                           step's norm, their weights copied into the slots within the device, their
                           gradient all-reduced between the devices (the CPU skips them)
@@ -133,7 +133,7 @@ class Plan:
     loss_chunk_tokens: int = 0  # tokens per chunk of the epilogue's loss; 0 : the whole micro-batch
     groups: tuple[GroupPrediction, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
-    device_state: tuple[int, ...] = ()  # block layer ids whose optimizer state lives on the device
+    device_state: tuple[int, ...] = ()  # layer ids whose optimizer state lives on the device
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -257,10 +257,13 @@ class Plan:
 
 
 def _blocks_label(decisions, layer_ids) -> str:
-    """"model.layers.0 .. 16 (17 blocks)" for the decisions of `layer_ids` (in order)."""
-    names = [d.name for d in decisions if d.layer_id in set(layer_ids)]
-    first, last = names[0], names[-1].rsplit(".", 1)[-1]
-    return (first if len(names) == 1 else f"{first} .. {last}") + f" ({len(names)} blocks)"
+    """"prologue, epilogue, model.layers.0 .. 16 (17 blocks)" for the decisions of `layer_ids`."""
+    names = [d.name for d in decisions if d.layer_id in set(layer_ids) and d.kind == "block"]
+    parts = [d.name for d in decisions if d.layer_id in set(layer_ids) and d.kind != "block"]
+    if names:
+        first, last = names[0], names[-1].rsplit(".", 1)[-1]
+        parts.append((first if len(names) == 1 else f"{first} .. {last}") + f" ({len(names)} blocks)")
+    return ", ".join(parts)
 
 
 def _ms(seconds: float) -> str:

@@ -135,7 +135,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                compiled_blocks: bool = False, host_offload_bytes: int | None = None) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
     offloaded activations take at most `host_offload_bytes` of host memory (None: no limit).
-    How many blocks keep their optimizer state on the device: `_device_state_search`."""
+    Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes)
@@ -163,85 +163,115 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "seed": costs.options.seed,
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
-        "device_state_blocks_tried": {str(k): step_s for k, step_s in sorted(tried.items())},
+        "device_state_tried": {_device_state_label(c): step_s for c, step_s in sorted(tried.items())},
         "wall_s": wall,
     }
     plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver=solver, explain=explain)
     if explain and len(tried) > 1:
-        plan = replace(plan, alternatives=plan.alternatives + (_device_state_alternative(tried, len(plan.device_state)),))
+        chosen = (graph.prologue.id in plan.device_state, len(set(plan.device_state) - {graph.prologue.id}))
+        plan = replace(plan, alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
     return plan
 
 
-def _device_state_alternative(tried: dict[int, float], chosen: int) -> Alternative:
-    """The number of blocks whose state lives on the device against the best other number tried."""
-    other = min((k for k in tried if k != chosen), key=lambda k: (tried[k], k))
-    why = ("each block kept there takes its state's device memory for good, and takes its copies "
-           "and its update off PCIe and the CPU")
-    return Alternative("optimizer state on the device", f"{chosen} blocks", f"{other} blocks", tried[chosen],
-                       tried[other], 0, f"{chosen} blocks: {tried[chosen] * 1e3:.1f} ms; {other} blocks: "
-                       f"{tried[other] * 1e3:.1f} ms. {why}")
+def _device_state_label(choice: tuple[bool, int]) -> str:
+    """"12 blocks" or "prologue + 12 blocks" for a (prologue, k) choice of the device-state search
+    (k past the last block counts the epilogue)."""
+    prologue, k = choice
+    return ("prologue + " if prologue else "") + f"{k} layers"
 
 
-def _device_state_search(problem: Problem, options: SolverOptions,
-                         budget_bytes: int) -> tuple[ProblemCosts, Solution, dict[int, float]]:
-    """Solve with the optimizer state of the first k blocks on the device, for the best k.
+def _device_state_alternative(tried: dict[tuple[bool, int], float], chosen: tuple[bool, int]) -> Alternative:
+    """The layers whose state lives on the device against the best other choice tried."""
+    other = min((c for c in tried if c != chosen), key=lambda c: (tried[c], c[1], c[0]))
+    why = ("each layer kept there takes its state's device memory for good, and takes its copies "
+           "and its update off PCIe and the CPU; the prologue is the first layer the next step needs")
+    a, b = _device_state_label(chosen), _device_state_label(other)
+    return Alternative("optimizer state on the device", a, b, tried[chosen], tried[other], 0,
+                       f"{a}: {tried[chosen] * 1e3:.1f} ms; {b}: {tried[other] * 1e3:.1f} ms. {why}")
+
+
+def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes: int
+                         ) -> tuple[ProblemCosts, Solution, dict[tuple[bool, int], float]]:
+    """Solve with the optimizer state of the first k blocks (and maybe the prologue) on the device,
+    for the best choice; k = blocks + 1 puts the epilogue's there too.
 
     Their master weights and moments take device memory for good (costmodel.memory.device_state_bytes)
     that the other decisions (window, kept activations) no longer have; in exchange their weights
     never cross PCIe and their update leaves the CPU, which is what bounds a step once the host's
-    DRAM is busy. Every rank keeps the same copy (their gradient is all-reduced between the devices).
-    k = options.device_state_blocks when given; else 0 unless the device's bandwidth is known (and,
-    with several ranks, the GPUs reach each other directly), in which case k is searched over
-    0..k_max (the most whose state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2,
-    3/4, 1), then the midpoints around the best, until neighbours are tried (ties: the smaller k).
-    Returns the costs and solution of the best k, and every k tried with its predicted step [s].
+    DRAM is busy. The prologue is worth its (often large) embedding table when the step is otherwise
+    compute-bound: its CPU update comes first in the next step and nothing on the GPU can start before
+    it. Every rank keeps the same copy (their gradient is all-reduced between the devices).
+    options.device_state_blocks fixes k (and _prologue, default no, the prologue), _prologue alone
+    fixes the family searched; with neither, nothing goes to the device unless its bandwidth is known
+    (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and (if it fits) with it, k is searched over 0..k_max (the
+    most whose state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then
+    the midpoints around the best, until neighbours are tried (ties: the smaller k, no prologue).
+    Returns the costs and solution of the best choice, and every (prologue, k) tried with its
+    predicted step [s].
     """
-    blocks = problem.graph.blocks
+    g = problem.graph
+    prologue = g.prologue
+    blocks = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, once every block is there
+    results: dict[tuple[bool, int], tuple[ProblemCosts, Solution]] = {}
 
-    def attempt(k: int) -> tuple[ProblemCosts, Solution]:
-        costs = ProblemCosts(replace(problem, device_state=frozenset(b.id for b in blocks[:k])), options)
-        return costs, solve(costs, budget_bytes)
+    def run(choice: tuple[bool, int]) -> None:
+        if choice not in results:
+            with_prologue, k = choice
+            ids = frozenset(b.id for b in blocks[:k]) | ({prologue.id} if with_prologue else set())
+            costs = ProblemCosts(replace(problem, device_state=ids), options)
+            results[choice] = costs, solve(costs, budget_bytes)
 
-    fixed = options.device_state_blocks
-    if fixed is not None:
-        if fixed > len(blocks):
-            raise ValueError(f"device_state_blocks={fixed}, but the model has {len(blocks)} blocks")
-        costs, sol = attempt(fixed)
-        return costs, sol, {fixed: sol.makespan * costs.scale.tick_s}
-    costs, sol = attempt(0)  # the least memory: raises InfeasibleBudgetError if nothing fits
-    results = {0: (costs, sol)}
-    hw = problem.hardware
-    if hw.gpu_memory_bytes_per_s <= 0 or (problem.world_size > 1 and hw.gpu_p2p_bytes_per_s <= 0):
-        return costs, sol, {0: sol.makespan * costs.scale.tick_s}
-    spare = budget_bytes - sol.min_budget_bytes
-    k_max = 0
-    while k_max < len(blocks) and mem.device_state_bytes(
-            sum(b.numel for b in blocks[: k_max + 1]), costs.elem) <= spare:
-        k_max += 1
-
-    def step_s(k: int) -> float:
-        c, s = results[k]
+    def step_s(choice: tuple[bool, int]) -> float:
+        c, s = results[choice]
         return s.makespan * c.scale.tick_s
 
-    def run(k: int) -> None:
-        if k not in results:
-            results[k] = attempt(k)
+    def done(best: tuple[bool, int]):
+        costs, sol = results[best]
+        return costs, sol, {c: step_s(c) for c in results}
 
-    for k in sorted({round(k_max * f) for f in (0.25, 0.5, 0.75, 1.0)}):
-        run(k)
-    while True:
-        tried = sorted(results)
-        best = min(tried, key=lambda k: (step_s(k), k))
-        i = tried.index(best)
-        around = [(tried[j] + best) // 2 for j in (i - 1, i + 1) if 0 <= j < len(tried)]
-        todo = [k for k in around if k not in results]
-        if not todo:
-            break
-        for k in todo:
-            run(k)
-    costs, sol = results[best]
-    return costs, sol, {k: step_s(k) for k in results}
+    fixed_k, fixed_prologue = options.device_state_blocks, options.device_state_prologue
+    if fixed_k is not None:
+        if fixed_k > len(blocks):
+            raise ValueError(f"device_state_blocks={fixed_k}, but the model has {len(g.blocks)} blocks "
+                             f"(and {len(blocks) - len(g.blocks)} epilogue with parameters)")
+        run((bool(fixed_prologue), fixed_k))
+        return done((bool(fixed_prologue), fixed_k))
+    run((False, 0))  # the least memory: raises InfeasibleBudgetError if nothing fits
+    hw = problem.hardware
+    if fixed_prologue is None and (hw.gpu_memory_bytes_per_s <= 0 or (
+            problem.world_size > 1 and hw.gpu_p2p_bytes_per_s <= 0)):
+        return done((False, 0))
+    costs, sol = results[(False, 0)]
+    spare = budget_bytes - sol.min_budget_bytes
+    families = [False, True] if fixed_prologue is None else [fixed_prologue]
+    for with_prologue in families:
+        numel = prologue.numel if with_prologue else 0
+        if with_prologue and (numel == 0 or mem.device_state_bytes(numel, costs.elem) > spare):
+            continue
+        k_max = 0
+        while k_max < len(blocks) and mem.device_state_bytes(
+                numel + sum(b.numel for b in blocks[: k_max + 1]), costs.elem) <= spare:
+            k_max += 1
+        if with_prologue:  # start where the blocks' best was, less the blocks the prologue's state displaces
+            best = min((c for c in results if not c[0]), key=lambda c: (step_s(c), c[1]))[1]
+            shift = round(numel / (sum(b.numel for b in g.blocks) / len(g.blocks)))
+            starts = {k_max, max(0, min(k_max, best - shift))}
+        else:
+            starts = {round(k_max * f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)}
+        for k in sorted(starts):
+            run((with_prologue, k))
+        while True:
+            tried = sorted(k for p, k in results if p == with_prologue)
+            best = min(tried, key=lambda k: (step_s((with_prologue, k)), k))
+            i = tried.index(best)
+            todo = [k for k in ((tried[j] + best) // 2 for j in (i - 1, i + 1) if 0 <= j < len(tried))
+                    if (with_prologue, k) not in results]
+            if not todo:
+                break
+            for k in todo:
+                run((with_prologue, k))
+    return done(min(results, key=lambda c: (step_s(c), c[1], c[0])))
 
 
 def _best(items):

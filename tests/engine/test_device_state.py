@@ -17,10 +17,11 @@ from tests.models import make_model
 GiB = 2**30
 
 
-def device_state_plan(model, blocks: int, *, micro_batches: int = 2, budget=GiB):
+def device_state_plan(model, blocks: int, *, micro_batches: int = 2, budget=GiB, prologue: bool = False):
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
     return solve_plan(graph, budget_bytes=budget, hardware=PRESETS["cpu"], precision="fp32",
-                      micro_batches=micro_batches, options=SolverOptions(device_state_blocks=blocks))
+                      micro_batches=micro_batches,
+                      options=SolverOptions(device_state_blocks=blocks, device_state_prologue=prologue))
 
 
 def compiled(model, plan, **kw):
@@ -28,12 +29,18 @@ def compiled(model, plan, **kw):
                            optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, plan=plan, **kw)
 
 
-@pytest.mark.parametrize("family, tied, blocks", [("llama", False, 2), ("gpt2", True, 3), ("qwen3", False, 1)])
-def test_device_state_is_exact(family, tied, blocks):
+@pytest.mark.parametrize("family, tied, blocks, prologue", [
+    ("llama", False, 2, False), ("gpt2", True, 3, False), ("qwen3", False, 1, False),
+    ("llama", False, 2, True),  # the embedding's state on the device, the head's on the host
+    ("gpt2", True, 1, True),  # a tied head: the head reads the prologue's weight, copied within the device
+    ("qwen3", False, 4, True),  # every layer: 3 blocks and the epilogue, nothing left for the CPU
+    ("gpt2", True, 4, False),  # the epilogue (final norm) without the prologue
+])
+def test_device_state_is_exact(family, tied, blocks, prologue):
     model = make_model(family, tied=tied)
     ref = copy.deepcopy(model).eval()
-    plan = device_state_plan(model, blocks)
-    assert plan.device_state == tuple(range(1, blocks + 1))
+    plan = device_state_plan(model, blocks, prologue=prologue)
+    assert plan.device_state == tuple(range(0 if prologue else 1, blocks + 1))
     assert plan.memory["device_state_bytes"] > 0 and "optimizer state on the device" in plan.summary()
     assert slidedp.Plan.from_dict(plan.to_dict()) == plan
     with compiled(model, plan) as engine:
@@ -77,10 +84,10 @@ def test_close_leaves_the_trained_weights_in_the_model():
 
 
 def test_planner_keeps_state_on_the_device_where_it_pays():
-    """On an H200 profile with a spare budget the planner puts the state of leading blocks on the
-    device and predicts a shorter step than with none, for several ranks too where the GPUs reach
+    """On an H200 profile with a spare budget the planner puts the state of leading blocks (and of
+    the prologue where that is faster) on the device and predicts a shorter step than with none, for several ranks too where the GPUs reach
     each other; on the CPU profile (no device bandwidth figure) and for several GPUs without
-    peer-to-peer it never does; a fixed count beyond the blocks is refused."""
+    peer-to-peer it never does; a fixed count beyond the blocks and the epilogue is refused."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
@@ -91,10 +98,15 @@ def test_planner_keeps_state_on_the_device_where_it_pays():
     kw = dict(budget_bytes=20 * GiB, hardware=PRESETS["h200-sxm"], compiled_blocks=True)
     chosen = solve_plan(graph, **kw)
     none = solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=0))
-    assert chosen.device_state and chosen.device_state == tuple(range(1, len(chosen.device_state) + 1))
-    assert chosen.predicted_step_time_s < none.predicted_step_time_s and none.device_state == ()
-    tried = chosen.solver["device_state_blocks_tried"]
-    assert min(tried, key=lambda k: (tried[k], int(k))) == str(len(chosen.device_state))
+    blocks_only = solve_plan(graph, **kw, options=SolverOptions(device_state_prologue=False))
+    assert chosen.device_state and none.device_state == () and 0 not in blocks_only.device_state
+    assert chosen.predicted_step_time_s <= blocks_only.predicted_step_time_s < none.predicted_step_time_s
+    # a prefix of (prologue), blocks in order, (the epilogue once every block is there)
+    k = len(set(chosen.device_state) - {0})
+    assert chosen.device_state[-k:] == tuple(range(1, k + 1))
+    tried = chosen.solver["device_state_tried"]
+    label = ("prologue + " if 0 in chosen.device_state else "") + f"{k} layers"
+    assert tried[label] == min(tried.values()) == pytest.approx(chosen.predicted_step_time_s)
     assert chosen.peak_device_bytes <= 20 * GiB
     assert solve_plan(graph, **{**kw, "hardware": PRESETS["cpu"]}).device_state == ()
     two = solve_plan(graph, **kw, world_size=2)
@@ -102,4 +114,4 @@ def test_planner_keeps_state_on_the_device_where_it_pays():
         graph, **kw, world_size=2, options=SolverOptions(device_state_blocks=0)).predicted_step_time_s
     assert solve_plan(graph, **{**kw, "hardware": PRESETS["rtx4090"]}, world_size=2).device_state == ()
     with pytest.raises(ValueError, match="blocks"):
-        solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=9))
+        solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=10))

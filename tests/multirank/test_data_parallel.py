@@ -143,11 +143,11 @@ def test_a_killed_rank_stops_every_process():
     _assert_all_gone(engine, shm_before)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, tmp_path):
-    """The first two blocks keep their optimizer state on every rank's device (gradient all-reduced,
-    the same update everywhere, rank 0 writes it back): exact against torch.optim.AdamW, and a
-    checkpoint of it restores the same weights."""
+@pytest.mark.parametrize("world_size, prologue", [(2, False), (3, True)])
+def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, prologue, tmp_path):
+    """The first two blocks (and the prologue, with the tied head's weight) keep their optimizer
+    state on every rank's device (gradient all-reduced, the same update everywhere, rank 0 writes it
+    back): exact against torch.optim.AdamW, and a checkpoint of it restores the same weights."""
     from slidedp.scheduler.decisions import SolverOptions
     from slidedp.scheduler.solve import solve_plan
 
@@ -155,8 +155,8 @@ def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, tmp_path
     ref = copy.deepcopy(model).eval()
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
     plan = solve_plan(graph, budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"], world_size=world_size,
-                      precision="fp32", options=SolverOptions(device_state_blocks=2))
-    assert plan.device_state == (1, 2)
+                      precision="fp32", options=SolverOptions(device_state_blocks=2, device_state_prologue=prologue))
+    assert plan.device_state == ((0,) if prologue else ()) + (1, 2)
     with compile_ranks(model, world_size, plan) as engine:
         state = train_against_reference(engine, ref, world_size=world_size, steps=4)
         engine.save_checkpoint(tmp_path / "ckpt")

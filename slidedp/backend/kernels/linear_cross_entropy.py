@@ -13,34 +13,39 @@ the executor's token-weighted loss and gradients). A head with a bias is not sup
 (`bias=` raises ValueError). Labels outside [0, V) other than -100 are not checked (that
 would need a host sync): they give a wrong loss instead of an error.
 
-Triton path. Forward: `_lce_fwd_kernel`, grid (token blocks, vocab splits); each program
-makes [BLOCK_T, BLOCK_V] logit tiles with `tl.dot` over H (fp32 accumulation), keeps a
-streaming max and sum of exponentials and picks up the target logit, and writes
-(max, sumexp, target) per split, [n_split, T]; torch merges the splits,
-lse = M + log(sum_s sumexp_s * exp(max_s - M)). No logits are written at all; the vocabulary
-is split so that a few token blocks still fill the GPU. Backward, per chunk of C tokens:
-`_lce_bwd_kernel` recomputes the logits tile by tile from the saved lse and writes
-dlogits [C, V] in the compute dtype; grad_hidden and grad_weight are two torch matmuls
-(cuBLAS) on that chunk, grad_weight summed in fp32.
-Why this split of work: the two backward products are plain dense GEMMs, where cuBLAS is
-fast and exact enough, and writing them in Triton would add two tuned kernels for nothing;
-the kernels keep only what torch cannot do without holding the logits (the streaming
-logsumexp, softmax minus one-hot). The price is one [C, V] round trip through memory per
-chunk and the logits computed twice.
+Triton path of `linear_cross_entropy` (loss and both gradients in one call, what the executor
+runs), per chunk of C tokens: fp32 logits [C, V] by one cuBLAS GEMM (bf16 operands, fp32
+accumulation and output: `addmm(out_dtype=float32)`; where torch lacks it, bf16 logits taken to
+fp32, as a bf16 head's autograd would give); `_lce_rows_kernel`, one program per token, reads its
+row twice: a streaming max and sum of exponentials (logsumexp) and the target logit, then
+dlogits = coef * (softmax - one-hot) in the compute dtype; grad_hidden = dlogits @ weight and
+grad_weight += dlogits.T @ hidden (fp32) by cuBLAS. Three dense GEMMs at cuBLAS's rate and two
+passes over the chunk's logits; the chunk is the executor's `loss_chunk_tokens`.
+
+Triton path of the autograd Function `LinearCrossEntropy` (forward and backward called apart, so
+nothing of the [C, V] chunk may outlive the forward). Forward: `_lce_fwd_kernel`, grid (token
+blocks, vocab splits); each program makes [BLOCK_T, BLOCK_V] logit tiles with `tl.dot` over H
+(fp32 accumulation), keeps a streaming max and sum of exponentials and picks up the target logit,
+and writes (max, sumexp, target) per split, [n_split, T]; torch merges the splits,
+lse = M + log(sum_s sumexp_s * exp(max_s - M)). No logits are written at all; the vocabulary is
+split so that a few token blocks still fill the GPU. Backward, per chunk of C tokens:
+`_lce_bwd_kernel` recomputes the logits tile by tile from the saved lse and writes dlogits [C, V]
+in the compute dtype; grad_hidden and grad_weight are two torch matmuls (cuBLAS) on that chunk,
+grad_weight summed in fp32.
 
 Reference path (any device, any dtype): the same chunks in torch, logits in fp32 per chunk
 ([C, V] at a time, never [T, V]); it matches `F.cross_entropy(hidden.float() @
 weight.float().T, labels, ignore_index=-100, reduction="sum")` and its autograd gradients.
 
-Cost for T tokens (e = bytes per element of the compute dtype):
-  FLOPs: forward 2*T*V*H; backward 2*T*V*H (recompute) + 2*T*V*H (grad_hidden)
-         + 2*T*V*H (grad_weight); 8*T*V*H in all, plus about 5*T*V exp/add/mul per pass.
-  Bytes: forward reads hidden and weight, (T + V)*H*e at best (weight again for every
-         token block that L2 does not share: up to cdiv(T, BLOCK_T)*V*H*e) and writes
-         12*T*n_split; backward per chunk writes and reads dlogits 3*C*V*e on top of the
-         GEMMs' own traffic, and reads and writes grad_weight in fp32, 8*V*H, per chunk.
-  Memory: one dlogits chunk C*V*e plus grad_weight V*H*4; C defaults to 2**26 // V tokens
-          (128 MiB of bf16 dlogits), rounded down to a multiple of BLOCK_T.
+Cost for T tokens (e = bytes per element of the compute dtype), `linear_cross_entropy`:
+  FLOPs: 2*T*V*H (logits) + 2*T*V*H (grad_hidden) + 2*T*V*H (grad_weight) = 6*T*V*H, plus about
+         5*T*V exp/add/mul.
+  Bytes: per chunk, the logits written in fp32 and read twice (12*C*V), dlogits written and read
+         by two GEMMs (3*C*V*e), grad_weight read and written in fp32 (8*V*H), on top of the
+         GEMMs' reads of hidden and weight.
+  Memory: the logits and dlogits of one chunk, C*V*(4 + e), plus grad_weight V*H*4; C is
+          `chunk_tokens`, by default 2**26 // V tokens rounded down to a multiple of BLOCK_T.
+  The autograd Function's path computes the logits twice (8*T*V*H) and holds only dlogits.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from slidedp.backend.kernels._triton import cdiv, kernel, tl, use_triton
 IGNORE_INDEX = -100
 BLOCK_T, BLOCK_V, BLOCK_H = 64, 128, 64  # tl.dot needs every tile side >= 16
 NUM_WARPS = 8
+ROW_BLOCK_V = 4096  # vocabulary entries per step of _lce_rows_kernel
 CHUNK_ELEMENTS = 2**26  # default tokens per backward chunk: CHUNK_ELEMENTS // V
 _TARGET_PROGRAMS = 512  # forward programs wanted: enough to fill a large GPU twice
 
@@ -81,11 +87,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     _check(hidden, weight, labels, bias)
     grad_weight = _weight_buffer(weight, grad_weight_acc)
     with torch.no_grad():
-        lse, tgt = _forward(hidden, weight, labels, chunk_tokens)
         valid = labels != IGNORE_INDEX
-        loss = torch.where(valid, lse - tgt, 0.0).sum() * scale
         coef = valid.float() * scale
-        grad_hidden = _backward(hidden, weight, labels, lse, coef, chunk_tokens, grad_weight)
+        if hidden.shape[0] and use_triton(hidden, weight, labels):
+            lse, tgt, grad_hidden = _fused_triton(hidden, weight, labels, coef,
+                                                  _chunk_tokens(hidden.shape[0], weight.shape[0], chunk_tokens),
+                                                  grad_weight)
+        else:
+            lse, tgt = _forward(hidden, weight, labels, chunk_tokens)
+            grad_hidden = _backward(hidden, weight, labels, lse, coef, chunk_tokens, grad_weight)
+        loss = torch.where(valid, lse - tgt, 0.0).sum() * scale
     return LinearCrossEntropyResult(loss, grad_hidden, grad_weight)
 
 
@@ -271,8 +282,63 @@ def _lce_bwd_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, coef_ptr, dl_ptr, n_token
     tl.store(dl, d.to(dl_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+@kernel
+def _lce_rows_kernel(logits_ptr, labels_ptr, coef_ptr, lse_ptr, tgt_ptr, dl_ptr, V, stride_l, stride_dl,
+                     BLOCK_V: tl.constexpr):
+    """One token's row of fp32 logits: its logsumexp and target logit, and dlogits in dl's dtype."""
+    row = tl.program_id(0)
+    label = tl.load(labels_ptr + row)
+    coef = tl.load(coef_ptr + row)
+    src = logits_ptr + row.to(tl.int64) * stride_l
+    m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per lane: running max, sum of exp
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(src + cols, mask=cols < V, other=float("-inf"))
+        m_new = tl.maximum(m, x)
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane that has only seen padding keeps s = 0
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = m_new
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(tgt_ptr + row, tl.load(src + tl.maximum(label, 0)))
+    dst = dl_ptr + row.to(tl.int64) * stride_dl
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(src + cols, mask=cols < V, other=0.0)
+        d = (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)) * coef
+        tl.store(dst + cols, d.to(dl_ptr.dtype.element_ty), mask=cols < V)
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers
+
+
+def _fused_triton(hidden, weight, labels, coef, chunk, grad_weight):
+    """Loss and both gradients per chunk of C tokens: fp32 logits by cuBLAS, then
+    `_lce_rows_kernel` (logsumexp, target, dlogits), then grad_hidden and grad_weight by cuBLAS.
+    Returns (lse, target logit, grad_hidden)."""
+    hidden, weight, labels = _dense(hidden), _dense(weight), labels.contiguous()
+    coef = coef.contiguous()
+    (T, H), V = hidden.shape, weight.shape[0]
+    C = min(chunk, T)
+    logits = torch.empty(C, V, dtype=torch.float32, device=hidden.device)
+    dlogits = torch.empty(C, V, dtype=hidden.dtype, device=hidden.device)
+    lse = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    tgt = torch.empty_like(lse)
+    grad_hidden = torch.empty_like(hidden)
+    block_v = min(ROW_BLOCK_V, triton_next_pow2(V))
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        lg, d = logits[: t1 - t0], dlogits[: t1 - t0]
+        _matmul_fp32_(lg, hidden[t0:t1], weight.T, accumulate=False)
+        _lce_rows_kernel[(t1 - t0,)](lg, labels[t0:], coef[t0:], lse[t0:], tgt[t0:], d, V, lg.stride(0),
+                                     d.stride(0), BLOCK_V=block_v, num_warps=NUM_WARPS)
+        torch.mm(d, weight, out=grad_hidden[t0:t1])
+        if grad_weight is not None:
+            _matmul_fp32_(grad_weight, d.T, hidden[t0:t1], accumulate=True)
+    return lse, tgt, grad_hidden
 
 
 def _forward_triton(hidden, weight, labels):
@@ -309,7 +375,7 @@ def _backward_triton(hidden, weight, labels, lse, coef, chunk, grad_hidden, grad
             BLOCK_T=BLOCK_T, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, DOT_PRECISION=precision, num_warps=NUM_WARPS)
         torch.mm(d, weight, out=grad_hidden[t0:t1])
         if grad_weight is not None:
-            _addmm_fp32_(grad_weight, d.T, hidden[t0:t1])
+            _matmul_fp32_(grad_weight, d.T, hidden[t0:t1], accumulate=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,22 +384,32 @@ def _backward_triton(hidden, weight, labels, lse, coef, chunk, grad_hidden, grad
 _FP32_OUT_MATMUL: dict[str, bool] = {}  # device type -> whether torch.addmm(out_dtype=float32) runs
 
 
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc fp32: products of bf16 operands summed straight into fp32 when torch can
+def _matmul_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
+    """out (+)= a @ b, out fp32: products of bf16 operands summed straight into fp32 when torch can
     (`addmm(..., out_dtype=torch.float32)`, torch >= 2.8 on CUDA); else a @ b is rounded to a's
-    dtype once per chunk before the fp32 sum, as a bf16 head's autograd would do per chunk."""
+    dtype first (as a bf16 head's autograd would), then added or copied."""
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
         return
-    kind = acc.device.type
+    kind = out.device.type
     if _FP32_OUT_MATMUL.get(kind, True):
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=torch.float32, out=out)
             _FP32_OUT_MATMUL[kind] = True
             return
         except (RuntimeError, TypeError):  # no such kernel for this device (a RuntimeError), or an older torch
             _FP32_OUT_MATMUL[kind] = False
-    acc.add_(a @ b)
+    if accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _dot_precision(hidden: torch.Tensor) -> str:
