@@ -718,9 +718,10 @@ def render_table(records: list[dict]) -> str:
     """Markdown table of the records: one row per (tokens, system), ratios against each baseline at the
     same tokens per step."""
     order = {s: i for i, s in enumerate(SYSTEMS)}
-    rows = sorted(records, key=lambda r: (r["tokens_per_step"], order.get(r["system"], 99), r["system"]))
+    rows = sorted(records, key=lambda r: (r["tokens_per_step"], order.get(r["system"], 99), r["system"],
+                                          r.get("budget_bytes") or 0))
     by_point = {(r["tokens_per_step"], r["system"]): r for r in records}
-    head = ["tokens/step", "system", "tokens/s"] + [f"vs {NAMES[b]}" for b in BASELINES] + [
+    head = ["tokens/step", "system", "budget GiB", "tokens/s"] + [f"vs {NAMES[b]}" for b in BASELINES] + [
         "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s measured / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -735,7 +736,8 @@ def render_table(records: list[dict]) -> str:
             speed = _num(tps, ",.0f")
         losses = r.get("losses") or []
         step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
-        cells = [f"{r['tokens_per_step']:,}", NAMES.get(r["system"], r["system"]), speed, *ratios,
+        budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
+        cells = [f"{r['tokens_per_step']:,}", NAMES.get(r["system"], r["system"]), budget, speed, *ratios,
                  _gib(r.get("peak_device_bytes")),
                  f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
                  _gib(r.get("host_used_bytes")),

@@ -71,9 +71,11 @@ def main() -> None:
         m = plan.workload.micro_batches
         d = decisions_of(plan)
         compiled = bool(r.get("compile_blocks", plan.workload.compiled_blocks))
-        step = simulate(ProblemCosts(Problem(graph, hw, 1, m, plan.loss_chunk_tokens, compiled)), d).step_s
-        pass_only = simulate(ProblemCosts(Problem(graph, no_update, 1, m, plan.loss_chunk_tokens, compiled)),
-                             d).step_s
+        on_device = frozenset(plan.device_state)
+        step = simulate(ProblemCosts(Problem(graph, hw, 1, m, plan.loss_chunk_tokens, compiled,
+                                             device_state=on_device)), d).step_s
+        pass_only = simulate(ProblemCosts(Problem(graph, no_update, 1, m, plan.loss_chunk_tokens, compiled,
+                                                  device_state=on_device)), d).step_s
         info = r.get("step_info") or []
         timed = info[1:]  # info[0] is the warm-up step
         overlapped = [s["pass_s"] for s in timed if s.get("wait_s", 0) > 0.05]

@@ -102,7 +102,10 @@ PRESETS: dict[str, Hardware] = {
     # Measured on the H200 host (DESIGN.md §5; benchmarks/README.md, "Predicted against measured"):
     # a Qwen3-4B block's forward / backward kernels run at 0.494 of the matmul rate (2.5 / 5.1 ms
     # per 4096 tokens), but the host needs at least 2.3 / 6.0 ms to issue them (Python, autograd);
-    # the fused head + loss reaches 0.405; the CPU update overlapping the next forward (weights
+    # the fused head + loss reached 0.405 (30 ms per 4,096 tokens in the step, 27.4 ms of it the
+    # kernels of that time); the fused path since (three cuBLAS GEMMs and a row kernel) takes 15.3 ms
+    # alone (benchmarks/head_kernel.py, 1.78x faster in the same run), so 15.3 + 2.8 ms in the step:
+    # 0.67; the CPU update overlapping the next forward (weights
     # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9.
     # Device memory: about 60% of the H200's 4.8 TB/s for an optimizer kernel (an estimate).
     # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.657.
@@ -113,7 +116,7 @@ PRESETS: dict[str, Hardware] = {
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
         host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.9,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
-        host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.405,
+        host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.67,
         compiled_block_efficiency=0.657, gpu_memory_bytes_per_s=3.0e12,
     ),
     "h100-sxm": Hardware(

@@ -1,5 +1,6 @@
 """On a GPU (skipped without one): three bf16 steps match GPU-resident PyTorch within bf16 tolerance,
-with compiled blocks, every activation policy and optimizer state on the device for a block; and
+with compiled blocks, every activation policy and optimizer state on the device for the prologue and
+a block; and
 close() gives back the device memory."""
 
 import copy
@@ -30,7 +31,8 @@ def test_three_steps_match_gpu_resident_and_close_frees_the_device():
     ref = copy.deepcopy(model).cuda().eval()
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.bfloat16)
     plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["h200-sxm"], micro_batches=2,
-                      compiled_blocks=True, options=SolverOptions(device_state_blocks=1))
+                      compiled_blocks=True, options=SolverOptions(device_state_blocks=1, device_state_prologue=True))
+    assert plan.device_state == (0, 1)
     policies = iter(["recompute", "keep", "offload"])
     plan = dataclasses.replace(plan, decisions=tuple(
         dataclasses.replace(d, activation=next(policies)) if d.kind == "block" else d for d in plan.decisions))

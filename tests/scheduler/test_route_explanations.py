@@ -31,7 +31,11 @@ def test_no_peer_to_peer_means_replicated_delivery_and_cpu_reduction(meta_model)
 
 @pytest.mark.parametrize("preset", ["h100-sxm", "h200-sxm"])
 def test_peer_to_peer_routes_are_compared_with_their_predicted_step(meta_model, preset):
-    plan = slidedp.plan(meta_model, "8GiB", batch_size=1, seq_len=2048, world_size=4, hardware=preset)
+    # a budget that leaves blocks streamed (with more, every layer's optimizer state is on the GPUs)
+    plan = slidedp.plan(meta_model, "2GiB", batch_size=1, seq_len=2048, world_size=4, hardware=preset)
+    streamed = {(d.delivery, d.reduction) for d in plan.decisions
+                if d.kind == "block" and d.layer_id not in plan.device_state}
+    assert streamed
     text = plan.summary()
     for what in ("delivery", "reduction"):
         line = next(l for l in text.splitlines() if l.strip().startswith(f"{what} of the blocks:"))
@@ -39,6 +43,6 @@ def test_peer_to_peer_routes_are_compared_with_their_predicted_step(meta_model, 
         times = [float(t) for t in re.findall(r": ([\d.]+) ms", line)]
         assert len(times) >= 2 and times[0] <= times[1], line
         chosen = line.split(":", 2)[1].split()[0]
-        assert chosen in {r[0 if what == "delivery" else 1] for r in block_routes(plan)}
+        assert chosen in {r[0 if what == "delivery" else 1] for r in streamed}
     # GPU reduction wins with fast peer-to-peer: the host sums W gradient copies otherwise
-    assert {r for _, r in block_routes(plan)} == {"gpu"}
+    assert {r for _, r in streamed} == {"gpu"}
