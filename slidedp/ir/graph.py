@@ -96,9 +96,16 @@ class LayerGraph:
         return asdict(self)
 
     def fingerprint(self) -> str:
-        """SHA-256 of the IR (structure, shapes, workload): identifies what a plan was made for."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """SHA-256 of the IR's structure (layers, parameters, shapes, dtypes, workload): identifies
+        what a plan was made for. Costs and traced ops are left out: another torch or transformers
+        version may trace the same model to other ops and byte counts, and a plan made there still
+        fits this model (compile checks the lowered program's memory against the budget here)."""
+        data = self.to_dict()
+        for key in ("forward_ops", "trace_method"):
+            data.pop(key)
+        for layer in data["layers"]:
+            layer.pop("costs")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def dag(self) -> nx.DiGraph:
         """Dependencies over integer node ids: forward chain, backward chain, updates, tied edges.

@@ -1,5 +1,6 @@
 """The layer IR of every supported family: structure, parameters, costs, export grouping, errors."""
 
+import dataclasses
 import resource
 import time
 
@@ -77,6 +78,13 @@ def test_fingerprint_stable_and_workload_specific():
     again = build_layer_graph(model, batch_size=B, seq_len=S)
     assert again == g and again.fingerprint() == g.fingerprint()
     assert build_layer_graph(model, batch_size=B, seq_len=S // 2).fingerprint() != g.fingerprint()
+    # another library version may trace other ops and costs: the same model, the same fingerprint
+    other = dataclasses.replace(g, forward_ops=(), trace_method="module", layers=tuple(
+        dataclasses.replace(layer, costs=dataclasses.replace(layer.costs, flops_fwd=layer.costs.flops_fwd * 1.1))
+        for layer in g.layers))
+    assert other.fingerprint() == g.fingerprint()
+    renamed = dataclasses.replace(g, layers=(dataclasses.replace(g.layers[0], name="stem"),) + g.layers[1:])
+    assert renamed.fingerprint() != g.fingerprint()
 
 
 def test_export_finds_ops_of_the_models_own_forward():
