@@ -20,12 +20,12 @@ from slidedp.backend.workers import WorkerPool, job_skeleton
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.engine import Engine, update_order
-from slidedp.errors import UnsupportedModelError
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.optim import AdamW
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.solve import solve_plan
+from slidedp.weights import bind_parameters, check_weights_source, fill_masters, tie_meta_model
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -75,6 +75,7 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
     dev = _resolve_device(device)
     hw = resolve_hardware(hardware, dev.type)
+    tie_meta_model(model)
     graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
                               compute_dtype=_PRECISIONS[precision])
     if plan is not None:
@@ -147,8 +148,13 @@ def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size:
 def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
             device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
-            compile_blocks: bool | None = None) -> Engine:
+            compile_blocks: bool | None = None, weights=None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
+
+    `weights`: where the initial weights come from (slidedp/weights.py): None, the model's own
+    parameters; a safetensors checkpoint folder or a function fn(name, out) filling each fp32
+    master, for a model built with its parameters on the meta device
+    (`accelerate.init_empty_weights()`), read straight into the host state.
 
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
@@ -175,12 +181,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             torch.cuda.set_device(dev)
         comm = RankComm(launched_rank, world_size, dev, init_method=None if dist.is_initialized() else "env://")
         the_plan = _from_rank0(comm, the_plan)  # one plan for all, whatever each process solved
-    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if meta:
-        raise UnsupportedModelError(
-            f"compile needs the model's weights, but {len(meta)} parameters are on the meta device "
-            f"(e.g. {meta[0]}); use slidedp.plan() to plan for a meta-device model"
-        )
+    check_weights_source(model, graph, weights)
     program = lower_plan(graph, the_plan)
     # Happens-before, buffer lifetimes and peak memory within the budget, before anything is allocated
     # (for a solved plan the program needs at most the plan's predicted peak: tests/backend/test_program.py).
@@ -199,7 +200,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         host = _share_host_state(comm, host)
     runner = None
     try:
-        _load_weights(model, graph, host, bf16=bf16, copy=launched_rank in (None, 0))
+        _load_weights(model, graph, host, bf16=bf16, copy=launched_rank in (None, 0), weights=weights)
         if comm is not None:
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
@@ -264,19 +265,26 @@ def _share_host_state(comm: RankComm, host: HostState | None) -> HostState:
 
 
 @torch.no_grad()
-def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True) -> None:
-    """Copy the model's weights into the host state (unless another rank did: `copy=False`), then
-    make the model's parameters views of it (bf16 parameters view the bf16 delivery copy, others the
-    fp32 master), so nothing is held twice."""
+def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True,
+                  weights=None) -> None:
+    """Write the initial weights into the host state (unless another rank did: `copy=False`): the
+    model's own, or those of `weights` (slidedp/weights.py); then make the model's parameters views
+    of it (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held
+    twice."""
+    masters, deliveries = {}, {}
     for layer in graph.layers:
         arrays = host.layers[layer.id]
-        masters = arrays.param_views(arrays.master)
-        deliveries = arrays.param_views(arrays.delivery) if arrays.delivery is not None else None
-        for p_info in layer.params:
-            param = model.get_parameter(p_info.name)
-            if copy:
-                masters[p_info.name].copy_(param.detach().float())
-                if deliveries is not None:
-                    deliveries[p_info.name].copy_(masters[p_info.name])
-            view = deliveries[p_info.name] if (bf16 and param.dtype == torch.bfloat16) else masters[p_info.name]
-            param.data = view
+        masters.update(arrays.param_views(arrays.master))
+        if arrays.delivery is not None:
+            deliveries.update(arrays.param_views(arrays.delivery))
+    if copy:
+        if weights is None:
+            for name, master in masters.items():
+                master.copy_(model.get_parameter(name).detach().float())
+        else:
+            fill_masters(graph, masters, weights)
+        for name, delivery in deliveries.items():
+            delivery.copy_(masters[name])
+    views = {name: deliveries[name] if (bf16 and model.get_parameter(name).dtype == torch.bfloat16) else master
+             for name, master in masters.items()}
+    bind_parameters(model, graph, views)

@@ -1,0 +1,132 @@
+"""Where `compile` takes the initial weights from: the model's own parameters, a folder of
+safetensors files, or a function that fills each one.
+
+A model larger than half the host's RAM cannot be built with its weights before `compile` copies
+them into the host state (16 bytes per parameter): build it with its parameters on the meta device
+(`accelerate.init_empty_weights()`, which leaves buffers such as rotary frequencies real; a Hugging
+Face model's tied head is tied then, as `from_pretrained` would) and pass `weights=`; each parameter
+is then read straight into its fp32 master, one tensor at a time.
+
+  weights=None        the model's parameters (they must not be on the meta device)
+  weights="dir"       a Hugging Face checkpoint folder: model.safetensors or its shards (any
+                      *.safetensors file in it), or one .safetensors file; a parameter is looked
+                      up under its name and, for tied ones, under each alias
+  weights=fn          fn(name, out) writes parameter `name`'s value into `out`, an fp32 tensor of
+                      the parameter's shape (its master weights in the host state)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+import torch
+from torch import nn
+
+from slidedp.errors import UnsupportedModelError
+from slidedp.ir.graph import LayerGraph
+
+log = logging.getLogger("slidedp")
+
+def tie_meta_model(model: nn.Module) -> None:
+    """Tie a Hugging Face model's head to its embeddings (as its config says) when its parameters are
+    on the meta device: `init_empty_weights()` builds it untied, `from_pretrained` would tie it."""
+    if hasattr(model, "tie_weights") and any(p.device.type == "meta" for p in model.parameters()):
+        model.tie_weights()
+
+
+def check_weights_source(model: nn.Module, graph: LayerGraph, weights) -> None:
+    """Refuse, before anything is allocated, what `fill_masters` could not load: meta buffers, meta
+    parameters without `weights`, a folder without safetensors, a parameter it lacks or holds in
+    another shape (read from the files' headers)."""
+    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if meta_buffers:
+        raise UnsupportedModelError(
+            f"{len(meta_buffers)} buffers of the model are on the meta device (e.g. {meta_buffers[0]}), and no "
+            "checkpoint holds them (they are computed when the model is built): build the model under "
+            "accelerate.init_empty_weights(), which puts only the parameters on the meta device")
+    if weights is None:
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise UnsupportedModelError(
+                f"compile needs the model's weights, but {len(meta)} parameters are on the meta device "
+                f"(e.g. {meta[0]}): pass weights= (a safetensors checkpoint folder or a function that fills "
+                "each parameter), or use slidedp.plan() to plan only")
+    elif not callable(weights):
+        _checkpoint_tensors(graph, weights)
+
+
+def safetensors_files(path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+
+
+def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str, str]]]:
+    """{file: [(parameter, key in the file)]} for every stored parameter of `graph`, its shape
+    checked against the file's header."""
+    from safetensors import safe_open
+
+    files = safetensors_files(weights)
+    if not files:
+        raise FileNotFoundError(f"weights={str(weights)!r}: no .safetensors file there")
+    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                shapes.setdefault(key, (f, tuple(reader.get_slice(key).get_shape())))
+    wanted: dict[Path, list[tuple[str, str]]] = {}
+    missing = []
+    for layer in graph.layers:
+        for p in layer.params:
+            key = next((k for k in (p.name, *p.aliases) if k in shapes), None)
+            if key is None:
+                missing.append(p.name)
+                continue
+            f, shape = shapes[key]
+            if shape != tuple(p.shape):
+                raise ValueError(f"weights: {key} in {f.name} has shape {shape}, the model's {p.name} {tuple(p.shape)}")
+            wanted.setdefault(f, []).append((p.name, key))
+    if missing:
+        raise ValueError(f"weights={str(weights)!r} has no tensor for {len(missing)} parameters of the model "
+                         f"(e.g. {', '.join(missing[:3])})")
+    return wanted
+
+
+def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -> None:
+    """Write every stored parameter's initial value into `masters[name]` (fp32 host views) from the
+    checkpoint folder or function `weights` (checked by `check_weights_source`)."""
+    if callable(weights):
+        for layer in graph.layers:
+            for p in layer.params:
+                weights(p.name, masters[p.name])
+        return
+    from safetensors import safe_open
+
+    wanted = _checkpoint_tensors(graph, weights)
+    for i, (f, items) in enumerate(sorted(wanted.items()), 1):
+        log.info("loading weights: %s (%d/%d files, %d tensors)", f.name, i, len(wanted), len(items))
+        with safe_open(str(f), framework="pt", device="cpu") as reader:
+            for name, key in items:
+                masters[name].copy_(reader.get_tensor(key))
+
+
+def bind_parameters(model: nn.Module, graph: LayerGraph, views: dict[str, torch.Tensor]) -> None:
+    """Make each stored parameter (under its name and every alias) a view of the host state. A
+    parameter on the meta device is replaced by a new nn.Parameter (the same object for every
+    alias, so ties hold); others keep their object and take the view as their data."""
+    for layer in graph.layers:
+        for p in layer.params:
+            param = model.get_parameter(p.name)
+            view = views[p.name]
+            if param.device.type != "meta":
+                param.data = view
+                continue
+            new = nn.Parameter(view, requires_grad=param.requires_grad)
+            for name in (p.name, *p.aliases):
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = new
+    left = [n for n, q in model.named_parameters(remove_duplicate=False) if q.device.type == "meta"]
+    if left:
+        raise UnsupportedModelError(f"{len(left)} parameters the model does not train are on the meta device "
+                                    f"(e.g. {left[0]}); weights= loads trained parameters only")
