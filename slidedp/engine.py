@@ -162,6 +162,7 @@ class Engine:
             self.host.close()
             if self.device.type == "cuda" and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
+                _empty_host_cache()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -255,6 +256,14 @@ class Engine:
         for name, p in self.model.named_parameters(remove_duplicate=False):
             weights.setdefault(name, p.detach().float().cpu())
         save_hf(self.model, weights, dir)
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned host blocks that torch's caching host allocator keeps (staging buffers) back."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
 
 
 def update_order(plan: Plan, graph: LayerGraph) -> list[int]:

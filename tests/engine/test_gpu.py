@@ -1,7 +1,7 @@
 """On a GPU (skipped without one): three bf16 steps match GPU-resident PyTorch within bf16 tolerance,
 with compiled blocks, every activation policy and optimizer state on the device for the prologue and
 a block; and
-close() gives back the device memory."""
+close() gives back the device memory and the pinned host memory."""
 
 import copy
 import dataclasses
@@ -27,6 +27,7 @@ LR, CLIP, STEPS = 1e-3, 1.0, 3
 def test_three_steps_match_gpu_resident_and_close_frees_the_device():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    pinned_before = pinned_host_bytes()
     model = make_model("qwen3")
     ref = copy.deepcopy(model).cuda().eval()
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.bfloat16)
@@ -62,3 +63,10 @@ def test_three_steps_match_gpu_resident_and_close_frees_the_device():
     ref_bytes = sum(t.numel() * t.element_size() for t in list(ref.parameters()) + [
         s for group in opt.state.values() for s in group.values() if torch.is_tensor(s) and s.is_cuda])
     assert torch.cuda.memory_allocated() <= before + ref_bytes + (1 << 20)
+    assert pinned_host_bytes() <= pinned_before  # staging buffers given back, not only cached
+
+
+def pinned_host_bytes() -> int:
+    """Bytes of pinned host memory torch's caching host allocator holds (in use or cached)."""
+    stats = torch.cuda.host_memory_stats()
+    return max(stats.get(key, 0) for key in ("reserved_bytes.current", "allocated_bytes.current"))
