@@ -1,7 +1,6 @@
 """On a GPU (skipped without one): three bf16 steps match GPU-resident PyTorch within bf16 tolerance,
 with compiled blocks, every activation policy and optimizer state on the device for the prologue and
-a block; and
-close() gives back the device memory and the pinned host memory."""
+a block; and close() gives back the device memory and the pinned host memory."""
 
 import copy
 import dataclasses
