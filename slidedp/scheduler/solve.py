@@ -175,8 +175,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
 
 
 def _device_state_label(choice: tuple[bool, int]) -> str:
-    """"12 blocks" or "prologue + 12 blocks" for a (prologue, k) choice of the device-state search
-    (k past the last block counts the epilogue)."""
+    """"12 layers" or "prologue + 12 layers" for a (prologue, k) choice of the device-state search:
+    the first k blocks (k past the last block counts the epilogue)."""
     prologue, k = choice
     return ("prologue + " if prologue else "") + f"{k} layers"
 
@@ -204,21 +204,22 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     it. Every rank keeps the same copy (their gradient is all-reduced between the devices).
     options.device_state_blocks fixes k (and _prologue, default no, the prologue), _prologue alone
     fixes the family searched; with neither, nothing goes to the device unless its bandwidth is known
-    (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and (if it fits) with it, k is searched over 0..k_max (the
-    most whose state fits next to the smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then
+    (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and
+    (if it fits) with it, k is searched over 0..k_max (the most whose state fits next to the
+    smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then
     the midpoints around the best, until neighbours are tried (ties: the smaller k, no prologue).
     Returns the costs and solution of the best choice, and every (prologue, k) tried with its
     predicted step [s].
     """
     g = problem.graph
     prologue = g.prologue
-    blocks = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, once every block is there
+    candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, after every block
     results: dict[tuple[bool, int], tuple[ProblemCosts, Solution]] = {}
 
     def run(choice: tuple[bool, int]) -> None:
         if choice not in results:
             with_prologue, k = choice
-            ids = frozenset(b.id for b in blocks[:k]) | ({prologue.id} if with_prologue else set())
+            ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
             costs = ProblemCosts(replace(problem, device_state=ids), options)
             results[choice] = costs, solve(costs, budget_bytes)
 
@@ -232,9 +233,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
 
     fixed_k, fixed_prologue = options.device_state_blocks, options.device_state_prologue
     if fixed_k is not None:
-        if fixed_k > len(blocks):
+        if fixed_k > len(candidates):
             raise ValueError(f"device_state_blocks={fixed_k}, but the model has {len(g.blocks)} blocks "
-                             f"(and {len(blocks) - len(g.blocks)} epilogue with parameters)")
+                             f"(and {len(candidates) - len(g.blocks)} epilogue with parameters)")
         run((bool(fixed_prologue), fixed_k))
         return done((bool(fixed_prologue), fixed_k))
     run((False, 0))  # the least memory: raises InfeasibleBudgetError if nothing fits
@@ -250,8 +251,8 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         if with_prologue and (numel == 0 or mem.device_state_bytes(numel, costs.elem) > spare):
             continue
         k_max = 0
-        while k_max < len(blocks) and mem.device_state_bytes(
-                numel + sum(b.numel for b in blocks[: k_max + 1]), costs.elem) <= spare:
+        while k_max < len(candidates) and mem.device_state_bytes(
+                numel + sum(b.numel for b in candidates[: k_max + 1]), costs.elem) <= spare:
             k_max += 1
         if with_prologue:  # start where the blocks' best was, less the blocks the prologue's state displaces
             best = min((c for c in results if not c[0]), key=lambda c: (step_s(c), c[1]))[1]
