@@ -62,9 +62,9 @@ def safetensors_files(path) -> list[Path]:
     return sorted(path.glob("*.safetensors")) if path.is_dir() else []
 
 
-def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str, str]]]:
-    """{file: [(parameter, key in the file)]} for every stored parameter of `graph`, its shape
-    checked against the file's header."""
+def checkpoint_shapes(weights) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """{tensor key: (file, shape)} of a safetensors folder or file, from the files' headers; a file
+    that cannot be read is a ValueError naming it."""
     from safetensors import safe_open
 
     files = safetensors_files(weights)
@@ -72,9 +72,19 @@ def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str
         raise FileNotFoundError(f"weights={str(weights)!r}: no .safetensors file there")
     shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as reader:
-            for key in reader.keys():
-                shapes.setdefault(key, (f, tuple(reader.get_slice(key).get_shape())))
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as reader:
+                for key in reader.keys():
+                    shapes.setdefault(key, (f, tuple(reader.get_slice(key).get_shape())))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary by version
+            raise ValueError(f"weights: cannot read {f} ({type(exc).__name__}: {exc})") from None
+    return shapes
+
+
+def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str, str]]]:
+    """{file: [(parameter, key in the file)]} for every stored parameter of `graph`, its shape
+    checked against the file's header."""
+    shapes = checkpoint_shapes(weights)
     wanted: dict[Path, list[tuple[str, str]]] = {}
     missing = []
     for layer in graph.layers:

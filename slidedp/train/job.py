@@ -53,19 +53,44 @@ def _log(msg: str) -> None:
 # Model, tokenizer, data
 
 
+def empty_model(folder: Path):
+    """The folder's model in fp32 with its parameters on the meta device (buffers real): compile
+    reads its weights from the folder straight into the host state (`weights_of`), so the host never
+    holds a second copy of them."""
+    import accelerate
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with accelerate.init_empty_weights():
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+
+
+def weights_of(cfg: TrainConfig, model):
+    """compile's `weights=` for the model of `load_model_and_tokenizer`: its folder when the model
+    was built empty, else None (its own weights)."""
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return None
+    if cfg.model == "smollm2":
+        from slidedp.train.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
+    return Path(cfg.model).expanduser()
+
+
 def load_model_and_tokenizer(cfg: TrainConfig):
-    """(model, tokenizer): a Hugging Face folder, the SmolLM2 default, or a preset with random init."""
+    """(model, tokenizer): a Hugging Face folder or the SmolLM2 default (built empty: `empty_model`),
+    or a preset with random init."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slidedp.train.shapes import PRESETS, preset_config
+    from slidedp.weights import checkpoint_shapes
 
     folder = None
     if cfg.model == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
 
         folder = ensure_smollm2()
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+        model = empty_model(folder)
     elif cfg.model in PRESETS:
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(preset_config(cfg.model), dtype=torch.float32)
@@ -79,7 +104,8 @@ def load_model_and_tokenizer(cfg: TrainConfig):
                              "read pickled weights (pytorch_model.bin); convert them with save_pretrained("
                              "..., safe_serialization=True) in a trusted environment")
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+            checkpoint_shapes(folder)  # every file's header readable, before anything is built
+            model = empty_model(folder)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
             raise ValueError(f"config key 'model': cannot load the weights of {folder} "
                              f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
@@ -293,7 +319,7 @@ def run(cfg: TrainConfig) -> dict:
                               weight_decay=cfg.weight_decay, no_decay_groups=cfg.no_decay_groups)
     kwargs = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=cfg.world_size, device=device.type,
                   precision=precision, micro_batches=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm or None,
-                  optimizer=optimizer)
+                  optimizer=optimizer, weights=weights_of(cfg, model))
     try:
         engine = slidedp.compile(model, cfg.budget, plan=plan, **kwargs)
     except ValueError as exc:
