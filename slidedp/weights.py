@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -26,6 +27,7 @@ from slidedp.errors import UnsupportedModelError
 from slidedp.ir.graph import LayerGraph
 
 log = logging.getLogger("slidedp")
+
 
 def tie_meta_model(model: nn.Module) -> None:
     """Tie a Hugging Face model's head to its embeddings (as its config says) when its parameters are

@@ -31,10 +31,10 @@ class Problem:
     loss_chunk_tokens: int = 4096  # tokens per chunk of the epilogue's chunked cross-entropy
     compiled_blocks: bool = False  # block compute at the hardware's compiled rate (costmodel.ops)
     host_offload_bytes: int | None = None  # host memory that offloaded activations may take (None: no limit)
-    # Layers whose fp32 master weights and AdamW moments live on the device,
-    # the same on every rank (loaded once, updated there, never copied over PCIe; their gradient is
-    # all-reduced between the devices); the solver picks a prefix of the blocks (then the epilogue),
-    # with or without the prologue (solve.py).
+    # Layers whose fp32 master weights and AdamW moments live on the device, the same on every rank
+    # (loaded once, updated there, never copied over PCIe; their gradient is all-reduced between the
+    # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
+    # prologue (solve.py).
     device_state: frozenset = frozenset()
 
     def __post_init__(self):
@@ -110,8 +110,8 @@ class SolverOptions:
     local_search_evaluations: int = 200
     # How many leading blocks keep their optimizer state on the device: None lets the planner choose
     # (device bandwidth known, and peer-to-peer between the GPUs for several ranks; solve.py), an
-    # int fixes it (blocks + 1: the epilogue too). device_state_prologue: the prologue's too (None: the planner chooses; with a
-    # fixed device_state_blocks, None means no).
+    # int fixes it (blocks + 1: the epilogue too). device_state_prologue: the prologue's too (None:
+    # the planner chooses; with a fixed device_state_blocks, None means no).
     device_state_blocks: int | None = None
     device_state_prologue: bool | None = None
     seed: int = 0
