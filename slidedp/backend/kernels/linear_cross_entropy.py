@@ -321,7 +321,7 @@ def _fused_triton(hidden, weight, labels, coef, chunk, grad_weight):
     Returns (lse, target logit, grad_hidden)."""
     hidden, weight, labels = _dense(hidden), _dense(weight), labels.contiguous()
     coef = coef.contiguous()
-    (T, H), V = hidden.shape, weight.shape[0]
+    T, V = hidden.shape[0], weight.shape[0]
     C = min(chunk, T)
     logits = torch.empty(C, V, dtype=torch.float32, device=hidden.device)
     dlogits = torch.empty(C, V, dtype=hidden.dtype, device=hidden.device)
