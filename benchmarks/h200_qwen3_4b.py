@@ -101,6 +101,9 @@ SHAPES = {
     # Qwen3-4B: 4,411,424,256 parameters (untied embedding and head)
     "4b": dict(hidden=2560, intermediate=9728, blocks=36, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                seq=4096),
+    # Qwen3-8B: 8,190,735,360 parameters (untied); its host state (16 bytes per parameter) is 122 GiB
+    "8b": dict(hidden=4096, intermediate=12288, blocks=36, heads=32, kv_heads=8, head_dim=128, vocab=151936,
+               seq=4096),
     # CPU smoke test
     "tiny": dict(hidden=64, intermediate=128, blocks=2, heads=4, kv_heads=2, head_dim=16, vocab=512, seq=32),
 }
@@ -124,35 +127,49 @@ def param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
 
 
-def build_model(shape: str, *, dtype, device, init_device, seed: int):
-    """Qwen3ForCausalLM of `shape` with parameters of `dtype` on `device`, initialised on `init_device`
-    from one seeded generator per parameter and rounded to bf16 (see the module docstring)."""
+def empty_model(shape: str, *, dtype, device):
+    """Qwen3ForCausalLM of `shape`, its parameters (of `dtype`) on the meta device, its rotary buffers
+    (fp32 inverse frequencies, computed on the CPU) on `device`."""
     import torch
-    from torch import nn
     from transformers import Qwen3ForCausalLM
 
     cfg = qwen3_config(shape)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    rotary = model.model.rotary_emb
+    fresh = type(rotary)(config=cfg)
+    for bname, buf in fresh.named_buffers(recurse=False):
+        rotary._buffers[bname] = buf.to(device)
+    return model
+
+
+def init_value(name: str, shape, *, init_device, seed: int):
+    """Parameter `name`'s initial value, bf16 on `init_device`: ones for RMSNorm weights (1-D; Qwen3 has
+    no biases), else N(0, INIT_STD) from its own seeded generator, rounded to bf16."""
+    import torch
+
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16, device=init_device)
+    gen = torch.Generator(device=init_device).manual_seed(param_seed(seed, name))
+    value = torch.empty(shape, dtype=torch.float32, device=init_device)
+    value.normal_(0.0, INIT_STD, generator=gen)
+    return value.to(torch.bfloat16)
+
+
+def build_model(shape: str, *, dtype, device, init_device, seed: int):
+    """Qwen3ForCausalLM of `shape` with parameters of `dtype` on `device`, initialised on `init_device`
+    from one seeded generator per parameter and rounded to bf16 (see the module docstring)."""
+    from torch import nn
+
+    model = empty_model(shape, dtype=dtype, device=device)
     named = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
         for pname, p in list(module._parameters.items()):
             if p is None:
                 continue
-            name = named[id(p)]
-            if p.dim() == 1:  # RMSNorm weights (Qwen3 has no biases)
-                value = torch.ones(p.shape, dtype=torch.float32, device=init_device)
-            else:
-                gen = torch.Generator(device=init_device).manual_seed(param_seed(seed, name))
-                value = torch.empty(p.shape, dtype=torch.float32, device=init_device)
-                value.normal_(0.0, INIT_STD, generator=gen)
-            value = value.to(torch.bfloat16)
+            value = init_value(named[id(p)], tuple(p.shape), init_device=init_device, seed=seed)
             module._parameters[pname] = nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=True)
             del value
-    rotary = model.model.rotary_emb
-    fresh = type(rotary)(config=cfg)  # fp32 inverse frequencies, computed on the CPU
-    for bname, buf in fresh.named_buffers(recurse=False):
-        rotary._buffers[bname] = buf.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"tensors left on the meta device: {left}")
@@ -372,7 +389,14 @@ class Point:
         torch, a = self.torch, self.args
         precision = a.precision or ("bf16" if self.cuda else "fp32")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        model = build_model(a.shape, dtype=dtype, device="cpu", init_device=self.init_device(), seed=a.seed)
+        # parameters on the meta device, their values written straight into the host state (weights=):
+        # the same values as build_model's, and no copy of the model beside its host state
+        model = empty_model(a.shape, dtype=dtype, device="cpu")
+        init_device = self.init_device()
+
+        def weights(name, out):
+            out.copy_(init_value(name, tuple(out.shape), init_device=init_device, seed=a.seed))
+
         self.record.update(params=n_params(model), precision=precision,
                            model_dtype_given_to_compile=str(dtype).replace("torch.", ""))
         plan = a.plan.format(tokens=a.tokens, shape=a.shape) if a.plan else None
@@ -382,7 +406,7 @@ class Point:
                                  precision=precision, micro_batches=self.rows,
                                  optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                                  max_grad_norm=MAX_GRAD_NORM, hardware=a.hardware, plan=plan,
-                                 compile_blocks=compile_blocks)
+                                 compile_blocks=compile_blocks, weights=weights)
         self.record["compile_blocks"] = getattr(engine.executor, "compile_blocks", None)
         del model  # the engine keeps it; its parameters are now views of the host state
         self.record.update(
