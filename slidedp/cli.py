@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -175,11 +176,30 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
+    _show_progress()
     # A config file given as `key=value` belongs to the overrides.
     if args.command == "train" and args.config and "=" in args.config:
         args.overrides.insert(0, args.config)
         args.config = None
     return _run_command(args)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _show_progress() -> None:
+    """slidedp's progress messages (the plan search, weights loading) on stderr, as "[slidedp] ..."."""
+    logger = logging.getLogger("slidedp")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[slidedp] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _run_command(args) -> int:

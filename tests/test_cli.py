@@ -62,7 +62,11 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "qwen3-0.6b", "--budget", "20GiB", "--batch-size", "1", "--seq-len", "1024",
                  "--hardware", "h100-sxm", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["workload"]["seq_len"] == 1024
+    plan = json.loads(out.read_text())
+    assert plan["workload"]["seq_len"] == 1024
+    # the device-state search's progress, one stderr line per choice tried, when there is a search
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[slidedp] plan: ")]
+    assert len(progress) == (len(plan["solver"]["device_state_tried"]) if len(plan["solver"]["device_state_tried"]) > 1 else 0)
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out
     assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2

@@ -8,6 +8,7 @@ simulated step time (asserted in cpsat.solve_window).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from importlib.metadata import version as package_version
@@ -26,6 +27,8 @@ from slidedp.scheduler.plan import (
 )
 from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D
 from slidedp.scheduler.simulate import Simulation, simulate
+
+log = logging.getLogger("slidedp")
 
 
 def minimum_budget(costs: ProblemCosts) -> tuple[int, Decisions, dict[int, int]]:
@@ -215,6 +218,7 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     prologue = g.prologue
     candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, after every block
     results: dict[tuple[bool, int], tuple[ProblemCosts, Solution]] = {}
+    searching = False
 
     def run(choice: tuple[bool, int]) -> None:
         if choice not in results:
@@ -222,6 +226,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
             ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
             costs = ProblemCosts(replace(problem, device_state=ids), options)
             results[choice] = costs, solve(costs, budget_bytes)
+            if searching:
+                log.info("plan: optimizer state of %s on the device: %.1f ms per step",
+                         _device_state_label(choice), step_s(choice) * 1e3)
 
     def step_s(choice: tuple[bool, int]) -> float:
         c, s = results[choice]
@@ -245,6 +252,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         return done((False, 0))
     costs, sol = results[(False, 0)]
     spare = budget_bytes - sol.min_budget_bytes
+    searching = True  # progress from here: a search takes several solves
+    log.info("plan: optimizer state of %s on the device: %.1f ms per step", _device_state_label((False, 0)),
+             step_s((False, 0)) * 1e3)
     families = [False, True] if fixed_prologue is None else [fixed_prologue]
     for with_prologue in families:
         numel = prologue.numel if with_prologue else 0
