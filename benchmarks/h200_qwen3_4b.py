@@ -792,7 +792,7 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         with contextlib.suppress(ValueError):
             rel = out_path.resolve().relative_to(HERE)
     lines.append(f"(records: `{rel or (out_path.name if out_path else 'h200_qwen3_4b.json')}`; slidedp's plans: "
-                 "`results/plans/`)")
+                 "where each command's `--plans-dir` put them, by default `results/plans/`)")
     lines += ["", f"Hardware: {'; '.join(devices) or '?'}; host {'; '.join(hosts) or '?'}; {'; '.join(soft)}"
               + (f"; commit {', '.join(commits)}" if commits else "") + "."]
     lines += [f"Model: Qwen3 shape `{', '.join(shapes)}`, {', '.join(f'{p:,}' for p in params)} parameters, "
