@@ -229,16 +229,14 @@ class Routes:
             self.comm.barrier()
         device, host = [], 0.0
         for layer_id in self.chunks:
-            if self.device_state is not None and layer_id in self.device_state:
-                if self.rank > 0:  # every rank holds the same summed gradient: counted once
-                    continue
-                if n_passes == 1 and layer_id in self._device_sumsq:
-                    device.append(self._device_sumsq[layer_id].float())
-                else:
-                    grad = self.device_state.layers[layer_id].grad
-                    device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
-            elif n_passes == 1 and layer_id in self._device_sumsq:
+            on_device = self.device_state is not None and layer_id in self.device_state
+            if on_device and self.rank > 0:  # every rank holds the same summed gradient: counted once
+                continue
+            if n_passes == 1 and layer_id in self._device_sumsq:
                 device.append(self._device_sumsq[layer_id].float())
+            elif on_device:
+                grad = self.device_state.layers[layer_id].grad
+                device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
             else:
                 grad = self.host.layers[layer_id].grad
                 host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))
