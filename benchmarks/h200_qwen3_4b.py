@@ -280,6 +280,9 @@ class Point:
             raise ValueError(f"--tokens {args.tokens} is not a multiple of seq {self.seq}")
         self.rows = args.tokens // self.seq
         self.data = batches(self.shape["vocab"], self.rows, self.seq, args.steps + 1, args.seed)
+        # data-parallel ranks: slidedp's world_size; the FSDP2 process group's rank and size, with
+        # `init_method` (None: a free local port, for world size 1). multi_gpu_scaling.py sets them.
+        self.rank, self.world_size, self.init_method = 0, 1, None
         self.record: dict = {}
         self.grad_norms: list = []  # per step, before clipping (tensors until the end of the run)
 
@@ -292,15 +295,18 @@ class Point:
 
     # The loss and gradient of one step, shared by both baselines: token-weighted mean cross-entropy
     # over the whole step, accumulated over micro-batches of `--baseline-micro-rows` x seq rows.
+    # With W ranks (FSDP2), each holds its share of the step's rows (every rank as many): the loss is
+    # divided by the whole step's tokens and multiplied by W, as FSDP2 averages the ranks' gradients.
     def baseline_step_fn(self, model, opt_step, zero_grad, autocast):
-        """One training step of either baseline, as a function of the batch."""
+        """One training step of either baseline, as a function of the batch (this rank's rows)."""
         import torch.nn.functional as F
 
         torch = self.torch
         micro = self.args.baseline_micro_rows
+        ranks = self.world_size
 
         def step(ids_all):
-            n_tokens = ids_all.shape[0] * (ids_all.shape[1] - 1)
+            n_tokens = ranks * ids_all.shape[0] * (ids_all.shape[1] - 1)
             zero_grad()
             loss_sum = torch.zeros((), dtype=torch.float32, device=self.dev)
             for r in range(0, ids_all.shape[0], micro):
@@ -310,10 +316,14 @@ class Point:
                 ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
                                      reduction="sum")
                 del logits
-                (ce / n_tokens).backward()
+                (ce / n_tokens * ranks if ranks > 1 else ce / n_tokens).backward()
                 loss_sum += ce.detach()
-            self.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).detach())
+            clip = self.args.max_grad_norm  # None: the norm is taken (recorded), nothing is clipped
+            self.grad_norms.append(torch.nn.utils.clip_grad_norm_(
+                model.parameters(), float("inf") if clip is None else clip).detach())
             opt_step()
+            if ranks > 1:
+                torch.distributed.all_reduce(loss_sum)
             loss = loss_sum / n_tokens
             if hasattr(loss, "full_tensor"):  # a DTensor, should FSDP2 return one
                 loss = loss.full_tensor()
@@ -383,6 +393,19 @@ class Point:
         """slidedp with every block eager (`compile_blocks=False`): the same-run baseline of torch.compile."""
         return self.setup_slidedp(compile_blocks=False)
 
+    def slidedp_hardware(self):
+        """slidedp's hardware argument (a preset name, a profile path or a Hardware; None: detected)."""
+        return self.args.hardware
+
+    def slidedp_plan(self, model, budget, compile_blocks, kwargs):
+        """The plan that compile reuses (a path, or a Plan), or None: compile solves it."""
+        a = self.args
+        return a.plan.format(tokens=a.tokens, shape=a.shape) if a.plan else None
+
+    def plan_path(self) -> Path:
+        """Where the plan of this point is saved."""
+        return Path(self.args.plans_dir) / f"qwen3_{self.args.shape}_{self.args.tokens}.json"
+
     def setup_slidedp(self, compile_blocks=None):
         import slidedp
 
@@ -399,25 +422,28 @@ class Point:
 
         self.record.update(params=n_params(model), precision=precision,
                            model_dtype_given_to_compile=str(dtype).replace("torch.", ""))
-        plan = a.plan.format(tokens=a.tokens, shape=a.shape) if a.plan else None
         budget = slidedp.Budget.parse(a.budget).device_bytes
         self.record["budget_bytes"] = budget
-        engine = slidedp.compile(model, budget, batch_size=1, seq_len=self.seq, device=self.dev.type,
-                                 precision=precision, micro_batches=self.rows,
-                                 optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                                 max_grad_norm=MAX_GRAD_NORM, hardware=a.hardware, plan=plan,
-                                 compile_blocks=compile_blocks, weights=weights)
-        self.record["compile_blocks"] = getattr(engine.executor, "compile_blocks", None)
+        # one pass over the weights per step: each rank's rows are its micro-batches
+        kwargs = dict(batch_size=1, seq_len=self.seq, device=self.dev.type, precision=precision,
+                      micro_batches=self.rows // self.world_size, world_size=self.world_size,
+                      optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                      max_grad_norm=a.max_grad_norm, hardware=self.slidedp_hardware())
+        plan = self.slidedp_plan(model, budget, compile_blocks, kwargs)
+        engine = slidedp.compile(model, budget, plan=plan, compile_blocks=compile_blocks, weights=weights, **kwargs)
+        self.engine = engine
+        # the worker processes' executors (world_size > 1) follow the plan
+        self.record["compile_blocks"] = getattr(engine.executor, "compile_blocks", engine.plan.workload.compiled_blocks)
         del model  # the engine keeps it; its parameters are now views of the host state
         self.record.update(
             predicted_step_s=float(engine.plan.predicted_step_time_s),
             predicted_peak_device_bytes=int(engine.plan.peak_device_bytes),
-            plan_summary=engine.plan.summary(), plan_reused=plan,
+            plan_summary=engine.plan.summary(), plan_reused=plan if isinstance(plan, (str, Path)) else None,
             device_state_layers=list(engine.plan.device_state),
             optimizer="slidedp CPU AdamW (numba), fp32 master, bf16 weights out; layers of plan.device_state: "
                       "fused AdamW on the GPU",
         )
-        plan_path = Path(a.plans_dir) / f"qwen3_{a.shape}_{a.tokens}.json"
+        plan_path = self.plan_path()
         plan_path.parent.mkdir(parents=True, exist_ok=True)
         engine.plan.save(plan_path)
         self.record["plan_path"] = str(plan_path)
@@ -466,29 +492,36 @@ class Point:
 
     # -- FSDP2 + CPUOffloadPolicy --
     def setup_fsdp2_cpu_offload(self):
+        return self.setup_fsdp2(offload=True)
+
+    def setup_fsdp2(self, offload: bool):
+        """FSDP2 over `self.world_size` ranks (this process is `self.rank`), its parameters, gradients
+        and AdamW state in pinned host memory (`offload`) or on the device."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         torch, a = self.torch, self.args
         if self.cuda:
             torch.cuda.set_device(self.dev.index or 0)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        init_method = self.init_method
+        if init_method is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         # NCCL for FSDP2's collectives on the GPU; gloo for the CPU tensors: with CPU offload the
         # gradients are CPU DTensors, and clip_grad_norm_ reduces their norm over the process group.
         backend = "cpu:gloo,cuda:nccl" if self.cuda else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, init_method=init_method)
         try:
-            mesh = init_device_mesh(self.dev.type, (1,))
+            mesh = init_device_mesh(self.dev.type, (self.world_size,))
             # Materialised on the device (as fully_shard would move it there anyway); fully_shard then
             # moves each shard to pinned host memory.
             model = build_model(a.shape, dtype=torch.float32, device=self.dev, init_device=self.init_device(),
                                 seed=a.seed)
             model.train()
             self.record.update(params=n_params(model), activation_checkpointing=enable_checkpointing(model))
-            offload = CPUOffloadPolicy(pin_memory=self.cuda)
+            policy = CPUOffloadPolicy(pin_memory=self.cuda) if offload else OffloadPolicy()
             if self.cuda:
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                 self.record["precision"] = "fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"
@@ -496,10 +529,11 @@ class Point:
                 mp = MixedPrecisionPolicy()
                 self.record["precision"] = "fp32"
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, offload_policy=offload, mp_policy=mp)
-            fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=mp)
-            self.record["offload_policy"] = f"CPUOffloadPolicy(pin_memory={self.cuda})"
-            self.record["process_group"] = f"{backend}, world size 1"
+                fully_shard(layer, mesh=mesh, offload_policy=policy, mp_policy=mp)
+            fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mp)
+            self.record["offload_policy"] = (f"CPUOffloadPolicy(pin_memory={self.cuda})" if offload else
+                                             "none: parameters, gradients and AdamW state on the device")
+            self.record["process_group"] = f"{backend}, world size {self.world_size}"
         except BaseException:
             dist.destroy_process_group()
             raise
@@ -508,7 +542,8 @@ class Point:
                                      fused=fused or None, foreach=None if fused else False)
 
         opt = make_opt(True)
-        self.record["optimizer"] = "torch.optim.AdamW(fused=True) on the CPU-resident DTensor parameters"
+        where = "CPU-resident" if offload else f"{self.dev.type}-resident"
+        self.record["optimizer"] = f"torch.optim.AdamW(fused=True) on the {where} DTensor parameters"
         first = [True]
 
         def opt_step():
@@ -524,7 +559,7 @@ class Point:
                 if "out of memory" in str(exc).lower():
                     raise
                 opt = make_opt(False)
-                self.record["optimizer"] = ("torch.optim.AdamW(foreach=False) on the CPU-resident DTensor parameters "
+                self.record["optimizer"] = (f"torch.optim.AdamW(foreach=False) on the {where} DTensor parameters "
                                             f"(fused=True failed: {type(exc).__name__}: {str(exc)[:300]})")
                 print(self.record["optimizer"], file=sys.stderr, flush=True)
                 return opt.step()
@@ -551,6 +586,8 @@ def error_text(exc: BaseException) -> str:
             return f"infeasible budget (smallest feasible: {exc.min_budget_bytes} bytes)"
     except ImportError:
         pass
+    if getattr(exc, "record_text", None):  # an exception that says what the record should say
+        return exc.record_text
     msg = str(exc)
     oom = (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError, MemoryError)
     if isinstance(exc, oom) or "out of memory" in msg.lower() \
@@ -559,9 +596,10 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[:1000]}"
 
 
-def worker(args) -> int:
-    sampler = HostMemSampler()
-    record = base_record(args.system, args.tokens, args)
+def worker(args, point_cls=None, sampler=None, record=None) -> int:
+    """One point in this process (a `point_cls`, default Point); its record goes to --result-file."""
+    sampler = sampler or HostMemSampler()
+    record = base_record(args.system, args.tokens, args) if record is None else record
     code = 0
     try:
         import torch
@@ -577,7 +615,7 @@ def worker(args) -> int:
             record["slidedp"] = slidedp.__version__
         except ImportError:
             pass
-        point = Point(args)
+        point = (point_cls or Point)(args)
         point.record = record
         record.update(seq_len=point.seq, micro_batches=point.rows)
         point.run(args.system, sampler)
@@ -603,7 +641,7 @@ def base_record(system: str, tokens: int, args) -> dict:
         "peak_host_bytes": None, "measured_step_s": None, "predicted_step_s": None, "budget_bytes": None,
         "date": now.date().isoformat(), "time_utc": now.isoformat(timespec="seconds"), "command": args.command,
         "shape": args.shape, "device": args.device, "seed": args.seed, "steps": args.steps,
-        "baseline_micro_rows": args.baseline_micro_rows, "error": None,
+        "baseline_micro_rows": args.baseline_micro_rows, "max_grad_norm": args.max_grad_norm, "error": None,
     }
 
 
@@ -615,57 +653,65 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--system", system, "--tokens", str(tokens),
                "--shape", args.shape, "--device", args.device, "--budget", args.budget, "--steps", str(args.steps),
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
-               "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows)]
+               "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
+               "--max-grad-norm", str(args.max_grad_norm)]
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
         if args.no_warmup:
             cmd.append("--no-warmup")
         print(f"\n=== {system}, {tokens} tokens/step ===", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)  # its own process group: a timeout kills all of it
-        tail: deque[str] = deque(maxlen=40)
+        fallback = base_record(system, tokens, args)
+        fallback["command"] = command
+        return run_child(cmd, result, args.timeout_s, fallback)
 
-        def pump():
-            for line in proc.stdout:
-                tail.append(line)
-                sys.stderr.write(line)
-            sys.stderr.flush()
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except BaseException:  # Ctrl-C or a kill of the driver: the child, in its own session, goes too
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        reader.join(timeout=10)
-        wall = time.perf_counter() - t0
-        if result.exists() and not timed_out:
-            record = json.loads(result.read_text())
+def run_child(cmd: list[str], result: Path, timeout_s: float, fallback: dict) -> dict:
+    """Run one point's child process, echoing its output, in its own session (a timeout kills it and
+    everything it started); its record from `result`, else `fallback` with the error and the tail
+    of its output."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)  # its own process group: a timeout kills all of it
+    tail: deque[str] = deque(maxlen=40)
+
+    def pump():
+        for line in proc.stdout:
+            tail.append(line)
+            sys.stderr.write(line)
+        sys.stderr.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except BaseException:  # Ctrl-C or a kill of the driver: the child, in its own session, goes too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    reader.join(timeout=10)
+    wall = time.perf_counter() - t0
+    if result.exists() and not timed_out:
+        record = json.loads(result.read_text())
+    else:
+        record = dict(fallback)
+        if timed_out:
+            record["error"] = f"timeout after {timeout_s} s"
+        elif proc.returncode is not None and proc.returncode < 0:
+            sig = -proc.returncode
+            record["error"] = f"killed by signal {sig}" + (" (host out of memory?)" if sig == 9 else "")
         else:
-            record = base_record(system, tokens, args)
-            record["command"] = command
-            if timed_out:
-                record["error"] = f"timeout after {args.timeout_s} s"
-            elif proc.returncode is not None and proc.returncode < 0:
-                sig = -proc.returncode
-                record["error"] = f"killed by signal {sig}" + (" (host out of memory?)" if sig == 9 else "")
-            else:
-                record["error"] = f"exit code {proc.returncode} without a record"
-            record["output_tail"] = "".join(tail)[-4000:]
-        record["child_wall_s"] = wall
-        record["child_exit_code"] = proc.returncode
-        return record
-
+            record["error"] = f"exit code {proc.returncode} without a record"
+        record["output_tail"] = "".join(tail)[-4000:]
+    record["child_wall_s"] = wall
+    record["child_exit_code"] = proc.returncode
+    return record
 
 def git_commit() -> str | None:
     try:
@@ -740,11 +786,15 @@ def _num(x, fmt) -> str:
 
 def render_table(records: list[dict]) -> str:
     """Markdown table of the records: one row per (tokens, system), ratios against each baseline at the
-    same tokens per step."""
+    same tokens per step and clipping (records without max_grad_norm clipped at 1.0)."""
     order = {s: i for i, s in enumerate(SYSTEMS)}
-    rows = sorted(records, key=lambda r: (r["tokens_per_step"], order.get(r["system"], 99), r["system"],
-                                          r.get("budget_bytes") or 0))
-    by_point = {(r["tokens_per_step"], r["system"]): r for r in records}
+
+    def clip(r):
+        return r.get("max_grad_norm", 1.0)
+
+    rows = sorted(records, key=lambda r: (r["tokens_per_step"], clip(r) is None, order.get(r["system"], 99),
+                                          r["system"], r.get("budget_bytes") or 0))
+    by_point = {(r["tokens_per_step"], r["system"], clip(r)): r for r in records}
     head = ["tokens/step", "system", "budget GiB", "tokens/s"] + [f"vs {NAMES[b]}" for b in BASELINES] + [
         "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s measured / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -752,7 +802,7 @@ def render_table(records: list[dict]) -> str:
         tps = r.get("tokens_per_s")
         ratios = []
         for b in BASELINES:
-            base = by_point.get((r["tokens_per_step"], b), {}).get("tokens_per_s")
+            base = by_point.get((r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
             ratios.append(f"{tps / base:.2f}x" if tps and base else "–")
         if r.get("error"):
             speed = r["error"].splitlines()[0][:80]
@@ -761,7 +811,8 @@ def render_table(records: list[dict]) -> str:
         losses = r.get("losses") or []
         step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
-        cells = [f"{r['tokens_per_step']:,}", NAMES.get(r["system"], r["system"]), budget, speed, *ratios,
+        name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
+        cells = [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
                  _gib(r.get("peak_device_bytes")),
                  f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
                  _gib(r.get("host_used_bytes")),
@@ -822,13 +873,14 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
     return "\n".join(lines)
 
 
-def update_readme(path: Path, section: str) -> None:
-    """Replace what is between the markers in `path` by `section` (markers appended if absent)."""
+def update_readme(path: Path, section: str, begin: str = README_BEGIN, end: str = README_END) -> None:
+    """Replace what is between the markers `begin` and `end` in `path` by `section` (the markers and
+    section appended at the end if absent)."""
     text = path.read_text() if path.exists() else ""
-    block = f"{README_BEGIN}\n{section.rstrip()}\n{README_END}"
-    if README_BEGIN in text and README_END in text:
-        head, rest = text.split(README_BEGIN, 1)
-        _, tail = rest.split(README_END, 1)
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
         text = head + block + tail
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
@@ -855,7 +907,7 @@ def solve_plans(args) -> int:
         plan = slidedp.plan(model, args.budget, batch_size=1, seq_len=seq, precision=precision,
                             micro_batches=tokens // seq, hardware=args.hardware or "h200-sxm",
                             optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                            max_grad_norm=MAX_GRAD_NORM)
+                            max_grad_norm=args.max_grad_norm)
         path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)
@@ -876,6 +928,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="time from the first step (it then includes first-call costs; for runs of minutes a step)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=lambda v: None if v.lower() == "none" else float(v), default=MAX_GRAD_NORM,
+                   help="gradient clipping in every system (default 1.0); 'none': no clipping (the norm is still "
+                        "taken), which lets slidedp update each layer during the backward (early updates)")
     p.add_argument("--out", default=str(HERE / "h200_qwen3_4b.json"))
     p.add_argument("--merge", action="store_true",
                    help="keep the records already in --out, replacing those of the points run now")

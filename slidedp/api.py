@@ -23,6 +23,7 @@ from slidedp.engine import Engine, update_order
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.optim import AdamW
+from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.solve import solve_plan
 from slidedp.weights import bind_parameters, check_weights_source, fill_masters, tie_meta_model
@@ -49,11 +50,12 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
-             max_grad_norm, hardware, plan, micro_batches, compile_blocks, planning_only=False):
+             max_grad_norm, hardware, plan, micro_batches, compile_blocks, planning_only=False,
+             solver_options=None):
     """Validate every argument and solve (or load) the plan; allocates nothing.
 
     `compile_blocks` None: a given plan's choice; else on CUDA (and, when only planning, for any
-    GPU hardware profile) yes, on the CPU no."""
+    GPU hardware profile) yes, on the CPU no. `solver_options`: a SolverOptions for the solve."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = Budget.parse(budget)
@@ -73,6 +75,11 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if compile_blocks is not None and not isinstance(compile_blocks, bool):
         raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
+    if solver_options is not None:
+        if not isinstance(solver_options, SolverOptions):
+            raise TypeError(f"solver_options must be a SolverOptions, got {type(solver_options).__name__}")
+        if plan is not None:
+            raise ValueError("solver_options and plan exclude each other: a given plan is not solved again")
     dev = _resolve_device(device)
     hw = resolve_hardware(hardware, dev.type)
     tie_meta_model(model)
@@ -84,14 +91,38 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             raise TypeError(f"plan must be a slidedp.Plan or a path, got {type(plan).__name__}")
         check_plan_matches(the_plan, graph, world_size=world_size, precision=precision,
                            compiled_blocks=compile_blocks)
+        if the_plan.early_order and not _early_allowed(world_size, max_grad_norm):
+            raise ValueError("the plan updates each layer during the backward (early_order), which needs "
+                             "max_grad_norm=None and one rank in this process; solve a plan for this run")
     else:
         if compile_blocks is None:
             compile_blocks = dev.type == "cuda" or (planning_only and hw.name != "cpu")
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,
-                              compiled_blocks=compile_blocks,
-                              host_offload_bytes=None if planning_only else _host_offload_bytes(graph, precision))
+                              compiled_blocks=compile_blocks, options=solver_options,
+                              host_offload_bytes=None if planning_only else _host_offload_bytes(graph, precision),
+                              early_host_bytes=_early_host_bytes(graph, precision, planning_only)
+                              if _early_allowed(world_size, max_grad_norm) else None)
     return graph, the_plan, dev, optimizer, max_grad_norm
+
+
+def _early_allowed(world_size: int, max_grad_norm) -> bool:
+    """Early updates (backend/early_updates.py) need the whole gradient only for its finite check:
+    not with clipping, and they run on one rank in the engine's own process."""
+    return (max_grad_norm is None and world_size == 1
+            and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0"))
+
+
+def _early_host_bytes(graph: LayerGraph, precision: str, planning_only: bool) -> int | None:
+    """Host RAM the spare state of early updates may take: what is available beyond the host state
+    and twice the preflight's headroom (when only planning, or not known: no limit; compile's
+    preflight counts the spare state against what the machine has)."""
+    from slidedp.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
+
+    available = None if planning_only else host_available_bytes()
+    if available is None:
+        return 1 << 62
+    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES)
 
 
 def _host_offload_bytes(graph: LayerGraph, precision: str) -> int | None:
@@ -133,15 +164,19 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
          device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
-         compile_blocks: bool | None = None) -> Plan:
+         compile_blocks: bool | None = None, solver_options: SolverOptions | None = None) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
-    `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU."""
+    `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
+    `solver_options` (slidedp.scheduler.decisions.SolverOptions): the values the solver may choose
+    from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
+    (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
     if device == "auto":
         device = "cpu" if hardware is None and not torch.cuda.is_available() else device
     _, the_plan, *_ = _prepare(model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
                                device=device, precision=precision, optimizer=optimizer,
                                max_grad_norm=max_grad_norm, hardware=hardware, plan=plan,
-                               micro_batches=micro_batches, compile_blocks=compile_blocks, planning_only=True)
+                               micro_batches=micro_batches, compile_blocks=compile_blocks, planning_only=True,
+                               solver_options=solver_options)
     return the_plan
 
 
@@ -195,7 +230,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     if launched_rank is None or launched_rank == 0:
         check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints)
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints)
+                         control_ints=flag_ints, spare_layers=the_plan.early_order)
     if launched_rank is not None:
         host = _share_host_state(comm, host)
     runner = None

@@ -131,14 +131,15 @@ def available_memory(device) -> Available:
                      device_bytes=device_available_bytes(device))
 
 
-def host_state_bytes(graph, *, precision: str, control_ints: int = 0) -> int:
+def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_layers=()) -> int:
     """Bytes of the host state `compile` makes for `graph` (bf16: with the delivery copy and bf16
-    gradients; fp32: fp32 gradients, no delivery copy)."""
+    gradients; fp32: fp32 gradients, no delivery copy; a spare master and moments for the layers
+    updated early)."""
     from slidedp.backend.host_state import plan_layout
 
     bf16 = precision == "bf16"
     return plan_layout(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                       control_ints=control_ints)[2]
+                       control_ints=control_ints, spare_layers=spare_layers)[2]
 
 
 def offloaded_activation_bytes(graph, plan) -> int:
@@ -156,7 +157,8 @@ def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, c
 
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
-    return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints),
+    return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints,
+                                                   spare_layers=plan.early_order),
                  host_other_bytes=((device_bytes if on_cpu else 0) + offloaded_activation_bytes(graph, plan)) * world_size,
                  device_bytes=0 if on_cpu else device_bytes)
 

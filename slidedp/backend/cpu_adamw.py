@@ -265,6 +265,31 @@ def _adamw_bf16out_kernel(param, grad, exp_avg, exp_avg_sq, out_bf16, grad_scale
 
 
 @njit(parallel=True, **_JIT)
+def _adamw_to_kernel(param, grad, exp_avg, exp_avg_sq, param_to, exp_avg_to, exp_avg_sq_to, out_bf16,
+                     grad_scale, decay, lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps, neg_step):
+    """Out of place: reads param / exp_avg / exp_avg_sq, writes the updated values to the `_to`
+    arrays (and, unless out_bf16 is None, the bf16 weights): the inputs stay as they were."""
+    n = param.size
+    n_blocks = (n + _BLOCK_ELEMS - 1) // _BLOCK_ELEMS
+    for b in prange(n_blocks):
+        lo = b * _BLOCK_ELEMS
+        hi = min(lo + _BLOCK_ELEMS, n)
+        p_b, g_b, m_b, v_b = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+        pt_b, mt_b, vt_b = param_to[lo:hi], exp_avg_to[lo:hi], exp_avg_sq_to[lo:hi]
+        for i in range(hi - lo):
+            p, m, v = _adamw_elem(p_b[i], _load_grad(g_b, i), m_b[i], v_b[i],
+                                  grad_scale, decay, lerp_w, lerp_from_g, beta2, w2, bc2_sqrt, eps,
+                                  neg_step)
+            pt_b[i] = p
+            mt_b[i] = m
+            vt_b[i] = v
+        if out_bf16 is not None:
+            o_b = out_bf16[lo:hi]
+            for i in range(hi - lo):
+                o_b[i] = _f32_to_bf16(pt_b[i])
+
+
+@njit(parallel=True, **_JIT)
 def _bf16_to_f32_kernel(src_u16, dst_f32):
     n = src_u16.size
     n_blocks = (n + _BLOCK_ELEMS - 1) // _BLOCK_ELEMS
@@ -336,8 +361,8 @@ _GRAD = (np.dtype(np.float32), np.dtype(np.uint16))
 def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
                out_bf16: np.ndarray | None = None, *, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
-               num_threads: int | None = None) -> None:
-    """One in-place AdamW update of a contiguous 1-D chunk, as `torch.optim.AdamW`.
+               num_threads: int | None = None, to: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+    """One AdamW update of a contiguous 1-D chunk, as `torch.optim.AdamW`: in place, or into `to`.
 
     param, exp_avg, exp_avg_sq: float32, updated in place.
     grad: float32, or uint16 holding bfloat16 bit patterns.
@@ -346,6 +371,8 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     grad_scale: multiplies the gradient first (gradient clipping, loss-scale removal).
     step: 1-based step count of this update (bias correction).
     num_threads: Numba team size for this call (default: `set_num_threads` value, else all).
+    to: (param, exp_avg, exp_avg_sq) float32 arrays that receive the updated values, leaving the
+        inputs unchanged (an update that can still be taken back); None: in place.
 
     Math, in float32: p *= 1 - lr*wd; m = lerp(m, g, 1-beta1); v = beta2*v + (1-beta2)*g*g;
     p -= (lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps).
@@ -364,6 +391,15 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     else:
         _check_same_length(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         _check_no_overlap(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    if to is not None:
+        if len(to) != 3:
+            raise ValueError(f"to must be (param, exp_avg, exp_avg_sq), got {len(to)} arrays")
+        for name, a in zip(("param_to", "exp_avg_to", "exp_avg_sq_to"), to):
+            _check_array(name, a, _F32, True)
+        _check_same_length(param=param, param_to=to[0], exp_avg_to=to[1], exp_avg_sq_to=to[2])
+        _check_no_overlap(param=param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param_to=to[0],
+                          exp_avg_to=to[1], exp_avg_sq_to=to[2],
+                          **({} if out_bf16 is None else {"out_bf16": out_bf16}))
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     if step < 1:
@@ -394,7 +430,9 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
         f32(-(lr / bias_correction1)),
     )
     _apply_num_threads(num_threads)
-    if out_bf16 is None:
+    if to is not None:
+        _launch(_adamw_to_kernel, param, grad, exp_avg, exp_avg_sq, *to, out_bf16, *scalars)
+    elif out_bf16 is None:
         _launch(_adamw_kernel, param, grad, exp_avg, exp_avg_sq, *scalars)
     else:
         _launch(_adamw_bf16out_kernel, param, grad, exp_avg, exp_avg_sq, out_bf16, *scalars)

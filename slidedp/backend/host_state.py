@@ -3,6 +3,7 @@
 One anonymous shared-memory file (`memfd_create`) holds every array, page-aligned, per layer:
 
     master fp32 [n] | exp_avg fp32 [n] | exp_avg_sq fp32 [n] | delivery bf16 [n] | grad [n]
+    [ | spare master fp32 [n] | spare exp_avg fp32 [n] | spare exp_avg_sq fp32 [n] ]
 
 followed by a small control region of int64 counters (`StepFlags`, backend/step_flags.py) through
 which ranks in other processes signal each other. `delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
@@ -10,6 +11,11 @@ fp32 precision, where H2D reads `master`). `grad` receives the gradient from the
 fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
 copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
 pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
+
+Layers updated during the backward (backend/early_updates.py) have a spare copy of master and
+moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
+gradient is known to be finite; until then the current arrays are untouched, so a step can still be
+taken back without a byte copied.
 """
 
 from __future__ import annotations
@@ -53,12 +59,15 @@ class LayerLayout:
     exp_avg_sq: ArraySpec
     delivery: ArraySpec | None
     grad: ArraySpec
+    spare: tuple[ArraySpec, ArraySpec, ArraySpec] | None = None  # master, exp_avg, exp_avg_sq
 
 
-def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str,
-                control_ints: int = 0) -> tuple[list[LayerLayout], int, int]:
-    """Page-aligned layout of every layer's arrays, then `control_ints` int64 counters;
-    returns (layouts, control region offset in bytes, total bytes)."""
+def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
+                spare_layers=()) -> tuple[list[LayerLayout], int, int]:
+    """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
+    in `spare_layers`), then `control_ints` int64 counters; returns (layouts, control region offset
+    in bytes, total bytes)."""
+    spare_layers = set(spare_layers)
     layouts, cursor = [], 0
 
     def take(numel: int, dtype: str) -> ArraySpec:
@@ -83,6 +92,7 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str,
                 exp_avg_sq=take(n, "float32"),
                 delivery=take(n, "bfloat16") if delivery_bf16 else None,
                 grad=take(n, grad_dtype),
+                spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
             )
         )
     control = take(control_ints, "int64").offset_bytes
@@ -107,6 +117,13 @@ class LayerArrays:
         self.exp_avg_sq = tensor(layout.exp_avg_sq)
         self.delivery = tensor(layout.delivery)
         self.grad = tensor(layout.grad)
+        self.spare = None if layout.spare is None else tuple(tensor(spec) for spec in layout.spare)
+
+    def swap_spare(self) -> None:
+        """The spare master and moments (written by an out-of-place update) become current."""
+        current = (self.master, self.exp_avg, self.exp_avg_sq)
+        self.master, self.exp_avg, self.exp_avg_sq = self.spare
+        self.spare = current
 
     @property
     def source(self) -> torch.Tensor:
@@ -128,10 +145,11 @@ class HostState:
     """
 
     def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                 _attach: tuple | None = None):
+                 spare_layers=(), _attach: tuple | None = None):
         if _attach is None:
             self.layouts, self.control_offset, self.nbytes = plan_layout(
-                graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints)
+                graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints,
+                spare_layers=spare_layers)
             self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
         else:
             path, self.layouts, self.control_offset, self.nbytes = _attach

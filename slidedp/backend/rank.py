@@ -9,7 +9,9 @@ of a multi-rank engine (backend/workers.py). A step:
   2. the loss and each rank's share of the gradient's sum of squares are summed over the ranks:
      every rank gets the same norm, clip coefficient and finite check;
   3. if finite, this rank's CPU threads start AdamW on the chunks it owns, layer by layer in update
-     order, in the background (update_stream.py); the next step's loads wait for each layer's
+     order, in the background (update_stream.py) -- or, with early updates (one rank, no clipping:
+     early_updates.py), they started with the last pass, each as its gradient landed, and are now
+     kept (or taken back if the gradient is not finite); the next step's loads wait for each layer's
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
      (device_state.py; every rank keeps the same copy and applies the same update) are updated
      there instead, on the compute stream, before any later copy (the copy streams wait for it by
@@ -27,6 +29,7 @@ import torch
 
 from slidedp.backend import cpu_adamw
 from slidedp.backend.device_state import DeviceState
+from slidedp.backend.early_updates import EarlyUpdates
 from slidedp.backend.executor import MicroBatch, StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.routes import Routes
@@ -48,7 +51,7 @@ class RankStep:
 class Rank:
     def __init__(self, *, executor: StreamedExecutor, host: HostState, graph: LayerGraph, update_order: list[int],
                  rank: int = 0, comm=None, flags=None, num_threads: int | None = None,
-                 device_state: DeviceState | None = None):
+                 device_state: DeviceState | None = None, early_order=(), on_swap=lambda layer_ids: None):
         self.executor, self.host, self.graph = executor, host, graph
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
@@ -61,6 +64,9 @@ class Rank:
             self.routes.wait_local_update = self.updates.wait
         else:
             flags.on_wait = self.updates.check
+        if early_order and (comm is not None or flags is not None):
+            raise ValueError("early updates run on one rank in the engine's process only")
+        self.early = EarlyUpdates(host, list(early_order), self.updates, on_swap) if early_order else None
         self._segments: dict[bool, list] = {}
 
     # -- the step -------------------------------------------------------------------------------
@@ -82,34 +88,69 @@ class Rank:
         ]
         passes = [mbs[i : i + micro_batches] for i in range(0, len(mbs), micro_batches)]
         self.routes.wait_s = 0.0
+        self.updates.gate()  # this step's loads wait for the rounds started before it
+        early = self.early is not None and optimizer is not None and max_grad_norm is None
         loss = torch.zeros((), dtype=torch.float64)
-        for k, group in enumerate(passes):
-            self.routes.begin_pass(first=k == 0)
-            loss += self.executor.run_pass(group, global_tokens).double().cpu()
-            self.routes.end_pass()
-        sumsq = self.routes.finish(len(passes))
+        try:
+            for k, group in enumerate(passes):
+                last = k == len(passes) - 1
+                if early and last:
+                    self._start_early(optimizer)
+                self.routes.begin_pass(first=k == 0, last=last)
+                loss += self.executor.run_pass(group, global_tokens).double().cpu()
+                self.routes.end_pass()
+            sumsq = self.routes.finish(len(passes))
+        except BaseException:
+            if early:
+                self._take_back()
+            raise
+        finally:
+            self.routes.early = None
         totals = torch.stack([loss, sumsq])
         if self.comm is not None:
             self.comm.all_reduce_host(totals)
         loss_value, norm = float(totals[0]), math.sqrt(float(totals[1]))
         timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0)
         if optimizer is None or not math.isfinite(norm):
+            if early:
+                self._take_back()
             return RankStep(loss_value, norm, 0.0, optimizer is not None, **timing)
         clip = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
-        self._start_update(optimizer, clip)
+        if early:
+            self.early.commit()
+        self._start_update(optimizer, clip, host_started=early)
         return RankStep(loss_value, norm, clip, False, **timing)
 
-    def _start_update(self, opt: AdamW, clip: float) -> None:
-        """AdamW on this rank's chunks of every layer, in update order, on the update thread."""
+    def _next_round(self) -> int:
         self.host.step += 1
         self.routes.rounds += 1
-        step, rounds, host, routes = self.host.step, self.routes.rounds, self.host, self.routes
+        return self.host.step
+
+    def _start_early(self, opt: AdamW) -> None:
+        """This step's round of host updates, each starting once its layer's gradient has landed."""
+        update = self._host_update(opt, self._next_round(), 1.0)
+        self.routes.early = self.early.start(lambda layer_id, current, threads: update(layer_id, threads, current))
+
+    def _take_back(self) -> None:
+        """Undo this step's early round, if it started (the state is as before the step)."""
+        if self.early.round is None:
+            return
+        self.early.take_back()
+        self.host.step -= 1
+        self.routes.rounds -= 1
+
+    def _host_update(self, opt: AdamW, step: int, clip: float):
+        """`update(layer_id, num_threads, current=None)`: AdamW on this rank's chunks of a layer, in
+        place, or from `current` = (master, exp_avg, exp_avg_sq, spare) into the spare."""
+        rounds, host, routes = self.routes.rounds, self.host, self.routes
         segments = self._decay_segments(opt)
 
-        def update(layer_id: int, num_threads: int | None) -> None:
+        def update(layer_id: int, num_threads: int | None, current=None) -> None:
             layer = host.layers[layer_id]
+            master, exp_avg, exp_avg_sq, spare = current or (layer.master, layer.exp_avg, layer.exp_avg_sq, None)
             arrays = [host.numpy(t) if t is not None else None
-                      for t in (layer.master, layer.grad, layer.exp_avg, layer.exp_avg_sq, layer.delivery)]
+                      for t in (master, layer.grad, exp_avg, exp_avg_sq, layer.delivery)]
+            spare = None if spare is None else [host.numpy(t) for t in spare]
             for lo, hi in routes.owned(layer_id):
                 for start, end, decay in segments[layer_id]:
                     a, b = max(lo, start), min(hi, end)
@@ -119,11 +160,18 @@ class Rank:
                     cpu_adamw.adamw_step(
                         p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
                         weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=clip,
-                        num_threads=num_threads)
+                        num_threads=num_threads, to=None if spare is None else tuple(x[a:b] for x in spare))
             if self.flags is not None:
                 self.flags.mark_updated(self.rank, layer_id, rounds)
 
+        return update
+
+    def _start_update(self, opt: AdamW, clip: float, host_started: bool = False) -> None:
+        """AdamW on this rank's chunks of every layer, in update order, on the update thread (unless
+        the host layers' round already started early), and on the device for the device state."""
+        step = self.host.step if host_started else self._next_round()
         if self.device_state is not None:
+            segments = self._decay_segments(opt)
             streams = self.executor.streams
             with streams.on("compute"):
                 for layer_id in self.device_state.layers:
@@ -131,7 +179,9 @@ class Rank:
             done = streams.record("compute")
             for stream in ("h2d", "d2h"):  # the next step's copies into the slots, and of gradients
                 streams.wait(stream, done)
-        self.updates.start(update)
+        if not host_started:
+            update = self._host_update(opt, step, clip)
+            self.updates.start(lambda layer_id, threads: update(layer_id, threads))
         self.executor.resident_stale.update(self.executor.resident_ids)
 
     def _decay_segments(self, opt: AdamW) -> list[list[tuple[int, int, bool]]]:
@@ -191,8 +241,19 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
     device_state = DeviceState(host, plan.device_state, device=device) if plan.device_state else None
+
+    def rebind(layer_ids: list[int]) -> None:
+        """Early updates swapped these layers' masters: fp32 parameters view the current one."""
+        for layer_id in layer_ids:
+            arrays = host.layers[layer_id]
+            for name, view in arrays.param_views(arrays.master).items():
+                param = model.get_parameter(name)
+                if param.dtype == view.dtype:
+                    param.data = view
+
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
-                flags=flags, num_threads=update_threads(device, world_size), device_state=device_state)
+                flags=flags, num_threads=update_threads(device, world_size), device_state=device_state,
+                early_order=plan.early_order if world_size == 1 and flags is None else (), on_swap=rebind)
 
 
 def update_threads(device: torch.device, world_size: int) -> int | None:

@@ -63,6 +63,8 @@ class Routes:
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._free: queue.Queue[int] = queue.Queue()
         self.device_state = None  # backend.device_state.DeviceState, set by the rank when the plan has one
+        self.early = None  # backend.early_updates.EarlyRound of this step, told when each gradient lands
+        self._last = True
 
     def owned(self, layer_id: int) -> list[tuple[int, int]]:
         return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
@@ -79,8 +81,8 @@ class Routes:
             self.flags.wait_updated(layer_id, self.rounds)
         self.wait_s += time.perf_counter() - t0
 
-    def begin_pass(self, first: bool) -> None:
-        self._first = first
+    def begin_pass(self, first: bool, last: bool = True) -> None:
+        self._first, self._last = first, last
         if first:
             self._device_sumsq = {}
 
@@ -129,9 +131,26 @@ class Routes:
             for lo, hi in owned:
                 self._copy_down(target[lo:hi], acc[lo:hi])
             self._guards.append(self.streams.record("d2h"))
+            self._landing(layer_id, self._guards[-1], [])
             return
+        first_task = len(self._pending)
         for chunk in owned:
             self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
+        self._landing(layer_id, None, self._pending[first_task:])
+
+    def _landing(self, layer_id: int, event, tasks: list[Future]) -> None:
+        """Tell this step's early updates how to wait for the layer's whole gradient on the host
+        (one rank: the last pass's copy or host-side adds are all there is)."""
+        if self.early is None or not self._last:
+            return
+
+        def wait() -> None:
+            if event is not None:
+                event.synchronize()
+            for task in tasks:
+                task.result()
+
+        self.early.land(layer_id, wait)
 
     def _device_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """The gradient of a layer whose state lives on the device: summed over the ranks there, into

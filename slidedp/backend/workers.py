@@ -7,7 +7,7 @@ the shared host state, never from the pickle), the layer graph, the plan and the
 the host state (`HostState.attach`), joins the process group (NCCL between GPUs, gloo between CPU
 processes) and builds its executor and `Rank`. Then it serves commands: `step` (its rows of the
 global batch), `flush` (finish pending updates), `reload` (host state rewritten by the controller,
-e.g. from a checkpoint), `close`.
+e.g. from a checkpoint), `device_memory` (peak device memory, for benchmarks), `close`.
 
 Failure: a worker that raises reports the error and exits; one that dies is seen through its
 process sentinel. Either way the controller marks the failure in the shared flags (every waiting
@@ -165,6 +165,11 @@ class WorkerPool:
     def reload(self, step: int) -> None:
         self.call("reload", [dict(step=step)] * self.world_size)
 
+    def device_memory(self, reset: bool = False) -> list[dict | None]:
+        """Each rank's peak device memory since its last reset, in rank order: {"max_allocated_bytes",
+        "max_reserved_bytes"} (torch.cuda's counters; None on the CPU); `reset` starts new peaks."""
+        return self.call("device_memory", [dict(reset=reset)] * self.world_size)
+
     def close(self, graceful: bool = True) -> None:
         if self._closed:
             return
@@ -248,6 +253,8 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
                 reply = runner.sync_host()
             elif command == "reload":
                 reply = runner.reload(kwargs["step"])
+            elif command == "device_memory":
+                reply = _device_memory(device, kwargs["reset"])
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", reply))
@@ -264,6 +271,16 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
         host.close()
     finally:
         os._exit(0)
+
+
+def _device_memory(device: torch.device, reset: bool) -> dict | None:
+    if device.type != "cuda":
+        return None
+    peaks = {"max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+             "max_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peaks
 
 
 def _inline(tensor):

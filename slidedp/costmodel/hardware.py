@@ -53,6 +53,9 @@ class Hardware:
     # Device memory bandwidth reached by an optimizer kernel (reads and writes together); 0: not
     # known, and the optimizer state of a layer is never planned on the device (ops.device_update_time_s).
     gpu_memory_bytes_per_s: float = 0.0
+    # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/early.py), which run
+    # beside the backward's gradient and weight copies both ways; 0: cpu_adamw_contended_fraction.
+    cpu_adamw_backward_fraction: float = 0.0
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -118,6 +121,9 @@ PRESETS: dict[str, Hardware] = {
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
         host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.67,
         compiled_block_efficiency=0.657, gpu_memory_bytes_per_s=3.0e12,
+        # 2.62 of 3.97 G params/s with copies both ways (DESIGN.md §5); early updates of Qwen3-4B at
+        # 16,384 tokens measured a steady step of about 1.65 s at 24 GiB, as this predicts (1.62 s)
+        cpu_adamw_backward_fraction=0.66,
     ),
     "h100-sxm": Hardware(
         name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,

@@ -2,24 +2,27 @@
 `solve.plan_for` turns any of them into the same Plan type); they seed the CP-SAT search as
 hints, and the solver's plan is never slower than any of them that fits.
 
-Common to all: the fewest chunks (one per rank), replicated delivery and CPU reduction, the
-forward update order, and the widest of windows 2 then 1 that fits.
+Common to all: the fewest chunks (one per rank), replicated delivery and CPU reduction (unless the
+options force another route: `ProblemCosts.default_route`), the forward update order, and the
+widest of windows 2 then 1 that fits.
 """
 
 from __future__ import annotations
 
 from slidedp.scheduler.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    CPU, FORWARD_ORDER, KEEP, RECOMPUTE, REPLICATED, RESIDENT, Decisions, LayerChoice,
+    FORWARD_ORDER, KEEP, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
 )
 from slidedp.scheduler.footprint import evaluate
 from slidedp.scheduler.program import build_program
 
 
 def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple: int | None = None,
-            route: tuple[str, str] = (REPLICATED, CPU), order: str | None = None) -> Decisions:
-    """Every block with the same activation policy, every layer with the same chunks and route."""
+            route: tuple[str, str] | None = None, order: str | None = None) -> Decisions:
+    """Every block with the same activation policy, every layer with the same chunks and route
+    (None: costs.default_route)."""
     W = costs.problem.world_size
+    route = route or costs.default_route
     k = W * (chunk_multiple or min(costs.options.chunk_multiples))
     layers = tuple(LayerChoice(k, activation if i in costs.blocks else RESIDENT, route[0], route[1])
                    for i in range(costs.n_layers))

@@ -116,6 +116,13 @@ class ProblemCosts:
         self.routes = [(REPLICATED, CPU)]
         if W > 1 and hw.gpu_p2p_bytes_per_s > 0:
             self.routes = [(d, r) for d, r in product(self.options.deliveries, self.options.reductions)]
+        elif self.options.forces_route:
+            why = "world_size is 1" if W == 1 else f"the GPUs of {hw.name} have no peer-to-peer (gpu_p2p_bytes_per_s 0)"
+            raise ValueError(
+                f"deliveries {self.options.deliveries} and reductions {self.options.reductions} leave out the "
+                f"replicated delivery or the CPU reduction, but {why}: only (replicated, cpu) can be planned")
+        # the baselines' route: (replicated, cpu) unless the options force another
+        self.default_route = (REPLICATED, CPU) if (REPLICATED, CPU) in self.routes else self.routes[0]
         self.layer_options: list[tuple[TransferOption, ...]] = []
         for layer in g.layers:
             numel, opts = layer.numel, []

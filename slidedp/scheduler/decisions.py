@@ -36,6 +36,9 @@ class Problem:
     # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
     # prologue (solve.py).
     device_state: frozenset = frozenset()
+    # Host bytes the spare master and moments of early updates may take (backend/early_updates.py:
+    # one rank, no clipping); None: early updates are not allowed.
+    early_host_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
@@ -73,6 +76,9 @@ class Decisions:
     window: int
     update_order: str  # "forward": prologue, blocks, epilogue; "head_first": prologue, epilogue, blocks
     layers: tuple[LayerChoice, ...]
+    # Early updates (one rank, no clipping): the host layers' updates in the CPU's order, each
+    # starting once its gradient has landed in this step; () : all after the step boundary.
+    early_order: tuple[int, ...] = ()
 
     def order(self, n_layers: int) -> tuple[int, ...]:
         """Layer ids in CPU update order (also the order of the next step's weight loads)."""
@@ -95,7 +101,10 @@ class SolverOptions:
     windows: tuple[int, ...] = (1, 2, 3, 4)
     chunk_multiples: tuple[int, ...] = (1, 2, 4)  # a layer moves in multiple x world_size chunks
     activations: tuple[str, ...] = ACTIVATIONS
-    deliveries: tuple[str, ...] = (REPLICATED, SHARDED)  # used when world_size > 1 and GPUs have P2P
+    # Routes, used when world_size > 1 and the GPUs have P2P. Leaving out the replicated delivery
+    # or the CPU reduction forces the others (a benchmark of one route); without several ranks and
+    # P2P only (replicated, cpu) exists, and then such a choice is refused (ProblemCosts).
+    deliveries: tuple[str, ...] = (REPLICATED, SHARDED)
     reductions: tuple[str, ...] = (CPU, GPU)
     update_orders: tuple[str, ...] = (FORWARD_ORDER, HEAD_FIRST)
     # CP-SAT's deterministic time (its own work units; on a slow core one unit can take several
@@ -128,8 +137,10 @@ class SolverOptions:
                 raise ValueError(f"SolverOptions.{name} must be positive ints, got {values!r}")
         if not set(self.activations) <= set(ACTIVATIONS) or RECOMPUTE not in self.activations:
             raise ValueError(f"activations must include 'recompute' and be among {ACTIVATIONS}")
-        if REPLICATED not in self.deliveries or CPU not in self.reductions:
-            raise ValueError("the replicated delivery and the CPU reduction are always allowed")
+        if not self.deliveries or not set(self.deliveries) <= {REPLICATED, SHARDED}:
+            raise ValueError(f"deliveries must be among {(REPLICATED, SHARDED)}, got {self.deliveries!r}")
+        if not self.reductions or not set(self.reductions) <= {CPU, GPU}:
+            raise ValueError(f"reductions must be among {(CPU, GPU)}, got {self.reductions!r}")
         if self.device_state_blocks is not None and (isinstance(self.device_state_blocks, bool) or not isinstance(
                 self.device_state_blocks, int) or self.device_state_blocks < 0):
             raise ValueError(f"device_state_blocks must be an int >= 0 or None, got {self.device_state_blocks!r}")
@@ -137,3 +148,9 @@ class SolverOptions:
             raise ValueError(f"device_state_prologue must be a bool or None, got {self.device_state_prologue!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:
             raise ValueError(f"update_orders must be among {(FORWARD_ORDER, HEAD_FIRST)}")
+
+    @property
+    def forces_route(self) -> bool:
+        """The replicated delivery or the CPU reduction is left out: only the sharded delivery or the
+        GPU reduction may be planned (they need several ranks and GPU peer-to-peer)."""
+        return REPLICATED not in self.deliveries or CPU not in self.reductions

@@ -185,7 +185,7 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
     # Routes of the blocks (W > 1).
     if W > 1:
         layer_bytes = costs.problem.graph.layers[blocks[0]].numel * costs.elem
-        if len(costs.routes) == 1:
+        if hw.gpu_p2p_bytes_per_s <= 0:
             bounce = ops.all_gather_time_s(layer_bytes, W, hw)
             copy = ops.transfer_time_s(layer_bytes, ops.h2d_bytes_per_s(hw, W, duplex=False),
                                        hw.transfer_efficiency)

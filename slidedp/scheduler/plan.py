@@ -134,6 +134,9 @@ class Plan:
     groups: tuple[GroupPrediction, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     device_state: tuple[int, ...] = ()  # layer ids whose optimizer state lives on the device
+    # Early updates (backend/early_updates.py; one rank, no clipping): the host layers' updates in
+    # the order the CPU takes them during the backward; () : after the backward, in update_order.
+    early_order: tuple[int, ...] = ()
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -160,6 +163,7 @@ class Plan:
         data["memory_timeline"] = tuple(MemoryPoint(**m) for m in data.get("memory_timeline", ()))
         data["update_order"] = tuple(data.get("update_order", ()))
         data["device_state"] = tuple(data.get("device_state", ()))
+        data["early_order"] = tuple(data.get("early_order", ()))
         data["groups"] = tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])})
                                for g in data.get("groups", ()))
         data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
@@ -209,7 +213,8 @@ class Plan:
             f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
-            f"  update order after the step boundary: {order}",
+            (f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
+             "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
             *([f"  optimizer state on the device: {_blocks_label(self.decisions, self.device_state)} "
                f"({format_bytes(self.memory.get('device_state_bytes', 0))}, updated there, no PCIe traffic)"]
               if self.device_state else []),

@@ -16,6 +16,15 @@ collective (the CPU updates all end earlier: each one gates a load of this step)
 begins there, so in steady state the step period is exactly this makespan, and the update of the
 last layer is counted in the step that uses it.
 
+Note [early updates]. With `d.early_order` (one rank, no clipping: backend/early_updates.py) there
+is no step boundary. The CPU lane runs the host layers' updates in that order, each once its
+gradient has landed in this step; the step ends when its last GPU or copy op ends, and updates still
+running then belong to the next step: there, the CPU lane is busy until the carried part ends, and
+the forward load of a chunk may not start before its update ends. The steady state is a fixed
+point: lay out the step with the carry of the previous layout (first none), until the carry repeats.
+The updates run beside the backward's copies both ways, at hardware.cpu_adamw_backward_fraction of
+the CPU's AdamW rate.
+
 Note [lockstep]. Ranks run the same GPU program. A collective waits for its input on every
 rank. Shared host resources (root-complex links, host DRAM, CPU cores) are charged as shares:
 when one rank copies, all W do (costmodel/ops.py), so each op's duration already includes the
@@ -26,6 +35,7 @@ work, so all ranks' timelines come out identical (the simulator computes each on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from slidedp.scheduler.costs import ProblemCosts
@@ -115,10 +125,33 @@ def condition(d: Decisions):
     return lambda op: all(holds(a) for a in op.when)
 
 
+EARLY_ITERATIONS = 40  # layouts tried for the steady state of early updates (note [early updates])
+
+
 def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ranks: bool = True) -> Simulation:
-    """Lay out one step. `all_ranks=False` lays out the GPU lanes of rank 0 only (with every
-    rank's CPU lane), which gives the same makespan by note [lockstep], faster."""
+    """Lay out one step (in steady state). `all_ranks=False` lays out the GPU lanes of rank 0 only
+    (with every rank's CPU lane), which gives the same makespan by note [lockstep], faster."""
     check_decisions(costs, d)
+    if not d.early_order:
+        return _layout(costs, d, record, all_ranks)[0]
+    if costs.problem.world_size != 1:
+        raise ValueError("early updates are for one rank")
+    carry: tuple[dict, int] = ({}, 0)
+    for _ in range(EARLY_ITERATIONS):
+        sim, update_end, cpu_end = _layout(costs, d, record, all_ranks, carry)
+        t = sim.makespan
+        nxt = ({k: e - t for k, e in update_end.items() if e > t}, max(0, cpu_end - t))
+        if nxt == carry:
+            break
+        carry = nxt
+    return sim
+
+
+def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
+            carry: tuple[dict, int] | None = None) -> tuple[Simulation, dict, int]:
+    """One step's layout; with early updates, given the carry of the step before (the ticks into
+    this step at which each (layer, chunk)'s update and the CPU lane's work end). Returns the
+    simulation, each update's end and the CPU lane's end (ticks; early updates only)."""
     W, N = costs.problem.world_size, costs.n_blocks
     prog: Program = build_program(N, d.window, W > 1)
     present = condition(d)
@@ -128,6 +161,7 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
 
     # Pieces: parallel lists indexed by piece id.
     rank_of, lane_of, name_of, layer_of, chunk_of, dur, key_deps, piece_deps = [], [], [], [], [], [], [], []
+    release: dict[int, int] = {}  # piece -> earliest start (early updates: the carry)
     queues: dict[tuple[int, str], list[int]] = {}
     last_piece: dict[tuple[int, str], int] = {}
     op_pieces: dict[str, list[int]] = {}  # rank 0 only
@@ -148,14 +182,25 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
     owned: dict[tuple[int, int], list[int]] = {}
     for r in range(W):
         for p, layer in enumerate(order):
-            o = opt[layer]
-            key = f"update[L{layer}]"
             mine = owned.setdefault((layer, r), [])
-            for c in range(o.chunks):
+            for c in range(opt[layer].chunks):
                 if costs.owner(p, c) == r:
                     mine.append(c)
-                    update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c,
-                                                   o.update_piece, key=key)
+    hw = costs.problem.hardware
+    slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
+    for r in range(W):
+        early = carry is not None
+        for layer in (d.early_order if early else order):
+            # its whole gradient, as the executor waits (it sends the epilogue's after the prologue's)
+            deps = ((r, f"grad[L{layer}]"),) + (((r, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
+            for c in owned[(layer, r)]:
+                ticks = math.ceil(opt[layer].update_piece * slower) if early else opt[layer].update_piece
+                update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c, ticks, deps,
+                                               key=f"update[L{layer}]")
+    if carry is not None:
+        cpu = queues.get((0, CPU_UPDATE))
+        if cpu:
+            release[cpu[0]] = carry[1]
 
     def own_chunks(layer: int, rank: int) -> list[int]:
         return owned[(layer, rank)]
@@ -165,7 +210,8 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
         for lane, lane_ops in prog.lanes.items():
             for op in lane_ops:
                 if present(op):
-                    _add_op(op, r, len(gpu_ranks), d, costs, opt, any_offload, own_chunks, update_piece, add)
+                    _add_op(op, r, len(gpu_ranks), d, costs, opt, any_offload, own_chunks, update_piece, add,
+                            carry, release)
 
     # Resolve op-level dependencies to the last piece of the op (absent ops are no dependency).
     deps: list[tuple[int, ...]] = []
@@ -177,8 +223,14 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
                 resolved.append(q)
         deps.append(tuple(resolved))
 
-    start, end = _list_schedule(queues, deps, dur)
-    makespan = max(end, default=0)
+    start, end = _list_schedule(queues, deps, dur, release)
+    if carry is None:
+        makespan = max(end, default=0)
+        update_end, cpu_end = {}, 0
+    else:  # the step ends with its GPU and copy work; later updates carry over (note [early updates])
+        makespan = max((end[p] for p in range(len(dur)) if lane_of[p] != CPU_UPDATE), default=0)
+        update_end = {key: end[p] for key, p in update_piece.items()}
+        cpu_end = max((end[p] for p in queues.get((0, CPU_UPDATE), ())), default=0)
 
     footprint = evaluate(costs, d, prog.compute_keys)
     compute_ids = queues[(0, COMPUTE)]
@@ -194,11 +246,12 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
         events = tuple(Event(rank_of[p], lane_of[p], name_of[p][0].format(*name_of[p][1:]), layer_of[p],
                              chunk_of[p], start[p], end[p]) for p in range(len(dur)))
     pinned = _pinned_host(costs, d) if record else ()
-    return Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events)
+    sim = Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events)
+    return sim, update_end, cpu_end
 
 
 def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, opt, any_offload, own_chunks,
-            update_piece, add) -> None:
+            update_piece, add, carry=None, release=None) -> None:
     """The pieces of one program op on rank r (its deps: same rank, or every rank for collectives)."""
     layer = op.layer
     o = opt[layer]
@@ -227,8 +280,13 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
             piece = o.bwd_piece
         name = "load L{} c{}" if op.phase == "fwd" else "reload L{} c{}"
         for c in chunks:
-            pdeps = (update_piece[(layer, c)],) if op.chunkwise else ()
-            add(r, H2D, (name, layer, c), layer, c, piece, deps, pdeps, key=op.key)
+            if carry is None:  # the step boundary: this step's first pieces are the updates
+                pid = add(r, H2D, (name, layer, c), layer, c, piece, deps,
+                          (update_piece[(layer, c)],) if op.chunkwise else (), key=op.key)
+            else:  # early updates: the previous step's update of the chunk, if it carried over
+                pid = add(r, H2D, (name, layer, c), layer, c, piece, deps, key=op.key)
+                if op.chunkwise and (layer, c) in carry[0]:
+                    release[pid] = carry[0][(layer, c)]
     elif op.kind == "reload":
         add(r, H2D, ("reload activations L{}", layer), layer, -1, costs.blocks[layer].reload, deps, key=op.key)
     elif op.kind == "offload":
@@ -245,8 +303,10 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
         raise ValueError(op.kind)
 
 
-def _list_schedule(queues, deps, dur):
-    """Each lane runs its ops in order; an op starts at max(lane free, its dependencies' ends)."""
+def _list_schedule(queues, deps, dur, release=None):
+    """Each lane runs its ops in order; an op starts at max(lane free, its dependencies' ends, its
+    release time if it has one)."""
+    release = release or {}
     n = len(dur)
     start, end = [0] * n, [-1] * n
     heads = {q: 0 for q in queues}
@@ -259,7 +319,7 @@ def _list_schedule(queues, deps, dur):
             t_free = free[q]
             while i < len(ids):
                 pid = ids[i]
-                t = t_free
+                t = max(t_free, release.get(pid, 0))
                 for dep in deps[pid]:
                     e = end[dep]
                     if e < 0:

@@ -21,6 +21,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler import baselines, cpsat, local_search
 from slidedp.scheduler.costs import ProblemCosts
 from slidedp.scheduler.decisions import GPU, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.early import best_early
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload,
@@ -118,6 +119,14 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
               for r in results if r.decisions is not None]
     chosen_by, decisions, best_sim = _best(solved + candidates)
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
+    # Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
+    # above models the step boundary, so its bound is not one for them: the analytical one is.
+    early = best_early(costs, decisions)
+    if early is not None and early[1].makespan < best_sim.makespan:
+        decisions, best_sim = early
+        chosen_by += " + early updates"
+        results = [replace(r, best_bound=None) for r in results]
+        lower = cpsat.lower_bound(costs, early=True)
 
     best = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
@@ -135,13 +144,15 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
 def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
                precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
-               compiled_blocks: bool = False, host_offload_bytes: int | None = None) -> Plan:
+               compiled_blocks: bool = False, host_offload_bytes: int | None = None,
+               early_host_bytes: int | None = None) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
-    offloaded activations take at most `host_offload_bytes` of host memory (None: no limit).
+    offloaded activations take at most `host_offload_bytes` of host memory (None: no limit); early
+    updates (one rank, no clipping) may take `early_host_bytes` for their spare state (None: none).
     Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
-                      host_offload_bytes)
+                      host_offload_bytes, early_host_bytes=early_host_bytes)
     costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
@@ -325,13 +336,19 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
     memory_timeline = tuple(MemoryPoint(t * tick, sim.footprint.per_position[x], sim.pinned_host_bytes[x])
                             for x, t in enumerate(starts))
     auto_notes = [
+        "early updates: each host layer's update starts once its gradient has landed (early_order), out of "
+        "place, kept once the whole gradient is finite; the next step's loads wait for their layer's update"
+        if decisions.early_order else
         "step boundary: the step starts once every gradient of the previous step is on the host; the CPU "
         "then updates the layers in update_order while this step's loads wait for their layer's update",
         f"weight loads follow scheduler.program.window_loads({costs.n_blocks}, {decisions.window})",
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
-    if problem.world_size > 1 and len(costs.routes) == 1:
+    if problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
         auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
+    elif costs.options.forces_route:
+        auto_notes.append(f"routes forced by the solver options: deliveries {costs.options.deliveries}, "
+                          f"reductions {costs.options.reductions}")
     if any(c.delivery == SHARDED or c.reduction == GPU for c in decisions.layers):
         auto_notes.append("with sharded delivery or GPU reduction, rank r copies and updates the chunks it owns")
     groups = group_predictions(costs, decisions, sim) if explain else ()
@@ -359,6 +376,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         groups=groups,
         alternatives=alts,
         device_state=tuple(sorted(problem.device_state)),
+        early_order=decisions.early_order,
     )
 
 

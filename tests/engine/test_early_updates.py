@@ -1,0 +1,170 @@
+"""Early updates (plan.early_order: one rank, no clipping): each layer is updated as its gradient
+lands, out of place, and kept once the whole gradient is finite. The training is torch.optim.AdamW's;
+a non-finite step or a failed one leaves the state as it was; the planner uses them only where
+allowed, and the simulator's steady state is what they make of a step."""
+
+import copy
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.backend import cpu_adamw
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.ir.build import build_layer_graph
+from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.decisions import Problem, SolverOptions
+from slidedp.scheduler import baselines
+from slidedp.scheduler.early import best_early, early_order, landing_order
+from slidedp.scheduler.simulate import simulate
+from slidedp.scheduler.solve import solve_plan
+from tests.engine.test_exactness import BATCH, LR, SEQ, WD, train_side_by_side
+from tests.models import VOCAB, make_model
+from tests.scheduler.graphs import synthetic_graph
+from tests.reliability.test_numerical_faults import poison, snapshot
+
+KW = dict(batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32")
+
+
+def early_plan(model, landed_first: int | None = None, **kw):
+    """The solved plan of `model` with early updates of every layer (first `landed_first` in landing order)."""
+    plan = slidedp.plan(model, "1GiB", **KW, **kw)
+    n = len(plan.decisions)
+    load = [i for i in range(n) if i not in plan.device_state]
+    m = len(load) if landed_first is None else landed_first
+    first = [i for i in landing_order(n) if i in load][:m]
+    return dataclasses.replace(plan, early_order=tuple(first) + tuple(i for i in load if i not in first))
+
+
+def compiled(model, plan, max_grad_norm=None, **kw):
+    return slidedp.compile(model, "1GiB", **KW, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD),
+                           max_grad_norm=max_grad_norm, plan=plan, **kw)
+
+
+@pytest.mark.parametrize("family, tied, micro_batches, landed_first", [
+    ("llama", False, 2, None),  # one pass: every layer as it lands
+    ("gpt2", True, 2, 2),  # a tied head (the prologue's gradient sums both uses): then load order
+    ("qwen3", False, 1, 3),  # two passes: the second pass's host-side adds are waited for
+])
+def test_early_updates_are_exact(family, tied, micro_batches, landed_first):
+    model = make_model(family, tied=tied)
+    ref = copy.deepcopy(model).eval()
+    plan = early_plan(model, landed_first, micro_batches=micro_batches)
+    with compiled(model, plan, micro_batches=micro_batches) as engine:
+        assert engine.runner.early is not None
+        assert all(layer.spare is not None for layer in engine.host.layers)
+        train_side_by_side(engine, ref, steps=3, seed=5, clip=None)
+        for name, p in ref.named_parameters():  # the model's own parameters view the current master
+            torch.testing.assert_close(model.get_parameter(name).detach(), p.detach(), rtol=1e-4, atol=2e-5)
+
+
+def test_updates_start_during_the_backward_in_the_planned_order(monkeypatch):
+    model = make_model("llama")
+    plan = early_plan(model, landed_first=2)
+    engine = compiled(model, plan)
+    spans = []
+    for arrays in engine.host.layers:
+        for t in (arrays.master, arrays.spare[0]):
+            spans.append((t.data_ptr(), t.data_ptr() + 4 * t.numel(), arrays.layout.layer_id))
+    seen, real = [], cpu_adamw.adamw_step
+
+    def recording(param, *args, **kw):
+        assert kw.get("to") is not None  # out of place: the current state stays untouched
+        seen.append(next(i for lo, hi, i in spans if lo <= param.ctypes.data < hi))
+        return real(param, *args, **kw)
+
+    monkeypatch.setattr(cpu_adamw, "adamw_step", recording)
+    with engine:
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+        engine.updates.flush()
+    order = [i for k, i in enumerate(seen) if k == 0 or seen[k - 1] != i]
+    assert tuple(order) == plan.early_order
+    n = len(plan.decisions)
+    assert order[:2] == [n - 2, n - 3]  # the last blocks' gradients land first
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_non_finite_gradient_takes_the_early_updates_back(where):
+    """Block 1's gradient turns non-finite after later layers were updated: the step is skipped and
+    master, moments, delivery copy and step count are as before, bit for bit."""
+    switch = {"on": False}
+    model = make_model("llama")
+    poison(model, where, switch)
+    clean_model = copy.deepcopy(make_model("llama"))
+    engine, clean = compiled(model, early_plan(model)), compiled(clean_model, early_plan(clean_model))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(3)]
+    engine.step(batches[0])
+    clean.step(batches[0])
+    before, step = snapshot(engine)
+    switch["on"] = True
+    engine.step(batches[1])
+    switch["on"] = False
+    assert engine.last_step.skipped
+    after, step_after = snapshot(engine)
+    assert step_after == step and all(torch.equal(x, y) for x, y in zip(before, after))
+    engine.step(batches[2])
+    clean.step(batches[2])
+    ours, theirs = engine.state_dict(), clean.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    engine.close()
+    clean.close()
+
+
+def test_a_failed_step_takes_the_early_updates_back(monkeypatch):
+    """An error in the backward (after some layers were updated early) leaves the state as before."""
+    model = make_model("llama")
+    engine = compiled(model, early_plan(model, micro_batches=2), micro_batches=2)  # one pass per step
+    engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    before, step = snapshot(engine)
+    executor = engine.runner.executor
+    real = executor._op_prologue_bwd
+
+    def broken(*args, **kw):
+        deadline = time.monotonic() + 10
+        while not engine.runner.early.round.updated and time.monotonic() < deadline:
+            time.sleep(0.01)  # some layers are updated before the failure
+        assert engine.runner.early.round.updated
+        raise RuntimeError("backward failed")
+
+    monkeypatch.setattr(executor, "_op_prologue_bwd", broken)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    monkeypatch.setattr(executor, "_op_prologue_bwd", real)
+    after, step_after = snapshot(engine)
+    assert step_after == step and all(torch.equal(x, y) for x, y in zip(before, after))
+    engine.close()
+
+
+def test_early_plans_need_no_clipping_and_one_rank():
+    model = make_model("llama")
+    plan = early_plan(model)
+    with pytest.raises(ValueError, match="max_grad_norm=None"):
+        compiled(model, plan, max_grad_norm=1.0)
+    assert slidedp.plan(model, "1GiB", **KW, max_grad_norm=1.0).early_order == ()
+    assert slidedp.Plan.from_dict(plan.to_dict()) == plan
+    assert "early updates" in plan.summary()
+
+
+def test_simulated_early_updates_overlap_the_backward():
+    """A CPU-heavy model on the H200 profile: early updates shorten the simulated step, the steady
+    state still fits the CPU's work in one step, and the planner takes them only when allowed."""
+    graph = synthetic_graph(8, block_numel=256 << 20, flops_fwd=2e13)  # compute about the CPU work
+    hw = PRESETS["h200-sxm"]
+    options = SolverOptions(device_state_blocks=0)
+    costs = ProblemCosts(Problem(graph, hw, early_host_bytes=1 << 62), options)
+    d = baselines.BASELINES["recompute-all"](costs, 1 << 40)
+    boundary = simulate(costs, d)
+    best, early = best_early(costs, d)
+    assert sorted(best.early_order) == list(range(len(graph.layers)))
+    assert early.makespan < boundary.makespan
+    assert early.makespan >= max(early.lane_busy.values())  # the CPU's work fits in the period
+    n = len(graph.layers)
+    assert early_order(costs, d, 0) == tuple(range(n))  # none as they land: the load order
+    assert early_order(costs, d, 2) == (n - 2, n - 3) + tuple(range(n - 3)) + (n - 1,)
+    plans = {limit: solve_plan(graph, budget_bytes=40 << 30, hardware=hw, options=options, early_host_bytes=limit)
+             for limit in (None, 1 << 62, 0)}
+    assert plans[1 << 62].early_order and plans[1 << 62].predicted_step_time_s < plans[None].predicted_step_time_s
+    assert plans[None].early_order == () and plans[0].early_order == ()  # not allowed / no room for the spare
