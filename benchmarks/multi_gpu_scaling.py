@@ -572,7 +572,7 @@ def preflight(spec: Spec, args, gpus: int | None) -> str | None:
         available, source = host_available_bytes(), "available (MemAvailable, cgroup)"
     if available is not None and need > available:
         return (f"not enough host RAM: the point needs about {need / 2**30:.1f} GiB, {source} "
-                f"{available / 2**30:.1f} GiB")
+                f"{available / 2**30:.1f} GiB (where /proc/meminfo under-reports the RAM, give it with --host-ram)")
     return None
 
 

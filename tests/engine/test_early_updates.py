@@ -13,7 +13,6 @@ import torch
 import slidedp
 from slidedp.backend import cpu_adamw
 from slidedp.costmodel.hardware import PRESETS
-from slidedp.ir.build import build_layer_graph
 from slidedp.scheduler.costs import ProblemCosts
 from slidedp.scheduler.decisions import Problem, SolverOptions
 from slidedp.scheduler import baselines
