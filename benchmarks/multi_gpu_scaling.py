@@ -10,7 +10,7 @@ efficiency >= 90% from 1 to 4 GPUs at 65,536 tokens/step, >= 1.5x FSDP2 with CPU
 point, host memory flat in the number of GPUs, predicted step time within 15% of measured.
 
 Commands for a 4-GPU lease (nvidia-h200-x4). First here, without a GPU: solve every slidedp plan for
-the H200 preset, so that the lease is spent measuring (CP-SAT, up to minutes a plan on 2 cores;
+the H200 preset, so that the lease is spent measuring (CP-SAT, about half a minute a plan on 2 cores;
 they go to benchmarks/results/plans_scaling/, which travels with the working tree):
 
     python benchmarks/multi_gpu_scaling.py --solve-plans --shape 4b --world-sizes 1 2 4 --mode both \\
@@ -18,16 +18,33 @@ they go to benchmarks/results/plans_scaling/, which travels with the working tre
     python benchmarks/multi_gpu_scaling.py --solve-plans --shape 8b --world-sizes 1 2 4 --mode both \\
         --hardware h200-sxm
 
-Then on the lease (python3 is the image's; the records of each command are merged into
-benchmarks/multi_gpu_scaling.json, so the run can be split by --systems / --world-sizes /
---routes to fit the time one command may take; --host-ram because MemTotal grows there as memory
-is used, so /proc/meminfo under-reports it at the start):
+On the lease, each command a few points (one may run 10 minutes; a 4B point takes minutes, most of
+it building the host state), its records in $OUT (the only folder that comes back). --reuse-plans
+takes the plans above (a plan this machine's model no longer matches is solved there again);
+--host-ram because MemTotal grows there as memory is used, so /proc/meminfo under-reports it. In the
+order that answers the targets first (strong scaling of slidedp and FSDP2 with CPU offload, then
+every route with 4 GPUs, then weak scaling, GPU-resident FSDP2 and the 8B shape):
 
-    python3 benchmarks/multi_gpu_scaling.py --shape 4b --world-sizes 1 2 4 --mode both --reuse-plans \\
-        --host-ram 500GiB --merge --readme
-    python3 benchmarks/multi_gpu_scaling.py --shape 8b --world-sizes 1 2 4 --mode both --reuse-plans \\
-        --host-ram 500GiB --merge --readme
-    python3 benchmarks/multi_gpu_scaling.py --render benchmarks/multi_gpu_scaling.json --readme  # table only
+    L="python3 benchmarks/multi_gpu_scaling.py --reuse-plans --plans-dir benchmarks/results/plans_scaling \\
+       --host-ram 500GiB --timeout-s 560 --out $OUT/scaling.json --merge"
+    $L --shape 4b --mode strong --world-sizes 1 --systems slidedp fsdp2_cpu_offload
+    $L --shape 4b --mode strong --world-sizes 2 --systems slidedp fsdp2_cpu_offload --routes auto
+    $L --shape 4b --mode strong --world-sizes 4 --systems slidedp fsdp2_cpu_offload --routes auto
+    $L --shape 4b --mode strong --world-sizes 4 --systems slidedp --routes replicated/cpu replicated/gpu
+    $L --shape 4b --mode strong --world-sizes 4 --systems slidedp --routes sharded/cpu sharded/gpu
+    $L --shape 4b --mode weak --world-sizes 1 2 --systems slidedp fsdp2_cpu_offload --routes auto
+    $L --shape 4b --mode both --world-sizes 1 2 4 --systems fsdp2_gpu
+    (then the routes with 2 GPUs, and the same for --shape 8b)
+
+Back here, each call's scaling.json copied to benchmarks/results/multi_gpu_scaling/ (call1.json, ...):
+merge them (a later file's point replaces an earlier one's) into the records and the README section:
+
+    python benchmarks/multi_gpu_scaling.py --render benchmarks/results/multi_gpu_scaling/*.json \\
+        --out benchmarks/multi_gpu_scaling.json --readme
+
+On a machine that keeps its files, one command does it all:
+`python3 benchmarks/multi_gpu_scaling.py --shape 4b --mode both --reuse-plans --host-ram 500GiB --merge
+--readme` (all systems and routes, 1, 2 and 4 GPUs, records merged into benchmarks/multi_gpu_scaling.json).
 
 CPU smoke (gloo, CPU processes; what tests/test_scaling_script.py runs):
 
@@ -76,6 +93,11 @@ efficiency = tokens/s(W) / (W x tokens/s(1 GPU)) at the same tokens per step / p
 to FSDP2 with CPU offload at the same point, host memory against 1 GPU at the same tokens per GPU,
 and measured over predicted step time.
 
+Every process of the run has NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 (NVLink multicast off, as the lent multi-GPU machines require) and
+TORCHINDUCTOR_COMPILE_THREADS=1 (no idle pool of compile processes per rank in the host memory),
+unless the environment sets them otherwise; each record lists them ("env").
+
 On `--device cpu` (smoke test and tests) ranks are CPU processes on gloo, slidedp runs in fp32 with
 the "cpu" hardware preset given peer-to-peer between its ranks (gloo carries every route), and
 FSDP2 keeps its unsharded parameters on the CPU.
@@ -118,9 +140,12 @@ README_END = "<!-- multi_gpu_scaling:end -->"
 # Host memory of one point's process beyond the training state (torch, CUDA context, compile workers):
 # the preflight's allowance per process.
 PROCESS_HOST_BYTES = {"cuda": 4 << 30, "cpu": 1 << 30}
-# NVLink multicast stays off in every process (the lent multi-GPU machines require it: a program using
-# it can put the host's shared GPUs out of service): the children inherit these unless already set.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Set in every process of the run unless already set (each record lists them). NVLink multicast stays
+# off (the lent multi-GPU machines require it: a program using it can put the host's shared GPUs out of
+# service); torch.compile compiles slidedp's block in each rank's own process, without a pool of
+# compile processes per rank that would stay idle and count in the host memory of every rank.
+RUN_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # Targets of issue 8
 STRONG_EFFICIENCY_MIN, STRONG_WORLD_SIZE = 0.90, 4
 VS_OFFLOAD_MIN = 1.5
@@ -218,6 +243,16 @@ def points(args) -> list[Spec]:
 
 def record_key(r: dict) -> tuple:
     return (r.get("shape"), r["system"], r.get("route"), r.get("world_size"), r["tokens_per_step"])
+
+
+def merge_records(*lists: list[dict]) -> list[dict]:
+    """Records of several runs: a point measured again replaces the earlier record of that point."""
+    merged: dict[tuple, dict] = {}
+    for records in lists:
+        for r in records:
+            merged.pop(record_key(r), None)
+            merged[record_key(r)] = r
+    return list(merged.values())
 
 
 def point_args(spec: Spec, args, command: str, result: Path) -> dict:
@@ -464,15 +499,15 @@ class ScalingPoint(single.Point):
         options = route_options(self.args.route)
         self.record["solver_options"] = None if options is None else {
             "deliveries": list(options.deliveries), "reductions": list(options.reductions)}
+        compile_blocks = self.cuda if compile_blocks is None else compile_blocks
         if self.args.reuse_plans and path.exists():
-            try:
-                slidedp.Plan.load(path)  # a plan of an older schema is solved again, not an error
+            try:  # checked against this model and workload first: a plan compile would refuse is solved again
+                slidedp.plan(model, budget, compile_blocks=compile_blocks, plan=str(path), **kwargs)
                 return str(path)
             except (ValueError, KeyError, TypeError) as exc:
                 self.record["plan_reuse_error"] = f"{type(exc).__name__}: {exc}"[:500]
         t0 = time.perf_counter()
-        plan = slidedp.plan(model, budget, compile_blocks=self.cuda if compile_blocks is None else compile_blocks,
-                            solver_options=options, **kwargs)
+        plan = slidedp.plan(model, budget, compile_blocks=compile_blocks, solver_options=options, **kwargs)
         self.record["plan_solve_s"] = time.perf_counter() - t0
         return plan
 
@@ -490,14 +525,14 @@ class ScalingPoint(single.Point):
                            hardware_profile=plan.hardware.get("name"), plan_window=plan.window,
                            predicted=dict(plan.predicted))
         runner = self.engine.runner
-        if not (self.cuda and hasattr(runner, "device_memory")):
+        if not hasattr(runner, "device_memory"):  # one rank, in this process: Point.run measures it
             return step, finish, close
         runner.device_memory(reset=True)  # the build's peaks are not the step's, as in one process
 
         def close_all():
             try:
-                if self.record.get("measured_step_s") is not None:
-                    self.rank_device_peaks = [p["max_allocated_bytes"] for p in runner.device_memory()]
+                if self.record.get("measured_step_s") is not None:  # each worker's peak (None on the CPU)
+                    self.rank_device_peaks = [p and p["max_allocated_bytes"] for p in runner.device_memory()]
             finally:
                 close()
 
@@ -505,7 +540,7 @@ class ScalingPoint(single.Point):
 
     # -- the record --
     def host_record(self, sampler):
-        if self.rank_device_peaks:
+        if self.rank_device_peaks is not None:
             self.record.update(peak_device_bytes_per_rank=self.rank_device_peaks,
                                peak_device_bytes=max((p for p in self.rank_device_peaks if p is not None), default=None))
         if not isinstance(sampler, TreeSampler):
@@ -528,7 +563,9 @@ def point_main(args) -> int:
 
         torch.cuda.set_device(ns.rank)  # before anything touches CUDA: no context on another rank's GPU
     sampler = TreeSampler() if ns.rank == 0 else single.HostMemSampler()
-    return single.worker(ns, point_cls=ScalingPoint, sampler=sampler, record=base_record(ns))
+    record = base_record(ns)
+    record["env"] = {key: os.environ.get(key) for key in RUN_ENV}
+    return single.worker(ns, point_cls=ScalingPoint, sampler=sampler, record=record)
 
 
 # -- the driver -------------------------------------------------------------------------------------------
@@ -597,7 +634,7 @@ def hardware_text(record: dict, host: dict) -> str:
 def drive(args) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the child goes with us
-    for key, value in NO_MULTICAST_ENV.items():
+    for key, value in RUN_ENV.items():
         os.environ.setdefault(key, value)
     out = Path(args.out)
     records: list[dict] = json.loads(out.read_text()) if args.merge and out.exists() else []
@@ -613,7 +650,7 @@ def drive(args) -> int:
             record = dict(base_record(ns), error=why)
         record.update({k: v for k, v in extra.items() if record.get(k) is None})
         record["hardware"] = hardware_text(record, host)
-        records = [r for r in records if record_key(r) != record_key(record)] + [record]
+        records = merge_records(records, [record])
         single.write_records(out, records)
         summary = record["error"] or (f"{record['tokens_per_s']:.0f} tokens/s, {record['measured_step_s']:.3f} s/step "
                                       f"(predicted {_num(record.get('predicted_step_s'), '.3f')}), "
@@ -771,11 +808,11 @@ def render_targets(records: list[dict]) -> str:
 
     lines = []
     strong = []
-    for r in slide:
-        if r.get("world_size") == STRONG_WORLD_SIZE and "strong" in (r.get("modes") or []):
-            e = idx.strong(r)
-            if e is not None:
-                strong.append(f"{label((r.get('shape'), r.get('route')))} {e:.0%} {verdict(e >= STRONG_EFFICIENCY_MIN)}")
+    for r in sorted(slide, key=lambda r: (str(r.get("shape")), str(r.get("route")), r["tokens_per_step"])):
+        e = idx.strong(r) if r.get("world_size") == STRONG_WORLD_SIZE else None
+        if e is not None:
+            strong.append(f"{label((r.get('shape'), r.get('route')))} at {r['tokens_per_step']:,} tokens/step "
+                          f"{e:.0%} {verdict(e >= STRONG_EFFICIENCY_MIN)}")
     lines.append(f"- strong-scaling efficiency from 1 to {STRONG_WORLD_SIZE} GPUs >= {STRONG_EFFICIENCY_MIN:.0%}: "
                  + ("; ".join(strong) or "not measured"))
     vs, host, pred = [], [], []
@@ -866,7 +903,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-grad-norm", type=lambda v: None if v.lower() == "none" else float(v),
                    default=single.MAX_GRAD_NORM, help="global gradient-norm clipping in every system (none: off)")
-    p.add_argument("--out", default=str(HERE / "multi_gpu_scaling.json"))
+    p.add_argument("--out", help="records (default: benchmarks/multi_gpu_scaling.json; with --render: where the "
+                                  "merged records go, none by default)")
     p.add_argument("--merge", action="store_true", help="keep the records in --out, replacing the points run now")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per point")
     p.add_argument("--plans-dir", help="slidedp's plans (default: results/plans_scaling beside --out)")
@@ -879,7 +917,8 @@ def main(argv=None) -> int:
                                       "it; also skips slidedp's own host check (SLIDEDP_SKIP_PREFLIGHT=1)")
     p.add_argument("--readme", action="store_true", help="(re)write the marked section of benchmarks/README.md")
     p.add_argument("--readme-path", default=str(HERE / "README.md"))
-    p.add_argument("--render", metavar="JSON", help="only render the table of an existing records file")
+    p.add_argument("--render", metavar="JSON", nargs="+",
+                   help="only render records files, merged (a later file's point replaces an earlier one's)")
     # a point's process (internal)
     p.add_argument("--point", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -889,13 +928,16 @@ def main(argv=None) -> int:
     if args.point:
         return point_main(args)
     if args.render:
-        records = json.loads(Path(args.render).read_text())
+        records = merge_records(*(json.loads(Path(f).read_text()) for f in args.render))
+        if args.out:
+            single.write_records(Path(args.out), records)
         print(render_table(records))
         print(render_targets(records))
         if args.readme:
-            single.update_readme(Path(args.readme_path), render_section(records, args.render), README_BEGIN,
-                                 README_END)
+            single.update_readme(Path(args.readme_path), render_section(records, args.out or args.render[0]),
+                                 README_BEGIN, README_END)
         return 0
+    args.out = args.out or str(HERE / "multi_gpu_scaling.json")
     seq = seq_of(args)
     args.strong_tokens = args.strong_tokens or 16 * seq
     args.weak_tokens_per_rank = args.weak_tokens_per_rank or 4 * seq

@@ -74,6 +74,7 @@ def check_record(bench, r: dict, world_size: int) -> None:
     assert r["peak_host_bytes"] > 0 and len(r["host_pss_bytes_per_process"]) >= world_size
     assert r["peak_device_bytes"] is None  # no device memory on the CPU
     assert "multi_gpu_scaling.py" in r["command"] and len(r["date"]) == 10 and r["git_commit"]
+    assert r["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off in every process of the run
     assert r["hardware"].startswith(f"{world_size} x ")
 
 
@@ -88,6 +89,7 @@ def test_every_system_writes_a_complete_record_with_two_ranks(two_ranks):
     assert slide["predicted_step_s"] > 0 and slide["budget_bytes"] == 40 * 2**30
     assert slide["hardware_profile"] == "cpu-gloo" and Path(slide["plan_path"]).parent == tmp / "plans"
     assert len(slide["host_pss_bytes_per_process"]) >= 3  # the driving process and two workers
+    assert slide["peak_device_bytes_per_rank"] == [None, None]  # each worker asked (no device memory on the CPU)
     for r, policy in ((offload, "CPUOffloadPolicy"), (resident, "none")):
         assert r["route"] is None and r["predicted_step_s"] is None
         assert r["process_group"] == "gloo, world size 2" and r["offload_policy"].startswith(policy)
@@ -221,7 +223,7 @@ def test_readme_table_renders(two_ranks, tmp_path):
     assert "| does not fit: 66.0 GiB per GPU > 40.0 GiB |" in table
     assert "| 1.29 |" in table  # host 90 / 70 GiB
     targets = bench.render_targets(records)
-    assert "4b sharded/gpu 85% missed" in targets and "lowest 2.14x" in targets and "at most 1.29x missed" in targets
+    assert "4b sharded/gpu at 65,536 tokens/step 85% missed" in targets and "lowest 2.14x" in targets and "at most 1.29x missed" in targets
     assert "4b auto worst" in targets and "met" in targets
 
     section = bench.render_section(two_ranks[1] + records, tmp_path / "records.json")
