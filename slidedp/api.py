@@ -106,11 +106,15 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
     return graph, the_plan, dev, optimizer, max_grad_norm
 
 
+def _one_process(world_size: int) -> bool:
+    """One rank, run in the engine's own process (SLIDEDP_WORKER_PROCESSES=1 puts it in a worker)."""
+    return world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")
+
+
 def _early_allowed(world_size: int, max_grad_norm) -> bool:
     """Early updates (backend/early_updates.py) need the whole gradient only for its finite check:
     not with clipping, and they run on one rank in the engine's own process."""
-    return (max_grad_norm is None and world_size == 1
-            and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0"))
+    return max_grad_norm is None and _one_process(world_size)
 
 
 def _early_host_bytes(graph: LayerGraph, precision: str, planning_only: bool) -> int | None:
@@ -227,10 +231,16 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     flag_ints = StepFlags.ints_needed(world_size, len(graph.layers))
     from slidedp.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
     host = None
+    # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
+    # on a machine with one GPU; for diagnosis)
+    in_process = _one_process(world_size)
+    # the device state of an engine's own rank keeps its moments and gradient there alone
+    lean = the_plan.device_state if in_process else ()
     if launched_rank is None or launched_rank == 0:
-        check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints)
+        check_compile(graph, the_plan, dev, precision=precision, world_size=world_size, control_ints=flag_ints,
+                      lean_layers=lean)
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints, spare_layers=the_plan.early_order)
+                         control_ints=flag_ints, spare_layers=the_plan.early_order, lean_layers=lean)
     if launched_rank is not None:
         host = _share_host_state(comm, host)
     runner = None
@@ -242,9 +252,6 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
         job = dict(graph=graph, plan=the_plan, program=program, compute_dtype=_PRECISIONS[precision],
                    loss_chunk_tokens=the_plan.loss_chunk_tokens or None, update_order=update_order(the_plan, graph),
                    compile_blocks=the_plan.workload.compiled_blocks)
-        # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
-        # on a machine with one GPU; for diagnosis)
-        in_process = world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")
         if in_process or launched_rank is not None:
             if dev.type == "cuda":
                 host.pin()

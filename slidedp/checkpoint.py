@@ -375,7 +375,10 @@ def write_engine_state(engine, writer: CheckpointWriter) -> None:
     engine.updates.flush()
     host = engine.host
     for layout, arrays in zip(host.layouts, host.layers):
-        writer.tensors(layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
+        tensors = {k: getattr(arrays, k) for k in STATE_ARRAYS}
+        if _lean(arrays):  # the moments live on the device alone (device_state.py)
+            tensors.update(zip(STATE_ARRAYS[1:], (t.cpu() for t in engine.runner.device_state.moments(layout.layer_id))))
+        writer.tensors(layer_file(layout.layer_id), tensors)
     frozen = {name: p.detach() for name, p in engine.model.named_parameters() if not p.requires_grad}
     if frozen:
         writer.tensors("frozen.safetensors", frozen)
@@ -439,6 +442,11 @@ def _check_layout(engine, meta: dict, folder: Path) -> None:
                                   f"differs, first at {diff[1]} in the checkpoint vs {diff[0]} here")
 
 
+def _lean(arrays) -> bool:
+    """A layer whose moments the host state does not hold (host_state.py)."""
+    return arrays.exp_avg.numel() == 0 and arrays.master.numel() > 0
+
+
 def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True) -> dict:
     """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
     folder = Path(folder)
@@ -449,7 +457,14 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
     engine.updates.flush()
     host = engine.host
     for layout, arrays in zip(host.layouts, host.layers):
-        read_safetensors_into(folder / layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
+        targets = {k: getattr(arrays, k) for k in STATE_ARRAYS}
+        on_device = ()
+        if _lean(arrays):  # the moments go to the device (device_state.py), read through the host
+            on_device = engine.runner.device_state.moments(layout.layer_id)
+            targets.update((k, torch.empty(arrays.master.numel(), dtype=torch.float32)) for k in STATE_ARRAYS[1:])
+        read_safetensors_into(folder / layer_file(layout.layer_id), targets)
+        for dst, k in zip(on_device, STATE_ARRAYS[1:]):
+            dst.copy_(targets[k])
         if arrays.delivery is not None:
             arrays.delivery.copy_(arrays.master)  # bf16, round to nearest even, as the optimizer writes it
     if meta.get("frozen"):

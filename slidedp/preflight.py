@@ -131,7 +131,7 @@ def available_memory(device) -> Available:
                      device_bytes=device_available_bytes(device))
 
 
-def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_layers=()) -> int:
+def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_layers=(), lean_layers=()) -> int:
     """Bytes of the host state `compile` makes for `graph` (bf16: with the delivery copy and bf16
     gradients; fp32: fp32 gradients, no delivery copy; a spare master and moments for the layers
     updated early)."""
@@ -139,7 +139,7 @@ def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_laye
 
     bf16 = precision == "bf16"
     return plan_layout(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                       control_ints=control_ints, spare_layers=spare_layers)[2]
+                       control_ints=control_ints, spare_layers=spare_layers, lean_layers=lean_layers)[2]
 
 
 def offloaded_activation_bytes(graph, plan) -> int:
@@ -150,7 +150,8 @@ def offloaded_activation_bytes(graph, plan) -> int:
                                              if policy.get(layer.id) == "offload")
 
 
-def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0) -> Needs:
+def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
+                  lean_layers=()) -> Needs:
     """What `compile` allocates for this graph and plan on this device: one host state (shared by
     the ranks), and the plan's device peak per rank (host RAM when the ranks are CPU processes)."""
     import torch
@@ -158,7 +159,7 @@ def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, c
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
     return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints,
-                                                   spare_layers=plan.early_order),
+                                                   spare_layers=plan.early_order, lean_layers=lean_layers),
                  host_other_bytes=((device_bytes if on_cpu else 0) + offloaded_activation_bytes(graph, plan)) * world_size,
                  device_bytes=0 if on_cpu else device_bytes)
 
@@ -192,12 +193,12 @@ def check_memory(needs: Needs, available: Available, *, headroom_bytes: int = HO
 
 
 def check_compile(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
-                  available: Available | None = None) -> Needs:
+                  lean_layers=(), available: Available | None = None) -> Needs:
     """The preflight of `compile`: what it will allocate against what the machine has free (the
     device figure is that of `device`, the device the caller will use; every GPU of a host with
     several ranks is assumed alike)."""
     needs = compile_needs(graph, plan, device, precision=precision, world_size=world_size,
-                          control_ints=control_ints)
+                          control_ints=control_ints, lean_layers=lean_layers)
     if os.environ.get("SLIDEDP_SKIP_PREFLIGHT", "") not in ("", "0"):
         return needs
     check_memory(needs, available if available is not None else available_memory(device))

@@ -8,9 +8,11 @@ to nearest even, as the CPU optimizer writes the host's delivery copy), the grad
 and once the step's norm is known (rank.py) AdamW runs on the device's compute stream, before the
 next step's copies (which wait for it by an event).
 
-The host state keeps its arrays for these layers as the place checkpoints, `state_dict` and the
-model's parameters read: `store_to_host` copies the device state down (the engine's `sync_host`),
-`load_from_host` copies it up (at the start, and after a checkpoint was loaded into the host).
+The host state keeps the master weights of these layers (and their delivery copy) as the place
+`state_dict`, exports and the model's parameters read: `store_to_host` copies them down (the engine's
+`sync_host`), `load_from_host` up (at the start, and after a checkpoint was loaded into the host).
+With several ranks the host keeps their moments too, for checkpoints; an engine's own rank does not
+("lean" layers, host_state.py): checkpoints read and write the moments here (`moments`).
 
 AdamW is `torch._fused_adamw_` (the kernel of `torch.optim.AdamW(fused=True)`, on CUDA and on the
 CPU) on pieces of `piece_numel` parameters, each with its gradient taken to fp32 and multiplied by
@@ -43,27 +45,39 @@ class DeviceState:
             arrays = host.layers[layer_id]
             n = arrays.layout.numel
             master = torch.empty(n, dtype=torch.float32, device=device)
-            self.layers[layer_id] = DeviceLayer(master, torch.empty_like(master), torch.empty_like(master),
+            self.layers[layer_id] = DeviceLayer(master, torch.zeros_like(master), torch.zeros_like(master),
                                                 torch.empty(n, dtype=arrays.grad.dtype, device=device))
         self.load_from_host()
 
     def __contains__(self, layer_id: int) -> bool:
         return layer_id in self.layers
 
+    def _pairs(self, d: DeviceLayer, arrays):
+        """(device, host) tensors kept in both places: the master, and the moments unless lean."""
+        pairs = [(d.master, arrays.master)]
+        if arrays.exp_avg.numel():
+            pairs += [(d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
+        return pairs
+
+    def moments(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's exp_avg and exp_avg_sq on the device (what checkpoints of lean layers use)."""
+        d = self.layers[layer_id]
+        return d.exp_avg, d.exp_avg_sq
+
     def load_from_host(self) -> None:
-        """The host's master weights and moments onto the device (synchronous)."""
+        """The host's master weights (and moments, unless lean) onto the device (synchronous)."""
         for layer_id, d in self.layers.items():
-            arrays = self.host.layers[layer_id]
-            for dst, src in ((d.master, arrays.master), (d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)):
+            for dst, src in self._pairs(d, self.host.layers[layer_id]):
                 dst.copy_(src)
         self._synchronize()
 
     def store_to_host(self) -> None:
-        """The device's master weights and moments into the host state, and its delivery copy (synchronous)."""
+        """The device's master weights (and moments, unless lean) into the host state, and its delivery
+        copy (synchronous)."""
         self._synchronize()
         for layer_id, d in self.layers.items():
             arrays = self.host.layers[layer_id]
-            for dst, src in ((arrays.master, d.master), (arrays.exp_avg, d.exp_avg), (arrays.exp_avg_sq, d.exp_avg_sq)):
+            for src, dst in self._pairs(d, arrays):
                 dst.copy_(src)
             if arrays.delivery is not None:
                 arrays.delivery.copy_(arrays.master)  # round to nearest even, as the CPU optimizer writes it

@@ -12,6 +12,10 @@ fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/
 copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
 pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
 
+Layers whose optimizer state lives on the device of a one-rank engine (backend/device_state.py)
+keep only their master and delivery copy here ("lean"): their moments and gradient never leave the
+device, and checkpoints read and write them there.
+
 Layers updated during the backward (backend/early_updates.py) have a spare copy of master and
 moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
 gradient is known to be finite; until then the current arrays are untouched, so a step can still be
@@ -63,11 +67,12 @@ class LayerLayout:
 
 
 def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                spare_layers=()) -> tuple[list[LayerLayout], int, int]:
+                spare_layers=(), lean_layers=()) -> tuple[list[LayerLayout], int, int]:
     """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
-    in `spare_layers`), then `control_ints` int64 counters; returns (layouts, control region offset
-    in bytes, total bytes)."""
-    spare_layers = set(spare_layers)
+    in `spare_layers`; without moments and gradient for the `lean_layers`, whose optimizer state
+    lives on the device of the engine's own process), then `control_ints` int64 counters; returns
+    (layouts, control region offset in bytes, total bytes)."""
+    spare_layers, lean_layers = set(spare_layers), set(lean_layers)
     layouts, cursor = [], 0
 
     def take(numel: int, dtype: str) -> ArraySpec:
@@ -82,16 +87,17 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
             offsets.append((p.name, start, p.numel, p.shape))
             start += p.numel
         n = layer.numel
+        lean = layer.id in lean_layers
         layouts.append(
             LayerLayout(
                 layer_id=layer.id,
                 numel=n,
                 param_offsets=tuple(offsets),
                 master=take(n, "float32"),
-                exp_avg=take(n, "float32"),
-                exp_avg_sq=take(n, "float32"),
+                exp_avg=take(0 if lean else n, "float32"),
+                exp_avg_sq=take(0 if lean else n, "float32"),
                 delivery=take(n, "bfloat16") if delivery_bf16 else None,
-                grad=take(n, grad_dtype),
+                grad=take(0 if lean else n, grad_dtype),
                 spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
             )
         )
@@ -145,11 +151,11 @@ class HostState:
     """
 
     def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                 spare_layers=(), _attach: tuple | None = None):
+                 spare_layers=(), lean_layers=(), _attach: tuple | None = None):
         if _attach is None:
             self.layouts, self.control_offset, self.nbytes = plan_layout(
                 graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints,
-                spare_layers=spare_layers)
+                spare_layers=spare_layers, lean_layers=lean_layers)
             self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
         else:
             path, self.layouts, self.control_offset, self.nbytes = _attach

@@ -9,6 +9,7 @@ import torch
 import slidedp
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
+from slidedp.preflight import host_state_bytes
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.solve import solve_plan
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, random_batch, train_side_by_side
@@ -46,6 +47,12 @@ def test_device_state_is_exact(family, tied, blocks, prologue):
     with compiled(model, plan) as engine:
         assert engine.runner.device_state is not None
         assert set(engine.runner.updates.order).isdisjoint(plan.device_state)  # the CPU skips them
+        for i in plan.device_state:  # lean: the host keeps their master, not their moments or gradient
+            arrays = engine.host.layers[i]
+            assert arrays.master.numel() > 0 and arrays.exp_avg.numel() == arrays.grad.numel() == 0
+        full = host_state_bytes(engine.graph, precision="fp32", control_ints=engine.host.control_ints)
+        assert engine.host.nbytes == host_state_bytes(engine.graph, precision="fp32", lean_layers=plan.device_state,
+                                                      control_ints=engine.host.control_ints) < full
         train_side_by_side(engine, ref, steps=3, seed=11)
 
 

@@ -123,7 +123,7 @@ def _json_without_wall_time(plan) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-@pytest.mark.parametrize("blocks, world_size", [(4, 1), (24, 2)])
+@pytest.mark.parametrize("blocks, world_size", [(4, 1), (17, 1), pytest.param(24, 2, marks=pytest.mark.slow)])  # 17: the large-model path
 def test_identical_inputs_give_identical_plans(blocks, world_size):
     graph = synthetic_graph(blocks)
     plans = [solve_plan(graph, budget_bytes=12 * GiB, hardware=PRESETS["h100-sxm"], world_size=world_size)
