@@ -1,6 +1,7 @@
 """Numba CPU AdamW on flat fp32 host state, with bf16 gradients in and bf16 weights out.
 
-`adamw_step` updates fp32 master weights and AdamW moments in place with the float32 math
+`adamw_step` updates fp32 master weights and AdamW moments in place (or, with `to=`, into other
+arrays, leaving its inputs as they were: early updates, backend/early_updates.py) with the float32 math
 of the single-tensor `torch.optim.AdamW` (decoupled weight decay, bias correction), and can
 write the updated weights rounded to bfloat16 in the same pass (round-to-nearest-even,
 bit-exact with `torch.Tensor.to(torch.bfloat16)`; any NaN becomes 0xFFFF as there).

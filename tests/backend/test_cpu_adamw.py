@@ -244,3 +244,28 @@ def test_bad_scalars_and_aliasing_raise():
         float32_to_bf16_bits(np.zeros(4, np.float64))
     with pytest.raises(TypeError):
         bf16_bits_to_float32(np.zeros(4, np.int16))
+
+
+@pytest.mark.parametrize("bf16_grad, bf16_out", [(False, False), (True, True)])  # the fp32 and bf16 engines'
+def test_out_of_place_equals_in_place_and_leaves_the_inputs(bf16_grad, bf16_out):
+    rng = np.random.default_rng(3)
+    n = 100_003
+    p, m = rng.standard_normal(n).astype(np.float32), 0.1 * rng.standard_normal(n).astype(np.float32)
+    v = np.abs(0.01 * rng.standard_normal(n)).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    g = float32_to_bf16_bits(g) if bf16_grad else g
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=4, grad_scale=0.5)
+    inplace = [x.copy() for x in (p, m, v)]
+    out1 = np.zeros(n, np.uint16) if bf16_out else None
+    adamw_step(inplace[0], g, inplace[1], inplace[2], out1, **kw)
+    src, to = [x.copy() for x in (p, m, v)], tuple(np.full(n, np.nan, np.float32) for _ in range(3))
+    out2 = np.zeros(n, np.uint16) if bf16_out else None
+    adamw_step(src[0], g, src[1], src[2], out2, to=to, **kw)
+    for a, b in zip(inplace, to):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(src, (p, m, v)):
+        np.testing.assert_array_equal(a, b)
+    if bf16_out:
+        np.testing.assert_array_equal(out1, out2)
+    with pytest.raises(ValueError, match="must not overlap"):
+        adamw_step(src[0], g, src[1], src[2], out2, to=(src[0], to[1], to[2]), **kw)
