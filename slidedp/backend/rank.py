@@ -253,7 +253,7 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
 
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
                 flags=flags, num_threads=update_threads(device, world_size), device_state=device_state,
-                early_order=plan.early_order if world_size == 1 and flags is None else (), on_swap=rebind)
+                early_order=plan.early_order, on_swap=rebind)
 
 
 def update_threads(device: torch.device, world_size: int) -> int | None:

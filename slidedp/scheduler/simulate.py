@@ -188,8 +188,8 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
                     mine.append(c)
     hw = costs.problem.hardware
     slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
+    early = carry is not None
     for r in range(W):
-        early = carry is not None
         for layer in (d.early_order if early else order):
             # its whole gradient, as the executor waits (it sends the epilogue's after the prologue's)
             deps = ((r, f"grad[L{layer}]"),) + (((r, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
@@ -197,7 +197,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
                 ticks = math.ceil(opt[layer].update_piece * slower) if early else opt[layer].update_piece
                 update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c, ticks, deps,
                                                key=f"update[L{layer}]")
-    if carry is not None:
+    if early:
         cpu = queues.get((0, CPU_UPDATE))
         if cpu:
             release[cpu[0]] = carry[1]
