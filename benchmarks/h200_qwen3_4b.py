@@ -785,24 +785,30 @@ def _num(x, fmt) -> str:
 
 
 def render_table(records: list[dict]) -> str:
-    """Markdown table of the records: one row per (tokens, system), ratios against each baseline at the
-    same tokens per step and clipping (records without max_grad_norm clipped at 1.0)."""
+    """Markdown table of the records: one row per (shape, tokens, system), ratios against each baseline
+    of the same shape, tokens per step and clipping (records without max_grad_norm clipped at 1.0;
+    without shape: 4b). A shape column when the records hold several shapes."""
     order = {s: i for i, s in enumerate(SYSTEMS)}
 
     def clip(r):
         return r.get("max_grad_norm", 1.0)
 
-    rows = sorted(records, key=lambda r: (r["tokens_per_step"], clip(r) is None, order.get(r["system"], 99),
+    def shape(r):
+        return r.get("shape", "4b")
+
+    several = len({shape(r) for r in records}) > 1
+    rows = sorted(records, key=lambda r: (shape(r), r["tokens_per_step"], clip(r) is None, order.get(r["system"], 99),
                                           r["system"], r.get("budget_bytes") or 0))
-    by_point = {(r["tokens_per_step"], r["system"], clip(r)): r for r in records}
-    head = ["tokens/step", "system", "budget GiB", "tokens/s"] + [f"vs {NAMES[b]}" for b in BASELINES] + [
+    by_point = {(shape(r), r["tokens_per_step"], r["system"], clip(r)): r for r in records}
+    head = ["shape"] * several + ["tokens/step", "system", "budget GiB", "tokens/s"] + [
+        f"vs {NAMES[b]}" for b in BASELINES] + [
         "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s measured / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = r.get("tokens_per_s")
         ratios = []
         for b in BASELINES:
-            base = by_point.get((r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
+            base = by_point.get((shape(r), r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
             ratios.append(f"{tps / base:.2f}x" if tps and base else "–")
         if r.get("error"):
             speed = r["error"].splitlines()[0][:80]
@@ -812,11 +818,11 @@ def render_table(records: list[dict]) -> str:
         step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
         name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
-        cells = [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
-                 _gib(r.get("peak_device_bytes")),
-                 f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
-                 _gib(r.get("host_used_bytes")),
-                 step_s, _num(losses[0] if losses else None, ".5f")]
+        cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
+                                        _gib(r.get("peak_device_bytes")),
+                                        f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
+                                        _gib(r.get("host_used_bytes")),
+                                        step_s, _num(losses[0] if losses else None, ".5f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -834,7 +840,7 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
     shapes = sorted({r.get("shape", "4b") for r in records})
     params = sorted({r["params"] for r in records if r.get("params")})
     title = "Every system in one run, Qwen3-4B shape, one H200" if shapes == ["4b"] else \
-        f"Every system in one run, shape {', '.join(shapes)}"
+        f"Every system in one run, Qwen3 shapes {', '.join(shapes)}, one H200"
     lines = [f"## {title} ({', '.join(dates) or 'not run'})", ""]
     lines += [f"`{c}`" for c in commands]
     rel = None

@@ -83,20 +83,23 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
     dev = _resolve_device(device)
     hw = resolve_hardware(hardware, dev.type)
     tie_meta_model(model)
-    graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
-                              compute_dtype=_PRECISIONS[precision])
+    the_plan = None
     if plan is not None:
         the_plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
         if not isinstance(the_plan, Plan):
             raise TypeError(f"plan must be a slidedp.Plan or a path, got {type(plan).__name__}")
+    elif compile_blocks is None:
+        compile_blocks = dev.type == "cuda" or (planning_only and hw.name != "cpu")
+    graph = build_layer_graph(model, batch_size=batch_size, seq_len=seq_len,
+                              compute_dtype=_PRECISIONS[precision],
+                              compiled_blocks=the_plan.workload.compiled_blocks if the_plan else compile_blocks)
+    if the_plan is not None:
         check_plan_matches(the_plan, graph, world_size=world_size, precision=precision,
                            compiled_blocks=compile_blocks)
         if the_plan.early_order and not _early_allowed(world_size, max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
     else:
-        if compile_blocks is None:
-            compile_blocks = dev.type == "cuda" or (planning_only and hw.name != "cpu")
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,
                               compiled_blocks=compile_blocks, options=solver_options,

@@ -120,6 +120,20 @@ def test_readme_table_from_records(smoke, tmp_path):
     assert "| slidedp |" in proc.stdout and readme.read_text().count(bench.README_BEGIN) == 1
 
 
+def test_ratios_only_within_a_shape():
+    bench = load_script()
+    records = [
+        {"system": "slidedp", "shape": "4b", "tokens_per_step": 4096, "tokens_per_s": 3000.0},
+        {"system": "gpu_resident", "shape": "4b", "tokens_per_step": 4096, "tokens_per_s": 6000.0},
+        {"system": "slidedp", "shape": "8b", "tokens_per_step": 4096, "tokens_per_s": 1500.0},
+    ]
+    table = bench.render_table(records)
+    rows = {tuple(line.split(" | ")[:3]): line for line in table.splitlines()[2:]}
+    assert "| 0.50x |" in rows["| 4b", "4,096", "slidedp"] and "0.25x" not in table
+    assert "x |" not in rows["| 8b", "4,096", "slidedp"]  # no 8b baseline: no ratio
+    assert "shape" not in bench.render_table(records[:2])  # one shape: no shape column
+
+
 def test_failures_become_records(tmp_path):
     bench = load_script()
     assert bench.error_text(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "out of memory"

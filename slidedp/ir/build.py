@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from slidedp.errors import UnsupportedModelError
@@ -34,6 +35,7 @@ from slidedp.ir.blocks import (
     unwrap_block_output,
     wrap_block_output,
 )
+from slidedp.ir.compiled_saved import compiled_saved_bytes
 from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, ExportGroups, export_layer_groups_or_reason
 from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE, Layer, LayerCosts, LayerGraph, ParamInfo
 
@@ -139,9 +141,12 @@ def _no_decay(module: nn.Module, param_name: str) -> bool:
     return param_name.endswith("bias") or any(s in cls for s in _NO_DECAY_CLASSES)
 
 
-def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple[LayerCosts, str]:
-    """FLOPs and saved-activation bytes of one block on fake tensors; also its output kind.
-    Its workspace: the largest saved tensor, two boundary activations and the attention backward's."""
+def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype,
+                 compiled: bool) -> tuple[LayerCosts, str, str]:
+    """FLOPs and saved-activation bytes of one block on fake tensors; also its output kind and how
+    the saved bytes were counted.
+    Its workspace: the largest saved tensor, two boundary activations and the attention backward's.
+    `compiled`: the saved bytes are what the block's compiled graph keeps (compiled_saved.py)."""
     params = _fake_state(block, dtype, requires_grad=True)
     hidden = call.hidden.detach().requires_grad_(True)
     args, kwargs = call.with_hidden(hidden)
@@ -163,14 +168,31 @@ def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype) -> tuple
             AttentionWorkspace() as attention:
         torch.autograd.grad(out_hidden, grads_of, torch.ones_like(out_hidden), allow_unused=True)
     boundary = out_hidden.numel() * out_hidden.element_size()
+    saved_bytes, method = int(sum(saved.values())), "eager"
+    compiled_bytes = _cached_compiled_saved_bytes(block, params, args, kwargs, dtype) if compiled else None
+    if compiled_bytes is not None:
+        saved_bytes, method = compiled_bytes, "aot-min-cut"
     costs = LayerCosts(
         flops_fwd=float(fwd_counter.get_total_flops()),
         flops_bwd=float(bwd_counter.get_total_flops()),
         boundary_activation_bytes=boundary,
-        saved_activation_bytes=int(sum(saved.values())),
+        saved_activation_bytes=saved_bytes,
         peak_workspace_bytes=int(max(saved.values(), default=0)) + 2 * boundary + attention.bytes,
     )
-    return costs, kind
+    return costs, kind, method
+
+
+_COMPILED_SAVED: dict[tuple, int | None] = {}
+
+
+def _cached_compiled_saved_bytes(block, params, args, kwargs, dtype) -> int | None:
+    """compiled_saved_bytes, once per block structure and call shape (a trace takes seconds)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key = (_block_signature(block), str(dtype), str(spec), tuple(
+        (tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
+    if key not in _COMPILED_SAVED:
+        _COMPILED_SAVED[key] = compiled_saved_bytes(block, params, args, kwargs)
+    return _COMPILED_SAVED[key]
 
 
 def build_layer_graph(
@@ -179,8 +201,11 @@ def build_layer_graph(
     batch_size: int,
     seq_len: int,
     compute_dtype: torch.dtype = torch.bfloat16,
+    compiled_blocks: bool = False,
 ) -> LayerGraph:
-    """Trace `model` for micro-batches of `batch_size` x `seq_len` tokens into a LayerGraph."""
+    """Trace `model` for micro-batches of `batch_size` x `seq_len` tokens into a LayerGraph.
+    `compiled_blocks`: count a kept block's activations as its torch.compile graph saves them
+    (`saved_bytes_method` "aot-min-cut") rather than as eager autograd does ("eager")."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     blocks_path, blocks = find_blocks(model)
@@ -237,7 +262,7 @@ def build_layer_graph(
             key = _block_signature(block)
             if key not in block_costs:
                 call = calls_first[0]
-                block_costs[key] = _trace_block(block, call, compute_dtype)
+                block_costs[key] = _trace_block(block, call, compute_dtype, compiled_blocks)
         block_kind["kind"] = block_costs[_block_signature(blocks[0])][1]
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
@@ -272,9 +297,10 @@ def build_layer_graph(
     layers = _assign_params(model, blocks_path, blocks, first_phase)
     tokens = batch_size * seq_len
     out_layers = []
+    saved_bytes_method = "eager"
     for layer_id, (kind, name, params, tied, cls, block) in enumerate(layers):
         if kind == BLOCK:
-            costs = block_costs[_block_signature(block)][0]
+            costs, _, saved_bytes_method = block_costs[_block_signature(block)]
         else:
             matrix_numel = sum(
                 p.numel for p in params if len(p.shape) == 2 and not p.no_decay
@@ -301,6 +327,7 @@ def build_layer_graph(
         block_output=block_kind["kind"],
         forward_kwargs=allowed,
         forward_ops=() if groups is None else groups.forward_ops,
+        saved_bytes_method=saved_bytes_method,
     )
 
 

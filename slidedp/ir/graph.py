@@ -75,6 +75,9 @@ class LayerGraph:
     # ops of the model's own forward found by torch.export ("prologue:aten.mul.Tensor(tok)"); () if
     # trace_method == "module"
     forward_ops: tuple[str, ...] = ()
+    # how blocks' saved_activation_bytes were counted: "eager" (autograd's saved tensors) or
+    # "aot-min-cut" (what a torch.compile'd block keeps: ir/compiled_saved.py)
+    saved_bytes_method: str = "eager"
 
     @property
     def blocks(self) -> tuple[Layer, ...]:
@@ -97,11 +100,11 @@ class LayerGraph:
 
     def fingerprint(self) -> str:
         """SHA-256 of the IR's structure (layers, parameters, shapes, dtypes, workload): identifies
-        what a plan was made for. Costs and traced ops are left out: another torch or transformers
+        what a plan was made for. Costs, traced ops and how they were counted are left out: another torch or transformers
         version may trace the same model to other ops and byte counts, and a plan made there still
         fits this model (compile checks the lowered program's memory against the budget here)."""
         data = self.to_dict()
-        for key in ("forward_ops", "trace_method"):
+        for key in ("forward_ops", "trace_method", "saved_bytes_method"):
             data.pop(key)
         for layer in data["layers"]:
             layer.pop("costs")

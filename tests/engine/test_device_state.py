@@ -103,9 +103,13 @@ def test_planner_keeps_state_on_the_device_where_it_pays():
         model = Qwen3ForCausalLM(cfg)
     graph = build_layer_graph(model, batch_size=1, seq_len=2048)
     kw = dict(budget_bytes=20 * GiB, hardware=PRESETS["h200-sxm"], compiled_blocks=True)
-    chosen = solve_plan(graph, **kw)
-    none = solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=0))
-    blocks_only = solve_plan(graph, **kw, options=SolverOptions(device_state_prologue=False))
+
+    def options(**fixed):  # a short CP-SAT search: the device-state choice is the planner's, around it
+        return SolverOptions(deterministic_time=0.1, **fixed)
+
+    chosen = solve_plan(graph, **kw, options=options())
+    none = solve_plan(graph, **kw, options=options(device_state_blocks=0))
+    blocks_only = solve_plan(graph, **kw, options=options(device_state_prologue=False))
     assert chosen.device_state and none.device_state == () and 0 not in blocks_only.device_state
     assert chosen.predicted_step_time_s <= blocks_only.predicted_step_time_s < none.predicted_step_time_s
     # a prefix of (prologue), blocks in order, (the epilogue once every block is there)
@@ -115,10 +119,10 @@ def test_planner_keeps_state_on_the_device_where_it_pays():
     label = ("prologue + " if 0 in chosen.device_state else "") + f"{k} layers"
     assert tried[label] == min(tried.values()) == pytest.approx(chosen.predicted_step_time_s)
     assert chosen.peak_device_bytes <= 20 * GiB
-    assert solve_plan(graph, **{**kw, "hardware": PRESETS["cpu"]}).device_state == ()
-    two = solve_plan(graph, **kw, world_size=2)
+    assert solve_plan(graph, **{**kw, "hardware": PRESETS["cpu"]}, options=options()).device_state == ()
+    two = solve_plan(graph, **kw, world_size=2, options=options())
     assert two.device_state and two.predicted_step_time_s < solve_plan(
-        graph, **kw, world_size=2, options=SolverOptions(device_state_blocks=0)).predicted_step_time_s
-    assert solve_plan(graph, **{**kw, "hardware": PRESETS["rtx4090"]}, world_size=2).device_state == ()
+        graph, **kw, world_size=2, options=options(device_state_blocks=0)).predicted_step_time_s
+    assert solve_plan(graph, **{**kw, "hardware": PRESETS["rtx4090"]}, world_size=2, options=options()).device_state == ()
     with pytest.raises(ValueError, match="blocks"):
         solve_plan(graph, **kw, options=SolverOptions(device_state_blocks=10))

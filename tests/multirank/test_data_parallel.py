@@ -67,8 +67,11 @@ def train_against_reference(engine, ref, *, world_size, steps=5, accumulation=2,
     return state
 
 
-@pytest.mark.parametrize("route", ROUTES, ids=["-".join(r) for r in ROUTES])
-@pytest.mark.parametrize("world_size", [2, 3])
+# three ranks: uneven shards and reductions; replicated delivery with CPU reduction has neither (slow)
+@pytest.mark.parametrize("world_size, route", [
+    pytest.param(w, r, id=f"{w}-{'-'.join(r)}",
+                 marks=[pytest.mark.slow] if (w, r) == (3, ("replicated", "cpu")) else [])
+    for w in (2, 3) for r in ROUTES])
 def test_routes_match_torch_adamw(world_size, route):
     """Tied weights, clipping, two passes of gradient accumulation, two chunks per rank and layer."""
     model = make_model("llama", tied=True)

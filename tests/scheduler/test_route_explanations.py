@@ -7,7 +7,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import slidedp
+from slidedp.scheduler.decisions import SolverOptions
 
+# the explanations compare each decision of whatever plan is found; a short search is enough
+SHORT = SolverOptions(deterministic_time=0.2)
 
 @pytest.fixture(scope="module")
 def meta_model():
@@ -22,7 +25,8 @@ def block_routes(plan):
 
 
 def test_no_peer_to_peer_means_replicated_delivery_and_cpu_reduction(meta_model):
-    plan = slidedp.plan(meta_model, "8GiB", batch_size=1, seq_len=2048, world_size=4, hardware="rtx4090")
+    plan = slidedp.plan(meta_model, "8GiB", batch_size=1, seq_len=2048, world_size=4, hardware="rtx4090",
+                        solver_options=SHORT)
     assert block_routes(plan) == {("replicated", "cpu")}
     text = plan.summary()
     assert "no GPU peer-to-peer on rtx4090" in text
@@ -32,7 +36,8 @@ def test_no_peer_to_peer_means_replicated_delivery_and_cpu_reduction(meta_model)
 @pytest.mark.parametrize("preset", ["h100-sxm", "h200-sxm"])
 def test_peer_to_peer_routes_are_compared_with_their_predicted_step(meta_model, preset):
     # a budget that leaves blocks streamed (with more, every layer's optimizer state is on the GPUs)
-    plan = slidedp.plan(meta_model, "2GiB", batch_size=1, seq_len=2048, world_size=4, hardware=preset)
+    plan = slidedp.plan(meta_model, "2GiB", batch_size=1, seq_len=2048, world_size=4, hardware=preset,
+                        solver_options=SHORT)
     streamed = {(d.delivery, d.reduction) for d in plan.decisions
                 if d.kind == "block" and d.layer_id not in plan.device_state}
     assert streamed

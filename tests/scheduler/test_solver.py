@@ -123,15 +123,18 @@ def _json_without_wall_time(plan) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-@pytest.mark.parametrize("blocks, world_size", [(4, 1), (17, 1), pytest.param(24, 2, marks=pytest.mark.slow)])  # 17: the large-model path
-def test_identical_inputs_give_identical_plans(blocks, world_size):
+# 9 blocks above all_windows_up_to_blocks=8: the large-model path (one CP-SAT model, for the best window)
+@pytest.mark.parametrize("blocks, world_size, large_from", [(4, 1, 16), (9, 1, 8), pytest.param(24, 2, 16, marks=pytest.mark.slow)])
+def test_identical_inputs_give_identical_plans(blocks, world_size, large_from):
     graph = synthetic_graph(blocks)
-    plans = [solve_plan(graph, budget_bytes=12 * GiB, hardware=PRESETS["h100-sxm"], world_size=world_size)
-             for _ in range(2)]
+    options = SolverOptions(all_windows_up_to_blocks=large_from)
+    plans = [solve_plan(graph, budget_bytes=12 * GiB, hardware=PRESETS["h100-sxm"], world_size=world_size,
+                        options=options) for _ in range(2)]
     assert _json_without_wall_time(plans[0]) == _json_without_wall_time(plans[1])
     assert plans[0].solver["status"] in ("OPTIMAL", "FEASIBLE")
-    if blocks > 16:
+    if blocks > large_from:
         assert 0 <= plans[0].solver["relative_gap"] < 1
+        assert len(plans[0].solver["windows"]) <= 1  # at most one CP-SAT model
 
 
 def test_plan_fields_the_executor_reads():
