@@ -76,6 +76,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -784,6 +785,13 @@ def _num(x, fmt) -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def steady_step_s(record: dict) -> float | None:
+    """Median of the timed steps but the last (which also waits for slidedp's final CPU update, which a
+    longer run hides behind its next step); None with fewer than three timed steps."""
+    times = record.get("step_times_s") or []
+    return statistics.median(times[:-1]) if len(times) >= 3 else None
+
+
 def render_table(records: list[dict]) -> str:
     """Markdown table of the records: one row per (shape, tokens, system), ratios against each baseline
     of the same shape, tokens per step and clipping (records without max_grad_norm clipped at 1.0;
@@ -816,6 +824,8 @@ def render_table(records: list[dict]) -> str:
             speed = _num(tps, ",.0f")
         losses = r.get("losses") or []
         step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
+        if steady_step_s(r) is not None:
+            step_s += f" (steady {steady_step_s(r):.3f})"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
         name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
         cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
@@ -869,7 +879,7 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         "block and on the root, `CPUOffloadPolicy(pin_memory=True)`, bf16 parameters / fp32 reduction, AdamW "
         "on the CPU, activation checkpointing of every block. Optimizers as run: " + "; ".join(optimizers) + ". "
         "Tokens/s over the timed steps after one warm-up step (slidedp's last asynchronous CPU update "
-        "included). Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
+        "included); steady: the median of the timed steps but the last. Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
         "process's VmHWM after the build (slidedp's shared-memory host state counts); host used = the machine's "
         "MemTotal - MemAvailable above its value when the point's process started, which also counts pinned "
         "buffers that the CUDA driver maps outside RSS. Ratios: tokens/s over the baseline's at the same tokens "

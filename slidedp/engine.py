@@ -161,6 +161,12 @@ class Engine:
             self.executor = None
             self.host.close()
             if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)
+                # cuBLAS keeps a workspace per stream that ran a matmul (32 MiB each on Hopper), in the
+                # caching allocator: the engine's streams' would stay allocated after close()
+                clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear_workspaces is not None:
+                    clear_workspaces()
                 torch.cuda.empty_cache()
                 _empty_host_cache()
 

@@ -132,6 +132,10 @@ def test_ratios_only_within_a_shape():
     assert "| 0.50x |" in rows["| 4b", "4,096", "slidedp"] and "0.25x" not in table
     assert "x |" not in rows["| 8b", "4,096", "slidedp"]  # no 8b baseline: no ratio
     assert "shape" not in bench.render_table(records[:2])  # one shape: no shape column
+    # steady: the median of the timed steps but the last (which waits for the final CPU update)
+    timed = {**records[0], "measured_step_s": 1.5, "step_times_s": [1.0, 1.2, 2.3]}
+    assert "| 1.500 / – (steady 1.100) |" in bench.render_table([timed])
+    assert "steady" not in bench.render_table([{**timed, "step_times_s": [1.0, 2.0]}])
 
 
 def test_failures_become_records(tmp_path):
