@@ -20,7 +20,7 @@ from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler import baselines, cpsat, local_search
 from slidedp.scheduler.costs import ProblemCosts
-from slidedp.scheduler.decisions import GPU, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.early import best_early
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
@@ -344,6 +344,10 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         f"weight loads follow scheduler.program.window_loads({costs.n_blocks}, {decisions.window})",
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
+    if any(d.activation != RECOMPUTE for d in decisions.layers[1:-1]):
+        auto_notes.append("kept and offloaded activations counted " + (
+            "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"
+            if g.saved_bytes_method == "aot-min-cut" else "as eager autograd saves them"))
     if problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
         auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
     elif costs.options.forces_route:

@@ -45,6 +45,7 @@ def test_compile_uses_the_compiled_count_for_its_plan():
     per_block_eager = eager.blocks[0].costs.saved_activation_bytes
     kept = plan.memory["kept_activation_bytes"]  # whole blocks of one micro-batch at the peak
     assert kept > 0 and kept % per_block_compiled == 0 and kept % per_block_eager != 0
+    assert any("as the compiled block's graph saves them" in note for note in plan.notes)
 
 
 def _block_call(model):
