@@ -104,7 +104,7 @@ def test_planner_keeps_state_on_the_device_where_it_pays():
     graph = build_layer_graph(model, batch_size=1, seq_len=2048)
     kw = dict(budget_bytes=20 * GiB, hardware=PRESETS["h200-sxm"], compiled_blocks=True)
 
-    def options(**fixed):  # a short CP-SAT search: the device-state choice is the planner's, around it
+    def options(**fixed):  # the device-state search is the planner's own; CP-SAT refines each try briefly
         return SolverOptions(deterministic_time=0.1, **fixed)
 
     chosen = solve_plan(graph, **kw, options=options())

@@ -12,6 +12,7 @@ from slidedp.scheduler.decisions import SolverOptions
 # the explanations compare each decision of whatever plan is found; a short search is enough
 SHORT = SolverOptions(deterministic_time=0.2)
 
+
 @pytest.fixture(scope="module")
 def meta_model():
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=16,
