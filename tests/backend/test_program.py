@@ -113,6 +113,7 @@ def test_lowered_plan_fits_the_plans_predicted_peak(family, precision, micro_bat
             return Decisions(window, FORWARD_ORDER, tuple(
                 LayerChoice(chunks, mix[(i - 1) % 3] if i in costs.blocks else RESIDENT) for i in range(costs.n_layers)))
         plans.append(fixed_plan(graph, decide, method="mix", budget_bytes=2**40, hardware=PRESETS["h100-sxm"],
-                                world_size=1, precision=precision, micro_batches=micro_batches, options=options))
+                                world_size=1, precision=precision, micro_batches=micro_batches, options=options,
+                                compiled_blocks=True))
     for plan in plans:
         assert simulate(lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes

@@ -46,6 +46,12 @@ def test_compile_uses_the_compiled_count_for_its_plan():
     kept = plan.memory["kept_activation_bytes"]  # whole blocks of one micro-batch at the peak
     assert kept > 0 and kept % per_block_compiled == 0 and kept % per_block_eager != 0
     assert any("as the compiled block's graph saves them" in note for note in plan.notes)
+    # the compiled count under-states eager blocks: planning them from it is refused
+    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.scheduler.solve import solve_plan
+
+    with pytest.raises(ValueError, match="compiled_blocks=False"):
+        solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["h200-sxm"], compiled_blocks=False)
 
 
 def _block_call(model):
