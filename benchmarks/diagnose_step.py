@@ -100,6 +100,33 @@ def synced_step(engine, ids) -> dict:
             "slowest_ops_ms": sorted(per_op, key=lambda x: -x[1])[:25]}
 
 
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention")),
+                ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
+                ("triton", ("triton",)), ("memcpy", ("memcpy", "memset")))
+
+
+def gpu_lanes(trace: dict) -> dict:
+    """Per CUDA stream of a torch.profiler trace: kernel time, busy time (union of intervals), span,
+    and the kernel time by kind (matmul, attention, triton, memcpy, other) [ms]."""
+    lanes: dict[str, list[tuple[float, float, str]]] = collections.defaultdict(list)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            lanes[str(ev.get("args", {}).get("stream", ev.get("tid")))].append(
+                (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0)), ev.get("name", "").lower()))
+    out = {}
+    for stream, evs in sorted(lanes.items()):
+        evs.sort()
+        busy, end, kinds = 0.0, float("-inf"), collections.defaultdict(float)
+        for a, b, name in evs:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+            kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+            kinds[kind] += (b - a) / 1e3
+        out[stream] = {"events": len(evs), "span_ms": (end - evs[0][0]) / 1e3, "busy_ms": busy / 1e3,
+                       "by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items())}}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--blocks", type=int, default=36)
@@ -110,6 +137,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-synced", action="store_true")
+    p.add_argument("--plan", help="a saved plan to run (its budget and workload); else solved here")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     out_dir = Path(args.out_dir)
@@ -128,7 +156,7 @@ def main() -> None:
         kwargs = dict(batch_size=1, seq_len=shape["seq"], device="cuda", precision="bf16", micro_batches=rows,
                       hardware=hardware, max_grad_norm=1.0,
                       optimizer=slidedp.AdamW(lr=bench.LR, betas=bench.BETAS, eps=bench.EPS))
-        plan = None
+        plan = slidedp.Plan.load(args.plan) if args.plan else None
         if args.policy != "plan":
             plan = slidedp.plan(model, args.budget, **kwargs)
             plan = dataclasses.replace(plan, decisions=tuple(
@@ -163,6 +191,8 @@ def main() -> None:
                 print(table, flush=True)
             trace = out_dir / f"trace_{args.blocks}b_{tokens}.json"
             prof.export_chrome_trace(str(trace))
+            point["gpu_lanes"] = gpu_lanes(json.loads(trace.read_text()))
+            print(json.dumps(point["gpu_lanes"], indent=1), flush=True)
             os.system(f"gzip -f {trace}")
             # the plan's predicted timeline of the same step, to open beside it in Perfetto
             engine.plan.to_chrome_trace(out_dir / f"predicted_{args.blocks}b_{tokens}.json")

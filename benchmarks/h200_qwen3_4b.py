@@ -426,8 +426,13 @@ class Point:
         budget = slidedp.Budget.parse(a.budget).device_bytes
         self.record["budget_bytes"] = budget
         # one pass over the weights per step: each rank's rows are its micro-batches
-        kwargs = dict(batch_size=1, seq_len=self.seq, device=self.dev.type, precision=precision,
-                      micro_batches=self.rows // self.world_size, world_size=self.world_size,
+        rows = a.slidedp_micro_rows
+        if self.rows % (rows * self.world_size):
+            raise ValueError(f"--slidedp-micro-rows {rows} does not divide {self.rows} rows per step "
+                             f"over {self.world_size} rank(s)")
+        self.record["slidedp_micro_rows"] = rows
+        kwargs = dict(batch_size=rows, seq_len=self.seq, device=self.dev.type, precision=precision,
+                      micro_batches=self.rows // self.world_size // rows, world_size=self.world_size,
                       optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                       max_grad_norm=a.max_grad_norm, hardware=self.slidedp_hardware())
         plan = self.slidedp_plan(model, budget, compile_blocks, kwargs)
@@ -655,7 +660,7 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--shape", args.shape, "--device", args.device, "--budget", args.budget, "--steps", str(args.steps),
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
                "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
-               "--max-grad-norm", str(args.max_grad_norm)]
+               "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm)]
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
@@ -920,8 +925,9 @@ def solve_plans(args) -> int:
         model = Qwen3ForCausalLM(qwen3_config(args.shape))
     model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
     for tokens in args.tokens:
-        plan = slidedp.plan(model, args.budget, batch_size=1, seq_len=seq, precision=precision,
-                            micro_batches=tokens // seq, hardware=args.hardware or "h200-sxm",
+        rows = args.slidedp_micro_rows
+        plan = slidedp.plan(model, args.budget, batch_size=rows, seq_len=seq, precision=precision,
+                            micro_batches=tokens // seq // rows, hardware=args.hardware or "h200-sxm",
                             optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                             max_grad_norm=args.max_grad_norm)
         path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
@@ -957,6 +963,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=["bf16", "fp32"], help="slidedp (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--baseline-micro-rows", type=int, default=1,
                    help="rows (of seq tokens) per micro-batch in the two baselines")
+    p.add_argument("--slidedp-micro-rows", type=int, default=1,
+                   help="rows (sequences) per slidedp micro-batch: batch_size of compile (default 1)")
     p.add_argument("--readme", action="store_true", help="(re)write the marked section of benchmarks/README.md")
     p.add_argument("--readme-path", default=str(HERE / "README.md"))
     p.add_argument("--render", metavar="JSON", help="only render the table of an existing records file")
@@ -967,8 +975,8 @@ def main(argv=None) -> int:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.baseline_micro_rows < 1 or min(args.tokens) < 1:
-        p.error("--steps, --baseline-micro-rows and --tokens must be positive")
+    if args.steps < 1 or args.baseline_micro_rows < 1 or args.slidedp_micro_rows < 1 or min(args.tokens) < 1:
+        p.error("--steps, --baseline-micro-rows, --slidedp-micro-rows and --tokens must be positive")
     if args.plans_dir is None:
         args.plans_dir = str(Path(args.out).resolve().parent / "results" / "plans")
     if args.render:

@@ -5,8 +5,9 @@ For these layers the device holds the fp32 master weights, both AdamW moments an
 gradient (in the host gradient's dtype). A step then moves nothing of them over PCIe: the weight
 "load" into a slot is a copy within the device that casts the master to the compute dtype (round
 to nearest even, as the CPU optimizer writes the host's delivery copy), the gradient stays there,
-and once the step's norm is known (rank.py) AdamW runs on the device's compute stream, before the
-next step's copies (which wait for it by an event).
+and once the step's norm is known (rank.py) AdamW runs on the device's update stream, layer by
+layer in the order the next forward needs them, beside that forward: each layer's next load and
+next gradient copy wait for its update by an event (`ready`).
 
 The host state keeps the master weights of these layers (and their delivery copy) as the place
 `state_dict`, exports and the model's parameters read: `store_to_host` copies them down (the engine's
@@ -41,6 +42,7 @@ class DeviceState:
     def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24):
         self.host, self.device, self.piece_numel = host, device, piece_numel
         self.layers: dict[int, DeviceLayer] = {}
+        self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last update, recorded where it ran
         for layer_id in layer_ids:
             arrays = host.layers[layer_id]
             n = arrays.layout.numel
@@ -59,13 +61,21 @@ class DeviceState:
             pairs += [(d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
         return pairs
 
+    def wait_updates(self) -> None:
+        """The current stream waits (on the device) until every started update has run."""
+        for event in self.ready.values():
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
     def moments(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's exp_avg and exp_avg_sq on the device (what checkpoints of lean layers use)."""
+        self.wait_updates()
         d = self.layers[layer_id]
         return d.exp_avg, d.exp_avg_sq
 
     def load_from_host(self) -> None:
         """The host's master weights (and moments, unless lean) onto the device (synchronous)."""
+        self._synchronize()
         for layer_id, d in self.layers.items():
             for dst, src in self._pairs(d, self.host.layers[layer_id]):
                 dst.copy_(src)
@@ -85,7 +95,8 @@ class DeviceState:
     def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float) -> None:
         """AdamW of one layer on the current stream; `segments` are its (start, end, decay) runs."""
         d = self.layers[layer_id]
-        steps = [torch.tensor(float(step), dtype=torch.float32, device=self.device)]
+        # a fill on the device: a tensor from a host scalar would wait for the stream's earlier work
+        steps = [torch.full((), float(step), dtype=torch.float32, device=self.device)]
         for start, end, decay in segments:
             for lo in range(start, end, self.piece_numel):
                 hi = min(lo + self.piece_numel, end)

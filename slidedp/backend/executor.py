@@ -267,6 +267,8 @@ class StreamedExecutor:
                 st.loss_sum = st.loss_sum + loss.detach()
             st.hidden[m] = None
             st.grad_h.append(torch.cat(grad_parts) if len(grad_parts) > 1 else grad_parts[0])
+        epi = self.graph.epilogue.id  # its gradient is whole (a tied head's part is the prologue's)
+        st.finish_gradient(epi, st.resident_acc[epi])
 
     def _epilogue_forward(self, st: "_PassState", mb: MicroBatch, last: torch.Tensor):
         """The model's own forward with every block proxied, the last one returning `last`."""
@@ -340,8 +342,7 @@ class StreamedExecutor:
                 if h.requires_grad:
                     grads = torch.autograd.grad(h, [st.leaves[n] for n in names], st.grad_h[m], allow_unused=True)
                     self._accumulate(st.resident_acc, names, grads)
-        for lid in self.resident_ids:
-            st.finish_gradient(lid, st.resident_acc[lid])
+        st.finish_gradient(self.graph.prologue.id, st.resident_acc[self.graph.prologue.id])
 
     def _op_d2h_grad(self, op, st: "_PassState") -> None:
         """The layer's fp32 gradient to the host by its reduction route, chunk by chunk; cast on the

@@ -148,8 +148,12 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
             if position == n - 1:
                 b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
                 b.add("compute", ALLOC, buffer="epilogue", nbytes=epilogue_bytes)
-                b.add("compute", EPILOGUE, layer_id=epi.id)
+                head = b.add("compute", EPILOGUE, record=True, layer_id=epi.id)
                 b.add("compute", FREE, buffer="epilogue")
+                # the epilogue's own gradient is whole after its op (a tied head's is the prologue's)
+                d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=epi.id, waits=(head.record,),
+                            chunks=chunk_bounds(epi.numel, chunks.get(epi.id, 1)))
+                grad_events[epi.id] = d2h.record
         else:
             work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
                     + (costs.saved_activation_bytes if policy == "recompute" else 0))
@@ -164,9 +168,8 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
         issue_loads(position)
     last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=graph.prologue.id)
     b.add("compute", FREE, buffer="grad_hidden")
-    for layer in (graph.prologue, epi):
-        d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(last.record,),
-                    chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
-        grad_events[layer.id] = d2h.record
+    d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=graph.prologue.id, waits=(last.record,),
+                chunks=chunk_bounds(graph.prologue.numel, chunks.get(graph.prologue.id, 1)))
+    grad_events[graph.prologue.id] = d2h.record
     return Program(ops=tuple(b.ops), n_slots=window, persistent_bytes=persistent,
                    notes=(f"{sched.n_loads} weight loads for {n} blocks with window {window}",))

@@ -173,12 +173,12 @@ class Rank:
         if self.device_state is not None:
             segments = self._decay_segments(opt)
             streams = self.executor.streams
-            with streams.on("compute"):
-                for layer_id in self.device_state.layers:
+            for stream in ("compute", "d2h"):  # every gradient of the step is there
+                streams.wait("update", streams.record(stream))
+            with streams.on("update"):
+                for layer_id in sorted(self.device_state.layers):  # the order the next forward needs them
                     self.device_state.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
-            done = streams.record("compute")
-            for stream in ("h2d", "d2h"):  # the next step's copies into the slots, and of gradients
-                streams.wait(stream, done)
+                    self.device_state.ready[layer_id] = streams.record("update")
         if not host_started:
             update = self._host_update(opt, step, clip)
             self.updates.start(lambda layer_id, threads: update(layer_id, threads))

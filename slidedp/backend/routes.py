@@ -90,6 +90,7 @@ class Routes:
     def load(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
         if self.device_state is not None and layer_id in self.device_state:
+            self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
             self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
             return
         self.wait_updated(layer_id)
@@ -165,6 +166,7 @@ class Routes:
         if local_sumsq is not None:
             self._device_sumsq[layer_id] = local_sumsq
         if self._first:
+            self.streams.wait("d2h", self.device_state.ready.get(layer_id))  # the last update read it
             self.streams.copy("d2h", target, acc)
         else:
             with self.streams.on("d2h"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slidedp.backend.program import ALLOC, BWD, D2H_GRAD, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, Program
+from slidedp.backend.program import ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, Program
 
 
 class ProgramError(AssertionError):
@@ -79,10 +79,10 @@ def simulate(program: Program, *, budget_bytes: int | None = None) -> Simulation
             slot_readers[op.slot].append(op.index)
             if op.kind == BWD:
                 grad_producer[op.layer_id] = op.index
-        elif op.kind == PROLOGUE_BWD:
-            grad_producer[-1] = op.index  # resident layers' gradients are complete after it
+        elif op.kind in (EPILOGUE, PROLOGUE_BWD):
+            grad_producer[op.layer_id] = op.index  # a resident layer's gradient is whole after its op
         elif op.kind == D2H_GRAD:
-            producer = grad_producer.get(op.layer_id, grad_producer.get(-1))
+            producer = grad_producer.get(op.layer_id)
             if producer is None or not happened(producer, clock):
                 raise ProgramError(f"op {op.index} copies layer {op.layer_id}'s gradient before it is computed")
         elif op.kind == ALLOC:

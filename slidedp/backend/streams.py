@@ -3,6 +3,8 @@
 - compute: the stream the model's kernels run on (the current stream at construction).
 - h2d: weight copies host -> device, so loads of layer i+window overlap compute of layer i.
 - d2h: gradient copies device -> host, so layer i's gradient drains while layer i-1 computes.
+- update: AdamW of the layers whose optimizer state lives on the device (memory-bound kernels),
+  beside the next step's compute-bound forward.
 
 Waits are device-side (`stream.wait_event`), never host synchronisations, except where the CPU
 itself must read what a copy wrote (the event's `synchronize`, before a host-side add or update).
@@ -23,6 +25,7 @@ class Streams:
             self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
+            self.update = torch.cuda.Stream(device)
 
     def record(self, stream_name: str) -> "torch.cuda.Event | None":
         if not self.cuda:

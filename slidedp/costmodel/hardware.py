@@ -109,7 +109,9 @@ PRESETS: dict[str, Hardware] = {
     # kernels of that time); the fused path since (three cuBLAS GEMMs and a row kernel) takes 15.3 ms
     # alone (benchmarks/head_kernel.py, 1.78x faster in the same run), so 15.3 + 2.8 ms in the step:
     # 0.67; the CPU update overlapping the next forward (weights
-    # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9.
+    # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9;
+    # re-measured beside a compute-bound forward (120 GiB, 16,384 tokens): 1.095 G params in 0.339 and
+    # 0.368 s, 0.81 and 0.75 (benchmarks/README.md, 2026-12-03, seventh session): 0.78.
     # Device memory: about 60% of the H200's 4.8 TB/s for an optimizer kernel (an estimate).
     # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.657.
     # (Fitted as 0.565 and 0.76 when causal attention counted every query-key pair; rescaled by the
@@ -117,7 +119,7 @@ PRESETS: dict[str, Hardware] = {
     "h200-sxm": Hardware(
         name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.494,
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
-        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.9,
+        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.78,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
         host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.67,
         compiled_block_efficiency=0.657, gpu_memory_bytes_per_s=3.0e12,

@@ -176,11 +176,22 @@ class ProblemCosts:
                 param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
             )
         pro, epi = g.prologue.costs, g.epilogue.costs
-        # the device's AdamW of the layers whose state lives there: at the step boundary, before the prologue
-        on_device = [layer.numel for layer in g.layers if layer.id in problem.device_state]
-        self.device_state_bytes = sum(mem.device_state_bytes(n, self.elem) for n in on_device)
-        self.device_update = t(sum(ops.device_update_time_s(n, hw) for n in on_device))
-        self.prologue_fwd = t(ops.forward_time_s(pro, hw, m)) + self.device_update
+        # The device's AdamW of the layers whose state lives there runs at the step boundary on a stream
+        # of its own, in forward order, beside the next forward (backend/rank.py); the forward reaches
+        # each such layer after the forward of the layers before it, and is delayed (at its start) by
+        # the most any update, with those before it, runs past that: max_k (sum_{j<=k} U_j - F_<k).
+        on_device = [layer for layer in g.layers if layer.id in problem.device_state]
+        self.device_state_bytes = sum(mem.device_state_bytes(layer.numel, self.elem) for layer in on_device)
+        prologue_fwd = t(ops.forward_time_s(pro, hw, m))
+        forward_before, elapsed = {g.prologue.id: 0}, prologue_fwd
+        for b in g.blocks:
+            forward_before[b.id], elapsed = elapsed, elapsed + self.blocks[b.id].fwd
+        forward_before[g.epilogue.id] = elapsed
+        updated, self.device_update = 0, 0
+        for layer in on_device:
+            updated += t(ops.device_update_time_s(layer.numel, hw))
+            self.device_update = max(self.device_update, updated - forward_before[layer.id])
+        self.prologue_fwd = prologue_fwd + self.device_update
         self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
         self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
 

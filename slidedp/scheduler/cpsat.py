@@ -382,10 +382,11 @@ def _program_order(m: cp_model.CpModel, data: Data, v: Vars) -> None:
 def _busy_interval(m: cp_model.CpModel, data: Data, op: Op, e, dur, lit):
     """[e - D, e): the op's busy time at the end of its span (a chunked load may wait between
     pieces, never after its last one); optional when the op is."""
+    present = [] if lit is None else [lit]
     size = m.new_int_var(0, data.horizon, f"busy[{op.key}]")
-    m.add(size == dur)
+    m.add(size == dur).only_enforce_if(present)  # an absent op's duration may exceed the horizon
     start = m.new_int_var(0, data.horizon, f"busy_start[{op.key}]")
-    m.add(start + size == e).only_enforce_if([] if lit is None else [lit])
+    m.add(start + size == e).only_enforce_if(present)
     if lit is None:
         return m.new_interval_var(start, size, e, f"iv[{op.key}]")
     return m.new_optional_interval_var(start, size, e, lit, f"iv[{op.key}]")

@@ -14,7 +14,7 @@ from slidedp.scheduler.decisions import (
 )
 from slidedp.scheduler.solve import fixed_plan
 
-from slidedp.backend.program import BWD, D2H_GRAD, FREE, FWD, H2D_WEIGHTS, lower
+from slidedp.backend.program import BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, lower
 from slidedp.backend.simulate import ProgramError, simulate
 from slidedp.ir.build import build_layer_graph
 from tests.models import make_model
@@ -44,6 +44,24 @@ def test_lowered_programs_are_valid(graph, window, policies):
     assert [op.block for op in program.ops if op.kind == BWD] == list(range(n - 1, -1, -1))
     assert sum(op.kind == D2H_GRAD for op in program.ops) == len(graph.layers)
     assert "h2d_weights" in program.text()
+
+
+def test_the_epilogues_gradient_leaves_before_the_blocks_backward(graph):
+    """The epilogue's own gradient is whole after its op (a tied head's part belongs to the prologue),
+    so its copy waits for that op only, and drains while the blocks' backward runs; the prologue's
+    waits for the prologue's backward. Making it wait for nothing is caught."""
+    program = lowered(graph)
+    ops = program.ops
+    head = next(op for op in ops if op.kind == EPILOGUE)
+    copies = {op.layer_id: op for op in ops if op.kind == D2H_GRAD}
+    first_bwd = next(op for op in ops if op.kind == BWD)
+    assert copies[graph.epilogue.id].waits == (head.record,) and copies[graph.epilogue.id].index < first_bwd.index
+    prologue_bwd = next(op for op in ops if op.kind == PROLOGUE_BWD)
+    assert copies[graph.prologue.id].waits == (prologue_bwd.record,)
+    early = _without(program, lambda op: op.index == copies[graph.epilogue.id].index,
+                     lambda op: dataclasses.replace(op, waits=()))
+    with pytest.raises(ProgramError, match="gradient before it is computed"):
+        simulate(early)
 
 
 def test_more_kept_activations_need_more_memory(graph):

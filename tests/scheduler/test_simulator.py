@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from slidedp.costmodel import ops
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.scheduler import baselines
 from slidedp.scheduler.closed_form import evaluate as closed_form
@@ -121,3 +122,31 @@ def test_memory_over_program_order():
     assert a.peak_bytes == sum(a.breakdown.values())
     wider = simulate(costs, base.__class__(2, base.update_order, base.layers)).footprint
     assert wider.peak_bytes - a.peak_bytes == costs.weight_slots_bytes(1)
+
+
+@pytest.mark.parametrize("hardware, n_on_device", [("h200-sxm", 3), ("h200-sxm", 7), ("a100-sxm", 7)])
+def test_device_updates_delay_the_forward_by_their_largest_overrun(hardware, n_on_device):
+    """The device's AdamW runs beside the next forward in forward order; the forward starts late by
+    the most any update (with those before it) runs past the forward of the layers before it.
+    Brute force: an event walk over the forward, pausing before each layer until it is updated."""
+    graph = synthetic_graph(6, block_scale=(1.0, 0.5, 2.0, 1.0, 1.5, 1.0))
+    on_device = frozenset(range(n_on_device))
+    plain = ProblemCosts(Problem(graph, PRESETS[hardware], 1, 1), SolverOptions())
+    costs = ProblemCosts(Problem(graph, PRESETS[hardware], 1, 1, device_state=on_device), SolverOptions())
+    update = {layer.id: costs.scale.ticks(ops.device_update_time_s(layer.numel, PRESETS[hardware]))
+              for layer in graph.layers if layer.id in on_device}
+    fwd = {0: plain.prologue_fwd, **{i: b.fwd for i, b in costs.blocks.items()}, costs.epilogue_id: 0}
+    best = None
+    for delay in range(sum(update.values()) + 1):  # the least start delay with no pause
+        clock, updated, ok = delay, 0, True
+        for layer_id in sorted(fwd):
+            updated += update.get(layer_id, 0)
+            if layer_id in update and updated > clock:
+                ok = False
+                break
+            clock += fwd[layer_id]
+        if ok:
+            best = delay
+            break
+    assert costs.device_update == best and costs.prologue_fwd == plain.prologue_fwd + best
+    assert 0 < best <= sum(update.values())
