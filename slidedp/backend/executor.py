@@ -11,7 +11,9 @@ forward and at most once more for backward, whatever the number of micro-batches
      hidden state as a leaf; token-weighted cross-entropy; gradients of the head and that leaf.
   4. blocks N-1..0: recompute each micro-batch with autograd, backpropagate, accumulate parameter
      gradients in one flat fp32 buffer, take its sum of squares, copy it to the host (D2H stream).
-  5. prologue backward; the resident layers' gradients go to the host last.
+  5. prologue backward (its embedding tables' gradients in one fp32 embedding backward over every
+     micro-batch: embedding_grads.py); its gradient goes to the host last (the epilogue's went
+     after step 3).
 
 Numerics are the model's own: blocks run through `torch.func.functional_call` with device views
 of the streamed weights. Prologue and epilogue weights stay resident for the whole step.
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slidedp.backend.embedding_grads import EmbeddingGrads
 from slidedp.backend.host_state import HostState
 from slidedp.backend.saved_activations import HostArena, SavedActivations
 from slidedp.backend.routes import Routes
@@ -170,6 +173,13 @@ class StreamedExecutor:
         """The model's forward up to the last block, per micro-batch: records every block's inputs."""
         g = self.graph
         self.ensure_resident(g.prologue.id)
+        with st.embedding_grads:
+            self._prologue_forward(st)
+        st.h0 = [c[0].hidden for c in st.calls]
+        st.hidden = [h.detach() for h in st.h0]
+
+    def _prologue_forward(self, st: "_PassState") -> None:
+        g = self.graph
         for mb in st.micro_batches:
             recorded: list[BlockCall] = []
 
@@ -185,8 +195,6 @@ class StreamedExecutor:
                 except StopForward:
                     pass
             st.calls.append(recorded)
-        st.h0 = [c[0].hidden for c in st.calls]
-        st.hidden = [h.detach() for h in st.h0]
 
     def _op_h2d_weights(self, op, st: "_PassState") -> None:
         layer = self.block_layers[op.block]
@@ -342,6 +350,7 @@ class StreamedExecutor:
                 if h.requires_grad:
                     grads = torch.autograd.grad(h, [st.leaves[n] for n in names], st.grad_h[m], allow_unused=True)
                     self._accumulate(st.resident_acc, names, grads)
+            st.embedding_grads.accumulate()
         st.finish_gradient(self.graph.prologue.id, st.resident_acc[self.graph.prologue.id])
 
     def _op_d2h_grad(self, op, st: "_PassState") -> None:
@@ -371,6 +380,13 @@ class _PassState:
         self.top = {**self.leaves, **ex.top_constants}
         self.resident_acc = {lid: torch.zeros(ex.resident[lid].numel(), dtype=torch.float32, device=ex.device)
                              for lid in ex.resident_ids}
+
+        def acc_view(name: str) -> torch.Tensor:
+            lid, start, numel = ex.locate[name]
+            return self.resident_acc[lid][start : start + numel].view(self.leaves[name].shape)
+
+        self.embedding_grads = EmbeddingGrads(  # the prologue's weights, any of them an embedding table
+            {id(self.leaves[p.name]): (self.leaves[p.name], acc_view(p.name)) for p in ex.graph.prologue.params})
         self.calls: list[list[BlockCall]] = []
         self.h0: list[torch.Tensor] = []
         self.hidden: list[torch.Tensor | None] = []
