@@ -426,7 +426,7 @@ class Point:
         budget = slidedp.Budget.parse(a.budget).device_bytes
         self.record["budget_bytes"] = budget
         # one pass over the weights per step: each rank's rows are its micro-batches
-        rows = a.slidedp_micro_rows
+        rows = getattr(a, "slidedp_micro_rows", 1)  # multi_gpu_scaling.py passes its own arguments
         if self.rows % (rows * self.world_size):
             raise ValueError(f"--slidedp-micro-rows {rows} does not divide {self.rows} rows per step "
                              f"over {self.world_size} rank(s)")
@@ -833,6 +833,8 @@ def render_table(records: list[dict]) -> str:
             step_s += f" (steady {steady_step_s(r):.3f})"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
         name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
+        if r.get("slidedp_micro_rows", 1) > 1:
+            name += f" ({r['slidedp_micro_rows']}-row micro-batches)"
         cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
                                         _gib(r.get("peak_device_bytes")),
                                         f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",

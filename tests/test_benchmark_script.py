@@ -32,9 +32,9 @@ def smoke(tmp_path_factory):
     return (tmp, *run_smoke(tmp / "records.json", "slidedp", "gpu_resident"))
 
 
-def run_smoke(out: Path, *systems: str, merge: bool = False):
+def run_smoke(out: Path, *systems: str, merge: bool = False, extra: list[str] = ()):
     cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--tokens", "64",
-           "--systems", *systems, "--steps", "1", "--timeout-s", "120", "--out", str(out)]
+           "--systems", *systems, "--steps", "1", "--timeout-s", "120", "--out", str(out), *extra]
     proc = subprocess.run(cmd + (["--merge"] if merge else []), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -64,6 +64,14 @@ def test_every_system_writes_a_complete_record(smoke):
     assert "slidedp plan" in slide["plan_summary"]
     assert (tmp / "results" / "plans" / "qwen3_tiny_64.json").is_file()
     assert records[1]["predicted_step_s"] is None and records[1]["budget_bytes"] is None
+
+
+def test_two_row_micro_batches_train_the_same_step(smoke, tmp_path):
+    """--slidedp-micro-rows 2: one micro-batch of both rows (batch_size 2), the same losses."""
+    records, _ = run_smoke(tmp_path / "rows2.json", "slidedp", extra=["--slidedp-micro-rows", "2"])
+    r = records[0]
+    assert r["error"] is None and r["slidedp_micro_rows"] == 2 and "1 micro-batch(es) x 2 x" in r["plan_summary"]
+    same_training([smoke[1][0], r])
 
 
 def same_training(records: list[dict]) -> None:
