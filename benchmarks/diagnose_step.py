@@ -6,14 +6,15 @@ context switches, and a torch.profiler table of one step.
 
 Builds the Qwen3-4B shape (optionally with fewer blocks) exactly as benchmarks/h200_qwen3_4b.py does
 (seeded per-parameter init on the GPU, bf16 model on the host), compiles it with the solver's plan
-(or every block forced to --policy), then per --tokens point:
+(or a saved one, --plan; or every block forced to --policy), then per --tokens point:
 
 * `overlapped`: steps as training runs them (the previous step's CPU update overlaps the pass);
 * `isolated`: the previous update finished first, so `pass_s` is the forward + backward alone;
 * `synced`: isolated, with `torch.cuda.synchronize()` after every program operation, timed per
   operation kind (the sum is the serial time of the pass; each kind's share says what is slow);
 * `profile` (with --profile): torch.profiler tables and trace of one overlapped step, and the
-  plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`).
+  plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`), and each CUDA
+  stream's kernel time, busy time and span in that step (`gpu_lanes`).
 """
 
 from __future__ import annotations
