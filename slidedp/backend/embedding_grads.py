@@ -20,12 +20,13 @@ from torch.overrides import TorchFunctionMode
 
 
 class EmbeddingGrads(TorchFunctionMode):
-    """Active around the prologue's forward; `weights` maps each tracked weight (the tensor the model
-    is called with) to the flat fp32 accumulator view of its gradient."""
+    """Active around the prologue's forward; `weights` maps id() of each tracked weight (the tensor the
+    model is called with, held here too so that its id cannot be reused) to (weight, its gradient's
+    fp32 accumulator viewed in the weight's shape)."""
 
     def __init__(self, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
-        self.weights = weights  # id(weight) -> (weight, accumulator [rows, dim] fp32)
+        self.weights = weights
         self.records: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.padding: dict[int, int] = {}
 
