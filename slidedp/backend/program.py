@@ -88,14 +88,16 @@ class _Builder:
 
 
 def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks: dict[int, int],
-          micro_batches: int, loss_chunk_tokens: int = 0, device_state: tuple[int, ...] = ()) -> Program:
+          micro_batches: int, loss_chunk_tokens: int = 0, device_state: tuple[int, ...] = (),
+          streamed: bool = False) -> Program:
     """The ops of one pass of `micro_batches` micro-batches; see the executor for their semantics.
 
     Buffer sizes come from the same costmodel.memory functions as the scheduler's footprint
     (scheduler/footprint.py), so the simulated peak of a lowered plan stays within its prediction.
     `loss_chunk_tokens` (0: the whole micro-batch) bounds the epilogue's logits. The blocks of
     `device_state` keep their optimizer state on the device: their weight "loads" and gradient
-    "copies" stay within the device (the same ops, on the same streams), their state is persistent.
+    "copies" stay within the device (the same ops, on the same streams), their state is persistent;
+    `streamed` (the plan streams some updates through the device) adds its slots, also persistent.
     """
     c = DTYPE_BYTES[graph.compute_dtype]
     blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
@@ -111,7 +113,8 @@ def lower(graph: LayerGraph, *, window: int, activation: dict[int, str], chunks:
                   + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
                   + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
                          for layer in graph.layers if layer.id not in device_state), default=0)  # cast in place there
-                  + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state))
+                  + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state)
+                  + (mem.streamed_update_bytes(c) if streamed else 0))
     tokens = graph.batch_size * graph.seq_len
     epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
                                                 loss_chunk_tokens or tokens)

@@ -15,7 +15,8 @@ of a multi-rank engine (backend/workers.py). A step:
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
      (device_state.py; every rank keeps the same copy and applies the same update) are updated
      there instead, on the compute stream, before any later copy (the copy streams wait for it by
-     an event); rank 0 writes them back to the shared host state when it is read.
+     an event); rank 0 writes them back to the shared host state when it is read. Layers whose
+     update is streamed (streamed_updates.py; one rank) make a round trip through the device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from slidedp.backend.early_updates import EarlyUpdates
 from slidedp.backend.executor import MicroBatch, StreamedExecutor
 from slidedp.backend.host_state import HostState
 from slidedp.backend.routes import Routes
+from slidedp.backend.streamed_updates import StreamedUpdates
 from slidedp.backend.update_stream import UpdateStream
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
@@ -51,15 +53,20 @@ class RankStep:
 class Rank:
     def __init__(self, *, executor: StreamedExecutor, host: HostState, graph: LayerGraph, update_order: list[int],
                  rank: int = 0, comm=None, flags=None, num_threads: int | None = None,
-                 device_state: DeviceState | None = None, early_order=(), on_swap=lambda layer_ids: None):
+                 device_state: DeviceState | None = None, early_order=(), on_swap=lambda layer_ids: None,
+                 streamed: StreamedUpdates | None = None):
         self.executor, self.host, self.graph = executor, host, graph
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
         self.world_size = comm.world_size if comm is not None else 1
         self.device_state = device_state
         self.routes.device_state = device_state
-        on_device = device_state.layers if device_state is not None else {}
-        self.updates = UpdateStream(order=[i for i in update_order if i not in on_device], num_threads=num_threads)
+        self.streamed = streamed
+        self.routes.streamed = streamed
+        if streamed is not None and (comm is not None or flags is not None):
+            raise ValueError("streamed updates run on one rank in the engine's process only")
+        off_cpu = set(device_state.layers if device_state is not None else ()) | set(streamed.order if streamed else ())
+        self.updates = UpdateStream(order=[i for i in update_order if i not in off_cpu], num_threads=num_threads)
         if flags is None:
             self.routes.wait_local_update = self.updates.wait
         else:
@@ -179,6 +186,10 @@ class Rank:
                 for layer_id in sorted(self.device_state.layers):  # the order the next forward needs them
                     self.device_state.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
                     self.device_state.ready[layer_id] = streams.record("update")
+        if self.streamed is not None:  # the host gradient is whole (routes.finish waited for it)
+            segments = self._decay_segments(opt)
+            for layer_id in self.streamed.order:
+                self.streamed.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
         if not host_started:
             update = self._host_update(opt, step, clip)
             self.updates.start(lambda layer_id, threads: update(layer_id, threads))
@@ -220,6 +231,8 @@ class Rank:
     def close(self) -> None:
         try:
             self.updates.flush()
+            if self.streamed is not None:  # its copies write the host state, which closes after this
+                self.streamed.wait_all()
             if self.device_state is not None and self.rank == 0:  # the model's parameters (host views)
                 self.device_state.store_to_host()
         finally:
@@ -241,6 +254,8 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
     device_state = DeviceState(host, plan.device_state, device=device) if plan.device_state else None
+    streamed = (StreamedUpdates(host, plan.streamed_updates, streams=executor.streams, device=device)
+                if plan.streamed_updates else None)
 
     def rebind(layer_ids: list[int]) -> None:
         """Early updates swapped these layers' masters: fp32 parameters view the current one."""
@@ -253,7 +268,7 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
 
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
                 flags=flags, num_threads=update_threads(device, world_size), device_state=device_state,
-                early_order=plan.early_order, on_swap=rebind)
+                early_order=plan.early_order, on_swap=rebind, streamed=streamed)
 
 
 def update_threads(device: torch.device, world_size: int) -> int | None:

@@ -17,6 +17,10 @@ rank, so the device streams never wait for another rank. The norm of the whole g
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
 there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
 
+Layers whose update is streamed through the device (`streamed`, one rank) take the routes; their
+next load waits for that update on the device, anything else that reads or writes their host arrays
+on the host.
+
 Layers whose optimizer state lives on the device (`device_state`: every rank keeps the same copy)
 take neither route: the weights are copied into the slot from the device's own master, the gradient
 is summed over the ranks on the devices (all-reduce) into the device's buffer, and rank 0 alone
@@ -63,6 +67,7 @@ class Routes:
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._free: queue.Queue[int] = queue.Queue()
         self.device_state = None  # backend.device_state.DeviceState, set by the rank when the plan has one
+        self.streamed = None  # backend.streamed_updates.StreamedUpdates, likewise
         self.early = None  # backend.early_updates.EarlyRound of this step, told when each gradient lands
         self._last = True
 
@@ -75,7 +80,9 @@ class Routes:
         if self.device_state is not None and layer_id in self.device_state:
             return  # updated on the device, in stream order
         t0 = time.perf_counter()
-        if self.flags is None:
+        if self.streamed is not None and layer_id in self.streamed:
+            self.streamed.wait(layer_id)
+        elif self.flags is None:
             self.wait_local_update(layer_id)
         else:
             self.flags.wait_updated(layer_id, self.rounds)
@@ -93,7 +100,10 @@ class Routes:
             self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
             self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
             return
-        self.wait_updated(layer_id)
+        if self.streamed is not None and layer_id in self.streamed:
+            self.streams.wait("h2d", self.streamed.ready.get(layer_id))  # its last update, on the device
+        else:
+            self.wait_updated(layer_id)
         sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"
         for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
             if not sharded or owner == self.rank:

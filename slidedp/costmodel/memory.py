@@ -52,6 +52,19 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
     return numel * (12 + elem_bytes)
 
 
+# Parameters per piece of a streamed update (backend/streamed_updates.py): 32 MiB of each fp32 array.
+STREAMED_PIECE_NUMEL = 1 << 23
+STREAMED_SLOTS = 2  # pieces in flight: one coming up while the one before is updated and goes down
+
+
+def streamed_update_bytes(elem_bytes: int, piece_numel: int = STREAMED_PIECE_NUMEL) -> int:
+    """Device buffers of the updates whose state streams through the device: STREAMED_SLOTS pieces
+    of fp32 master and moments, the gradient and the delivery copy in the compute dtype (none in
+    fp32), and the fp32 gradient AdamW reads: piece * (slots * (12 + 2 * elem') + 4)."""
+    extra = 2 * elem_bytes if elem_bytes != 4 else 4
+    return piece_numel * (STREAMED_SLOTS * (12 + extra) + 4)
+
+
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                            loss_chunk_tokens: int) -> int:
     """Final norm, head and chunked cross-entropy of one micro-batch.

@@ -177,6 +177,13 @@ def device_update_time_s(numel: float, hw: Hardware) -> float:
     return numel * DEVICE_ADAMW_BYTES_PER_PARAM / rate
 
 
+def streamed_update_bytes(numel: float, elem_bytes: int) -> tuple[float, float]:
+    """Bytes (up, down) of an update whose state streams through the device (backend/streamed_updates.py):
+    up the fp32 master and moments and the gradient as the host holds it (the compute dtype), down the
+    master, the moments and the delivery copy (bf16 only; fp32 loads read the master)."""
+    return numel * (12 + elem_bytes), numel * (12 + (elem_bytes if elem_bytes != 4 else 0))
+
+
 def cpu_reduce_time_s(numel: float, elem_bytes: int, world_size: int, hw: Hardware, *, lanes: int) -> float:
     """Sum W ranks' gradient copies of `numel` parameters into fp32 on one rank's CPU lane [s].
 

@@ -139,7 +139,7 @@ def _max_duration(costs: ProblemCosts, op: Op) -> int:
     return max(costs.blocks[op.layer].bwd.values())
 
 
-def lower_bound(costs: ProblemCosts, early: bool = False) -> int:
+def lower_bound(costs: ProblemCosts, early: bool = False, streamed: bool = False) -> int:
     """A makespan no decisions can beat (ticks), for every window:
 
     max(compute: fwd_P + sum_i fwd_i + epi + sum_i min_a bwd_i,a + bwd_P,
@@ -148,11 +148,13 @@ def lower_bound(costs: ProblemCosts, early: bool = False) -> int:
     The second holds in both update orders: the epilogue (forward order) or block N (head first,
     then the epilogue after it) waits for the last update; the backward follows the epilogue.
     With early updates (no step boundary) it is only the updates: a step's CPU lane work fits in
-    its period.
+    its period. With streamed updates (the device takes some of the updates) it is the compute alone.
     """
     bwd = sum(min(costs.blocks[i].bwd[a] for a in costs.options.activations) for i in costs.blocks)
     compute = costs.prologue_fwd + sum(b.fwd for b in costs.blocks.values()) + costs.epilogue + bwd
     compute += costs.prologue_bwd
+    if streamed:
+        return compute
     updates = sum(min(o.update_lane_ticks() for o in opts) for opts in costs.layer_options)
     if early:
         return max(compute, updates)

@@ -39,6 +39,10 @@ class Problem:
     # Host bytes the spare master and moments of early updates may take (backend/early_updates.py:
     # one rank, no clipping); None: early updates are not allowed.
     early_host_bytes: int | None = None
+    # Host layers whose AdamW may run on the device at the step boundary, their state streamed up and
+    # back down (backend/streamed_updates.py: one rank in the engine's process, the device's memory
+    # bandwidth known); the solver picks a prefix of the host layers in update order (streamed.py).
+    streamed_updates: bool = False
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
@@ -82,6 +86,9 @@ class Decisions:
     # Early updates (one rank, no clipping): the host layers' updates in the CPU's order, each
     # starting once its gradient has landed in this step; () : all after the step boundary.
     early_order: tuple[int, ...] = ()
+    # Host layers updated on the device at the step boundary, their fp32 master and moments streamed
+    # up and back down (in this order, before any load of the next step); not on the CPU lane.
+    streamed: tuple[int, ...] = ()
 
     def order(self, n_layers: int) -> tuple[int, ...]:
         """Layer ids in CPU update order (also the order of the next step's weight loads)."""
@@ -126,6 +133,9 @@ class SolverOptions:
     # the planner chooses; with a fixed device_state_blocks, None means no).
     device_state_blocks: int | None = None
     device_state_prologue: bool | None = None
+    # Streamed updates (Problem.streamed_updates): None lets the planner choose how many host layers,
+    # an int fixes it (0: none).
+    streamed_layers: int | None = None
     seed: int = 0
     workers: int = 1
     hints: bool = True
@@ -147,6 +157,9 @@ class SolverOptions:
         if self.device_state_blocks is not None and (isinstance(self.device_state_blocks, bool) or not isinstance(
                 self.device_state_blocks, int) or self.device_state_blocks < 0):
             raise ValueError(f"device_state_blocks must be an int >= 0 or None, got {self.device_state_blocks!r}")
+        if self.streamed_layers is not None and (isinstance(self.streamed_layers, bool) or not isinstance(
+                self.streamed_layers, int) or self.streamed_layers < 0):
+            raise ValueError(f"streamed_layers must be an int >= 0 or None, got {self.streamed_layers!r}")
         if self.device_state_prologue not in (None, True, False):
             raise ValueError(f"device_state_prologue must be a bool or None, got {self.device_state_prologue!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:

@@ -24,23 +24,25 @@ def landing_order(n_layers: int) -> tuple[int, ...]:
 
 def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[int, ...]:
     """The first `landed_first` host layers in landing order, then the others in the order the next
-    step loads them (d's update order); layers with their state on the device are not in it."""
-    host = set(range(costs.n_layers)) - set(costs.problem.device_state)
+    step loads them (d's update order); layers with their state on the device, or whose update is
+    streamed through it (d.streamed), are not in it."""
+    host = set(range(costs.n_layers)) - set(costs.problem.device_state) - set(d.streamed)
     first = [i for i in landing_order(costs.n_layers) if i in host][:landed_first]
     return tuple(first) + tuple(i for i in d.order(costs.n_layers) if i in host and i not in first)
 
 
-def spare_bytes(costs: ProblemCosts) -> int:
-    """Host bytes of the spare fp32 master and moments of every host layer."""
+def spare_bytes(costs: ProblemCosts, d: Decisions | None = None) -> int:
+    """Host bytes of the spare fp32 master and moments of every host layer the CPU updates."""
     g = costs.problem.graph
-    return sum(12 * layer.numel for layer in g.layers if layer.id not in costs.problem.device_state)
+    skip = set(costs.problem.device_state) | set(d.streamed if d is not None else ())
+    return sum(12 * layer.numel for layer in g.layers if layer.id not in skip)
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
     """`d` with its best early order (None: early updates not allowed, or no host layer)."""
     limit = costs.problem.early_host_bytes
-    n = costs.n_layers - len(costs.problem.device_state)
-    if limit is None or n == 0 or spare_bytes(costs) > limit:
+    n = costs.n_layers - len(costs.problem.device_state) - len(d.streamed)
+    if limit is None or n == 0 or spare_bytes(costs, d) > limit:
         return None
     tried: dict[int, tuple[Decisions, Simulation]] = {}
 

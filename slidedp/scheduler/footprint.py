@@ -7,6 +7,7 @@ before the compute that reuses it, see program.py). At compute position x:
   mem(x) = resident weights + resident fp32 gradients + window * largest block
            + 2 fp32 block gradient accumulators + max over layers of its gradient staging
            + the optimizer state of the blocks that keep it on the device (costmodel.memory)
+           + the slots of streamed updates, if any (allocated once, held throughout)
            + boundary stash(x) * m + working set(x)
            + sum over kept blocks i with fwd_i <= x <= bwd_i of m * saved_i
            + sum over offloaded blocks i with x in {fwd_i, fwd_i + 1, bwd_i - 1, bwd_i} of m * saved_i
@@ -31,7 +32,7 @@ from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
 
 CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
               "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
-              "working_bytes", "device_state_bytes")
+              "working_bytes", "device_state_bytes", "streamed_update_bytes")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str,
         for name, b in t.base:
             part[name] += b
         part["grad_staging_bytes"] = staging
+        part["streamed_update_bytes"] = costs.streamed_update_bytes if decisions.streamed else 0
         part["kept_activation_bytes"] = kept_prefix[t.keep_upto]
         for (i, b) in t.offload:
             if activation[i] == OFFLOAD:

@@ -137,6 +137,9 @@ class Plan:
     # Early updates (backend/early_updates.py; one rank, no clipping): the host layers' updates in
     # the order the CPU takes them during the backward; () : after the backward, in update_order.
     early_order: tuple[int, ...] = ()
+    # Streamed updates (backend/streamed_updates.py; one rank): host layers the device updates at the
+    # step boundary, their fp32 state streamed up and back down, in this order; the CPU updates the rest.
+    streamed_updates: tuple[int, ...] = ()
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -164,6 +167,7 @@ class Plan:
         data["update_order"] = tuple(data.get("update_order", ()))
         data["device_state"] = tuple(data.get("device_state", ()))
         data["early_order"] = tuple(data.get("early_order", ()))
+        data["streamed_updates"] = tuple(data.get("streamed_updates", ()))
         data["groups"] = tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])})
                                for g in data.get("groups", ()))
         data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
@@ -218,6 +222,8 @@ class Plan:
             *([f"  optimizer state on the device: {_blocks_label(self.decisions, self.device_state)} "
                f"({format_bytes(self.memory.get('device_state_bytes', 0))}, updated there, no PCIe traffic)"]
               if self.device_state else []),
+            *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
+               "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
             f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
             f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
             f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "

@@ -25,6 +25,12 @@ point: lay out the step with the carry of the previous layout (first none), unti
 The updates run beside the backward's copies both ways, at hardware.cpu_adamw_backward_fraction of
 the CPU's AdamW rate.
 
+Note [streamed updates]. The layers in `d.streamed` (one rank) are updated on the device at the
+step boundary, piece by piece (costs.streamed_pieces): each piece goes up on the H2D lane, then is
+updated and goes down on the D2H lane; a piece waits for the slot of the piece two before it to be
+down (two slots). They head both lanes, before any load of the step, and the forward load of such a
+layer waits for its last piece to be down. They are not on the CPU lane.
+
 Note [lockstep]. Ranks run the same GPU program. A collective waits for its input on every
 rank. Shared host resources (root-complex links, host DRAM, CPU cores) are charged as shares:
 when one rank copies, all W do (costmodel/ops.py), so each op's duration already includes the
@@ -107,6 +113,13 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     blocks = {(c.delivery, c.reduction) for c in d.layers[1:-1]}
     if len(blocks) != 1:
         raise ValueError(f"every block must share one delivery and reduction route, got {sorted(blocks)}")
+    if d.streamed:
+        if not costs.problem.streamed_updates:
+            raise ValueError("streamed updates are not allowed for this problem (Problem.streamed_updates)")
+        bad = [i for i in d.streamed if i not in costs.streamed_pieces or i in d.early_order]
+        if bad or len(set(d.streamed)) != len(d.streamed):
+            raise ValueError(f"streamed layers must be distinct host layers with parameters and no early "
+                             f"update, got {d.streamed}")
 
 
 def condition(d: Decisions):
@@ -189,8 +202,20 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     hw = costs.problem.hardware
     slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
     early = carry is not None
+    streamed = set(d.streamed)
+    down_pieces: list[int] = []
+    for layer in d.streamed:  # one rank (check_decisions)
+        for p, (up_ticks, down_ticks) in enumerate(costs.streamed_pieces[layer]):
+            slot = (down_pieces[-2],) if len(down_pieces) >= 2 else ()
+            up = add(0, H2D, ("state up L{} p{}", layer, p), layer, p, up_ticks, (), slot, key=f"state_up[L{layer}]")
+            down_pieces.append(add(0, D2H, ("update+state down L{} p{}", layer, p), layer, p, down_ticks, (), (up,),
+                                   key=f"state_down[L{layer}]"))
+        for c in range(opt[layer].chunks):
+            update_piece[(layer, c)] = down_pieces[-1]
     for r in range(W):
         for layer in (d.early_order if early else order):
+            if layer in streamed:
+                continue
             # its whole gradient, as the executor waits (it sends the epilogue's after the prologue's)
             deps = ((r, f"grad[L{layer}]"),) + (((r, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
             for c in owned[(layer, r)]:
@@ -284,7 +309,9 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
                 pid = add(r, H2D, (name, layer, c), layer, c, piece, deps,
                           (update_piece[(layer, c)],) if op.chunkwise else (), key=op.key)
             else:  # early updates: the previous step's update of the chunk, if it carried over
-                pid = add(r, H2D, (name, layer, c), layer, c, piece, deps, key=op.key)
+                streamed = op.chunkwise and layer in d.streamed  # updated at this step's boundary
+                pid = add(r, H2D, (name, layer, c), layer, c, piece, deps,
+                          (update_piece[(layer, c)],) if streamed else (), key=op.key)
                 if op.chunkwise and (layer, c) in carry[0]:
                     release[pid] = carry[0][(layer, c)]
     elif op.kind == "reload":

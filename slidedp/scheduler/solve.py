@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version as package_version
 
 from slidedp.budget import format_bytes
@@ -22,6 +22,7 @@ from slidedp.scheduler import baselines, cpsat, local_search
 from slidedp.scheduler.costs import ProblemCosts
 from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.early import best_early
+from slidedp.scheduler.streamed import best_streamed
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload,
@@ -57,6 +58,7 @@ class Solution:
     lower_bound: int
     min_budget_bytes: int
     deterministic_time_limit: float
+    streamed_tried: dict = field(default_factory=dict)  # streamed layers k -> step [s] (streamed.py)
 
 
 def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
@@ -127,6 +129,15 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         chosen_by += " + early updates"
         results = [replace(r, best_bound=None) for r in results]
         lower = cpsat.lower_bound(costs, early=True)
+    # Streamed updates (if allowed): the device takes the first host layers' updates off the CPU.
+    streamed = best_streamed(costs, decisions, budget_bytes)
+    streamed_tried = streamed[2] if streamed is not None else {}
+    fixed = costs.options.streamed_layers is not None
+    if streamed is not None and (fixed or streamed[1].makespan < best_sim.makespan):
+        decisions, best_sim = streamed[:2]
+        chosen_by += " + streamed updates"
+        results = [replace(r, best_bound=None) for r in results]
+        lower = cpsat.lower_bound(costs, streamed=True)
 
     best = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
@@ -138,21 +149,22 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     bound = min(min(bounds.values(), default=best), best)
     return Solution(decisions, best, bound, "OPTIMAL" if bound == best else "FEASIBLE", chosen_by,
                     tuple((name, sim.makespan) for name, _, sim in candidates), tuple(results), lower, min_budget,
-                    budget_each * len(windows))
+                    budget_each * len(windows), streamed_tried)
 
 
 def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
                precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
                compiled_blocks: bool = False, host_offload_bytes: int | None = None,
-               early_host_bytes: int | None = None) -> Plan:
+               early_host_bytes: int | None = None, streamed_updates: bool = False) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
     offloaded activations take at most `host_offload_bytes` of host memory (None: no limit); early
-    updates (one rank, no clipping) may take `early_host_bytes` for their spare state (None: none).
+    updates (one rank, no clipping) may take `early_host_bytes` for their spare state (None: none);
+    `streamed_updates` lets the device update some host layers (one rank in the engine's process).
     Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
-                      host_offload_bytes, early_host_bytes=early_host_bytes)
+                      host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates)
     costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
@@ -178,6 +190,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
         "device_state_tried": {_device_state_label(c): step_s for c, step_s in sorted(tried.items())},
+        "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "wall_s": wall,
     }
     plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
@@ -381,6 +394,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         alternatives=alts,
         device_state=tuple(sorted(problem.device_state)),
         early_order=decisions.early_order,
+        streamed_updates=decisions.streamed,
     )
 
 

@@ -39,24 +39,10 @@ def test_three_steps_match_gpu_resident_and_close_frees_the_device():
     engine = slidedp.compile(model, 2**30, batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16",
                              optimizer=slidedp.AdamW(lr=LR), max_grad_norm=CLIP, plan=plan)
     engine.executor.min_offload_bytes = 0
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, fused=True)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(STEPS):
-        ids, labels = random_batch(gen, 2 * BATCH)
-        loss = engine.step(ids, labels)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss = reference_loss(ref, ids.cuda(), labels.cuda())
-        opt.zero_grad()
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
-        opt.step()
-        assert loss == pytest.approx(ref_loss.item(), rel=2e-2)
+    opt = train_against_gpu_resident(engine, ref)
     assert engine.executor.offloaded_bytes > 0
-    state = engine.state_dict()
-    for name, p in ref.named_parameters():  # each AdamW step moves a weight by at most about lr
-        assert (state[name] - p.detach().float().cpu()).abs().max() <= 2 * LR * STEPS, name
     engine.close()
-    del engine, state
+    del engine
     gc.collect()
     torch.cuda.synchronize()
     ref_bytes = sum(t.numel() * t.element_size() for t in list(ref.parameters()) + [
@@ -69,3 +55,43 @@ def pinned_host_bytes() -> int:
     """Bytes of pinned host memory torch's caching host allocator holds (in use or cached)."""
     stats = torch.cuda.host_memory_stats()
     return max(stats.get(key, 0) for key in ("reserved_bytes.current", "allocated_bytes.current"))
+
+
+def train_against_gpu_resident(engine, ref):
+    """STEPS steps of the engine and of fused torch AdamW on the GPU-resident `ref` (bf16 autocast),
+    clipped at CLIP: the losses within bf16 tolerance, every weight within 2 lr a step. Returns the
+    reference's optimizer."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        ids, labels = random_batch(gen, 2 * BATCH)
+        loss = engine.step(ids, labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = reference_loss(ref, ids.cuda(), labels.cuda())
+        opt.zero_grad()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=2e-2)
+    state = engine.state_dict()
+    for name, p in ref.named_parameters():  # each AdamW step moves a weight by at most about lr
+        assert (state[name] - p.detach().float().cpu()).abs().max() <= 2 * LR * STEPS, name
+    return opt
+
+
+def test_streamed_updates_match_gpu_resident(monkeypatch):
+    """The prologue and two blocks updated on the device at the step boundary, several pieces each."""
+    from slidedp.costmodel import memory
+
+    monkeypatch.setattr(memory, "STREAMED_PIECE_NUMEL", 4096)
+    model = make_model("qwen3")
+    ref = copy.deepcopy(model).cuda().eval()
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.bfloat16)
+    plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["h200-sxm"], micro_batches=2,
+                      compiled_blocks=True, streamed_updates=True,
+                      options=SolverOptions(device_state_blocks=0, streamed_layers=3))
+    assert plan.streamed_updates == (0, 1, 2)
+    with slidedp.compile(model, 2**30, batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16",
+                         optimizer=slidedp.AdamW(lr=LR), max_grad_norm=CLIP, plan=plan) as engine:
+        assert engine.runner.streamed is not None and engine.runner.streamed.piece_numel == 4096
+        train_against_gpu_resident(engine, ref)

@@ -1,0 +1,104 @@
+"""Streamed updates (plan.streamed_updates: one rank): some host layers are updated on the device at
+the step boundary, their fp32 state making a round trip through it piece by piece. The training is
+torch.optim.AdamW's, with or without clipping, beside device state and early updates; a non-finite
+step changes nothing; the planner streams layers only where allowed."""
+
+import copy
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.costmodel import memory
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.ir.build import build_layer_graph
+from slidedp.scheduler.decisions import SolverOptions
+from slidedp.scheduler.solve import solve_plan
+from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
+from tests.models import make_model
+from tests.reliability.test_numerical_faults import poison, snapshot
+
+GiB = 2**30
+
+
+def streamed_plan(model, k: int, *, micro_batches: int = 2, device_blocks: int = 0, early: bool = False):
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+    return solve_plan(graph, budget_bytes=GiB, hardware=PRESETS["cpu"], precision="fp32",
+                      micro_batches=micro_batches, streamed_updates=True,
+                      early_host_bytes=1 << 40 if early else None,
+                      options=SolverOptions(streamed_layers=k, device_state_blocks=device_blocks))
+
+
+def compiled(model, plan, max_grad_norm=CLIP, micro_batches=2, no_decay=False):
+    return slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                           optimizer=slidedp.AdamW(lr=LR, weight_decay=WD, no_decay_groups=no_decay),
+                           max_grad_norm=max_grad_norm, plan=plan, micro_batches=micro_batches)
+
+
+@pytest.mark.parametrize("family, tied, k, micro_batches, clip, device_blocks", [
+    ("llama", False, 2, 2, CLIP, 0),  # the prologue and block 1; two passes over the weights
+    ("gpt2", True, 5, 1, CLIP, 0),  # every layer, a tied head (its gradient is the prologue's)
+    ("qwen3", False, 3, 2, None, 1),  # beside block 1's device state, the rest as early updates
+])
+def test_streamed_updates_are_exact(monkeypatch, family, tied, k, micro_batches, clip, device_blocks):
+    monkeypatch.setattr(memory, "STREAMED_PIECE_NUMEL", 1000)  # several pieces a layer, across decay runs
+    model = make_model(family, tied=tied)
+    ref = copy.deepcopy(model).eval()
+    plan = streamed_plan(model, k, micro_batches=micro_batches, device_blocks=device_blocks, early=clip is None)
+    host_layers = [i for i in plan.update_order if i not in plan.device_state]
+    assert plan.streamed_updates == tuple(host_layers[:k])
+    assert set(plan.early_order).isdisjoint(plan.streamed_updates)
+    assert plan.memory["streamed_update_bytes"] > 0 and "streamed updates" in plan.summary()
+    assert slidedp.Plan.from_dict(plan.to_dict()) == plan
+    with compiled(model, plan, max_grad_norm=clip, micro_batches=micro_batches) as engine:
+        streamed = engine.runner.streamed
+        assert streamed is not None and streamed.order == list(plan.streamed_updates)
+        assert streamed.piece_numel == 1000
+        assert set(engine.runner.updates.order).isdisjoint(plan.streamed_updates)  # not on the CPU
+        train_side_by_side(engine, ref, steps=3, seed=7, clip=clip)
+
+
+def test_no_decay_groups_split_pieces_exactly(monkeypatch):
+    """Weight decay per parameter run inside a piece: the same as the CPU optimizer's."""
+    monkeypatch.setattr(memory, "STREAMED_PIECE_NUMEL", 777)
+    plan = streamed_plan(make_model("llama"), 3)
+    states = []
+    for streamed in (True, False):
+        torch.manual_seed(0)
+        model = make_model("llama")
+        the_plan = plan if streamed else streamed_plan(model, 0)
+        with compiled(model, the_plan, no_decay=True) as engine:
+            gen = torch.Generator().manual_seed(3)
+            for _ in range(2):
+                engine.step(torch.randint(0, 64, (2 * BATCH, SEQ), generator=gen))
+            states.append(engine.state_dict())
+    for name in states[0]:
+        torch.testing.assert_close(states[0][name], states[1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_non_finite_step_changes_nothing():
+    model = make_model("llama")
+    switch = {"on": False}
+    poison(model, "backward", switch)
+    plan = streamed_plan(model, 3)
+    with compiled(model, plan) as engine:
+        gen = torch.Generator().manual_seed(1)
+        engine.step(torch.randint(0, 64, (2 * BATCH, SEQ), generator=gen))
+        before, step = snapshot(engine)
+        switch["on"] = True
+        engine.step(torch.randint(0, 64, (2 * BATCH, SEQ), generator=gen))
+        assert engine.last_step.skipped
+        after, step_after = snapshot(engine)
+        assert step_after == step and all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_planner_streams_only_where_allowed():
+    model = make_model("llama")
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+    plan = solve_plan(graph, budget_bytes=GiB, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
+                      options=SolverOptions(streamed_layers=2))
+    assert plan.streamed_updates == ()  # Problem.streamed_updates is off: the option changes nothing
+    cpu = slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32")
+    assert cpu.streamed_updates == ()  # the CPU preset has no device bandwidth: never offered
+    with pytest.raises(ValueError, match="streamed_layers"):
+        SolverOptions(streamed_layers=-1)
