@@ -2,6 +2,7 @@
 the closed form used by local search, and the CP-SAT model with every decision pinned."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from slidedp.scheduler import baselines
 from slidedp.scheduler.closed_form import evaluate as closed_form
 from slidedp.scheduler.costs import ProblemCosts
 from slidedp.scheduler.cpsat import pinned
+from slidedp.scheduler.early import early_order
 from slidedp.scheduler.decisions import KEEP, OFFLOAD, Decisions, LayerChoice, Problem, SolverOptions
 from slidedp.scheduler.program import GPU_LANES, build_program, window_loads
 from slidedp.scheduler.simulate import condition, simulate
@@ -150,3 +152,76 @@ def test_device_updates_delay_the_forward_by_their_largest_overrun(hardware, n_o
             break
     assert costs.device_update == best and costs.prologue_fwd == plain.prologue_fwd + best
     assert 0 < best <= sum(update.values())
+
+
+@pytest.mark.parametrize("k, early", [(1, False), (3, False), (6, False), (2, True)])
+def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
+    """Streamed layers (a prefix of the host layers in update order) are not on the CPU lane; their
+    pieces head the H2D and D2H lanes, each piece down after it is up, a piece up only after the one
+    two before it is down (two slots); each forward load of a streamed layer starts after its last
+    piece is down; the step is at least the transfers' and the GPU's own."""
+    graph = synthetic_graph(4, block_scale=(1.0, 0.5, 2.0, 1.0))
+    costs = ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1, streamed_updates=True,
+                                 early_host_bytes=1 << 50 if early else None), SolverOptions())
+    d = baselines.uniform(costs, window=2, activation="recompute")
+    d = replace(d, streamed=d.order(costs.n_layers)[:k])
+    plain = replace(d, streamed=())
+    if early:
+        d = replace(d, early_order=early_order(costs, d, 2))
+        plain = replace(plain, early_order=early_order(costs, plain, 2))
+    plain = simulate(costs, plain, record=True)
+    sim = simulate(costs, d, record=True)
+    cpu = {e.layer for e in sim.events if e.lane == "cpu_update"}
+    assert cpu.isdisjoint(d.streamed) and cpu | set(d.streamed) == {e.layer for e in plain.events
+                                                                   if e.lane == "cpu_update"}
+    ups = [e for e in sim.events if e.name.startswith("state up")]
+    downs = [e for e in sim.events if e.name.startswith("update+state down")]
+    pieces = sum(len(costs.streamed_pieces[i]) for i in d.streamed)
+    assert len(ups) == len(downs) == pieces
+    h2d = sorted((e for e in sim.events if e.lane == "h2d"), key=lambda e: e.start)
+    assert [e.name for e in h2d[:pieces]] == [e.name for e in sorted(ups, key=lambda e: e.start)]
+    for i, (up, down) in enumerate(zip(sorted(ups, key=lambda e: e.start), sorted(downs, key=lambda e: e.start))):
+        assert (up.layer, up.chunk) == (down.layer, down.chunk) and down.start >= up.end
+        if i >= 2:
+            assert up.start >= sorted(downs, key=lambda e: e.start)[i - 2].end
+    last_down = {i: max(e.end for e in downs if e.layer == i) for i in d.streamed}
+    loads = [e for e in sim.events if e.lane == "h2d" and e.name.startswith("load") and e.layer in last_down]
+    assert loads and all(e.start >= last_down[e.layer] for e in loads)
+    ticks = sum(u for i in d.streamed for u, _ in costs.streamed_pieces[i])
+    assert sim.lane_busy["cpu_update"] < plain.lane_busy["cpu_update"]
+    assert sim.makespan >= max(ticks, sim.lane_busy["compute"])
+    with pytest.raises(ValueError, match="streamed"):
+        simulate(ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1), SolverOptions()), d)
+
+
+def test_streamed_layers_must_be_host_layers_without_early_updates():
+    graph = synthetic_graph(3)
+    costs = ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1, device_state=frozenset({1}), streamed_updates=True,
+                                 early_host_bytes=1 << 50), SolverOptions())
+    d = baselines.uniform(costs, window=1, activation="recompute")
+    for bad in [replace(d, streamed=(1,)), replace(d, streamed=(2, 2)),
+                replace(d, streamed=(2,), early_order=(2, 3, 4, 0))]:
+        with pytest.raises(ValueError, match="streamed layers"):
+            simulate(costs, bad)
+
+
+def test_best_streamed_count_is_found_and_never_slower():
+    """On a CPU-bound problem the search over the streamed prefix (8 host layers: its coarse sweep
+    tries every k) finds the best k of a brute force, k > 0; a fixed k is taken as given; nothing
+    is streamed unless the problem allows it."""
+    from slidedp.scheduler.streamed import best_streamed, candidates
+
+    graph = synthetic_graph(6, block_scale=(1.0, 0.5, 2.0, 1.0, 1.5, 1.0))
+    hw = replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=0.3e9)  # a slow CPU: the updates bound the step
+    costs = ProblemCosts(Problem(graph, hw, 1, 1, streamed_updates=True), SolverOptions())
+    d = baselines.uniform(costs, window=2, activation="recompute")
+    found = best_streamed(costs, d, 1 << 50)
+    assert found is not None
+    e, sim, tried = found
+    brute = {k: simulate(costs, replace(d, streamed=candidates(costs, d)[:k])).makespan
+             for k in range(len(candidates(costs, d)) + 1)}
+    assert e.streamed and sim.makespan == min(brute.values()) < brute[0]
+    assert tried[0] == pytest.approx(brute[0] * costs.scale.tick_s)
+    fixed = ProblemCosts(Problem(graph, hw, 1, 1, streamed_updates=True), SolverOptions(streamed_layers=2))
+    assert best_streamed(fixed, d, 1 << 50)[0].streamed == candidates(costs, d)[:2]
+    assert best_streamed(ProblemCosts(Problem(graph, hw, 1, 1), SolverOptions()), d, 1 << 50) is None
