@@ -198,7 +198,20 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     if explain and len(tried) > 1:
         chosen = (graph.prologue.id in plan.device_state, len(set(plan.device_state) - {graph.prologue.id}))
         plan = replace(plan, alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
+    if explain and len(sol.streamed_tried) > 1 and len(plan.streamed_updates) in sol.streamed_tried:
+        plan = replace(plan, alternatives=plan.alternatives + (
+            _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates)),))
     return plan
+
+
+def _streamed_alternative(tried: dict[int, float], chosen: int) -> Alternative:
+    """The number of host layers whose update is streamed through the device, against the best other."""
+    other = min((k for k in tried if k != chosen), key=lambda k: (tried[k], k))
+    why = ("each streamed layer's update leaves the CPU, whose AdamW the next forward waits for, but its "
+           "state crosses PCIe both ways (14 bytes per parameter each way) before the forward may load it")
+    return Alternative("streamed updates", f"{chosen} layers", f"{other} layers", tried[chosen], tried[other], 0,
+                       f"{chosen} layers: {tried[chosen] * 1e3:.1f} ms; {other} layers: {tried[other] * 1e3:.1f} ms. "
+                       f"{why}")
 
 
 def _device_state_label(choice: tuple[bool, int]) -> str:
@@ -354,6 +367,9 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         if decisions.early_order else
         "step boundary: the step starts once every gradient of the previous step is on the host; the CPU "
         "then updates the layers in update_order while this step's loads wait for their layer's update",
+        *(["streamed updates: at the step boundary the device updates the streamed_updates layers, their "
+           "fp32 state up and back down ahead of every load of the step; each one's loads wait for its "
+           "last piece down"] if decisions.streamed else []),
         f"weight loads follow scheduler.program.window_loads({costs.n_blocks}, {decisions.window})",
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]

@@ -28,7 +28,8 @@ def candidates(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
 def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
                   ) -> tuple[Decisions, Simulation, dict[int, float]] | None:
     """`d` with the best number of streamed layers (early updates re-chosen for the rest when `d`
-    has them), its simulation and every k tried with its step [s]; None: not allowed or no host layer.
+    has them), its simulation and every k tried that fits with its step [s]; None: not allowed, no
+    host layer, or nothing fits.
     costs.options.streamed_layers fixes k."""
     if not costs.problem.streamed_updates:
         return None
@@ -69,4 +70,4 @@ def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
         return None
     e, sim = tried[best]
     tick = costs.scale.tick_s
-    return e, sim, {k: at(k) * tick for k in sorted(tried)}
+    return e, sim, {k: at(k) * tick for k in sorted(tried) if tried[k] is not None}

@@ -98,6 +98,11 @@ def test_planner_streams_only_where_allowed():
     plan = solve_plan(graph, budget_bytes=GiB, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
                       options=SolverOptions(streamed_layers=2))
     assert plan.streamed_updates == ()  # Problem.streamed_updates is off: the option changes nothing
+    searched = solve_plan(graph, budget_bytes=GiB, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
+                          streamed_updates=True)
+    tried = searched.solver["streamed_tried"]
+    assert len(tried) > 1 and searched.predicted_step_time_s == pytest.approx(min(tried.values()), rel=1e-6)
+    assert any(a.decision == "streamed updates" for a in searched.alternatives)
     cpu = slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32")
     assert cpu.streamed_updates == ()  # the CPU preset has no device bandwidth: never offered
     with pytest.raises(ValueError, match="streamed_layers"):
