@@ -14,8 +14,8 @@ of a multi-rank engine (backend/workers.py). A step:
      kept (or taken back if the gradient is not finite); the next step's loads wait for each layer's
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
      (device_state.py; every rank keeps the same copy and applies the same update) are updated
-     there instead, on the compute stream, before any later copy (the copy streams wait for it by
-     an event); rank 0 writes them back to the shared host state when it is read. Layers whose
+     there instead, on a stream of their own, before any later copy (the copy streams wait for it
+     by an event); rank 0 writes them back to the shared host state when it is read. Layers whose
      update is streamed (streamed_updates.py; one rank) make a round trip through the device.
 """
 

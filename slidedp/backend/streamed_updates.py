@@ -1,8 +1,8 @@
-"""Streamed updates: AdamW of some host layers on the device, at the step boundary (`plan.streamed_updates`).
+"""Streamed updates: AdamW of some host layers on the device at the step boundary (`plan.streamed_updates`).
 
 Once the step's norm is known (rank.py), each such layer's state makes a round trip through the
-device, piece by piece (costmodel.memory.STREAMED_PIECE_NUMEL parameters), in the plan's order (the order the next
-forward needs them):
+device, piece by piece (costmodel.memory.STREAMED_PIECE_NUMEL parameters), in the plan's order (the
+order the next forward needs them):
 
     h2d:    the piece's fp32 master, exp_avg, exp_avg_sq and its gradient (as the host holds it)
             into a free slot (it waits for the slot's last copy down);
@@ -10,12 +10,12 @@ forward needs them):
             then the delivery copy cast from the master (round to nearest even, as the CPU writes it);
     d2h:    master, moments and delivery copy back into the host state.
 
-memory.STREAMED_SLOTS slots let a piece come up while the one before is updated and goes down. The host
-state stays the one authority: nothing of these layers lives on the device between steps. The next
-load of such a layer waits on the device for its last piece down (`ready`); whatever reads the host
-arrays (the next gradient copy, a checkpoint, close) waits on the host (`wait`). The result is that
-of the CPU optimizer: both are torch's AdamW arithmetic on fp32, and tests/engine compare them with
-torch.optim.AdamW.
+memory.STREAMED_SLOTS slots let a piece come up while the one before is updated and goes down. The
+host state stays the one authority: nothing of these layers lives on the device between steps. The
+next load of such a layer waits on the device for its last piece down (`ready`); whatever reads the
+host arrays (the next gradient copy, a checkpoint, close) waits on the host (`wait`). The result is
+that of the CPU optimizer: both are torch's AdamW arithmetic on fp32, and tests/engine compare them
+with torch.optim.AdamW.
 """
 
 from __future__ import annotations

@@ -58,11 +58,12 @@ STREAMED_SLOTS = 2  # pieces in flight: one coming up while the one before is up
 
 
 def streamed_update_bytes(elem_bytes: int, piece_numel: int = STREAMED_PIECE_NUMEL) -> int:
-    """Device buffers of the updates whose state streams through the device: STREAMED_SLOTS pieces
-    of fp32 master and moments, the gradient and the delivery copy in the compute dtype (none in
-    fp32), and the fp32 gradient AdamW reads: piece * (slots * (12 + 2 * elem') + 4)."""
-    extra = 2 * elem_bytes if elem_bytes != 4 else 4
-    return piece_numel * (STREAMED_SLOTS * (12 + extra) + 4)
+    """Device buffers of the updates whose state streams through the device: STREAMED_SLOTS pieces of
+    fp32 master and moments (12 B) with the gradient and the delivery copy (2 + 2 B in bf16; a 4 B
+    gradient and no delivery copy in fp32), and the fp32 gradient AdamW reads (4 B, a bound):
+    piece * (slots * 16 + 4)."""
+    per_param = 12 + (2 * elem_bytes if elem_bytes != 4 else 4)
+    return piece_numel * (STREAMED_SLOTS * per_param + 4)
 
 
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,

@@ -53,6 +53,8 @@ class Problem:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
+        if self.streamed_updates and self.world_size != 1:
+            raise ValueError("streamed updates run on one rank: streamed_updates needs world_size 1")
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
             raise ValueError("the graph counts kept activations as compiled blocks save them; eager blocks "
                              "save more: build it with compiled_blocks=False to plan eager blocks")
