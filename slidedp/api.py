@@ -99,9 +99,6 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         if the_plan.early_order and not _early_allowed(world_size, max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
-        if the_plan.streamed_updates and not _one_process(world_size):
-            raise ValueError("the plan streams some layers' updates through the device (streamed_updates), "
-                             "which needs one rank in this process; solve a plan for this run")
     else:
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,
@@ -109,7 +106,7 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
                               host_offload_bytes=None if planning_only else _host_offload_bytes(graph, precision),
                               early_host_bytes=_early_host_bytes(graph, precision, planning_only)
                               if _early_allowed(world_size, max_grad_norm) else None,
-                              streamed_updates=_one_process(world_size) and hw.gpu_memory_bytes_per_s > 0)
+                              streamed_updates=hw.gpu_memory_bytes_per_s > 0)
     return graph, the_plan, dev, optimizer, max_grad_norm
 
 

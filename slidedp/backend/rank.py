@@ -16,7 +16,8 @@ of a multi-rank engine (backend/workers.py). A step:
      (device_state.py; every rank keeps the same copy and applies the same update) are updated
      there instead, on a stream of their own, before any later copy (the copy streams wait for it
      by an event); rank 0 writes them back to the shared host state when it is read. Layers whose
-     update is streamed (streamed_updates.py; one rank) make a round trip through the device.
+     update is streamed (streamed_updates.py) make a round trip through the device, each rank's
+     chunks through its own.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ class Rank:
         self.routes.device_state = device_state
         self.streamed = streamed
         self.routes.streamed = streamed
-        if streamed is not None and (comm is not None or flags is not None):
-            raise ValueError("streamed updates run on one rank in the engine's process only")
         off_cpu = set(device_state.layers if device_state is not None else ()) | set(streamed.order if streamed else ())
         self.updates = UpdateStream(order=[i for i in update_order if i not in off_cpu], num_threads=num_threads)
         if flags is None:
@@ -188,8 +187,9 @@ class Rank:
                     self.device_state.ready[layer_id] = streams.record("update")
         if self.streamed is not None:  # the host gradient is whole (routes.finish waited for it)
             segments = self._decay_segments(opt)
-            for layer_id in self.streamed.order:
-                self.streamed.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
+            for layer_id in self.streamed.order:  # this rank's chunks (every chunk with one rank)
+                self.streamed.update(layer_id, segments[layer_id], opt, step=step, clip=clip,
+                                     ranges=self.routes.owned(layer_id))
         if not host_started:
             update = self._host_update(opt, step, clip)
             self.updates.start(lambda layer_id, threads: update(layer_id, threads))
@@ -232,7 +232,7 @@ class Rank:
         try:
             self.updates.flush()
             if self.streamed is not None:  # its copies write the host state, which closes after this
-                self.streamed.wait_all()
+                self.streamed.close()
             if self.device_state is not None and self.rank == 0:  # the model's parameters (host views)
                 self.device_state.store_to_host()
         finally:
@@ -254,8 +254,13 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
     device_state = DeviceState(host, plan.device_state, device=device) if plan.device_state else None
-    streamed = (StreamedUpdates(host, plan.streamed_updates, streams=executor.streams, device=device)
-                if plan.streamed_updates else None)
+    streamed = None
+    if plan.streamed_updates:
+        # Several ranks: each marks a streamed layer updated once its own chunks are back on the host (the
+        # round cannot move on before: the next step's loads wait for every rank's mark).
+        mark = None if flags is None else (
+            lambda layer_id: flags.mark_updated(rank, layer_id, executor.routes.rounds))
+        streamed = StreamedUpdates(host, plan.streamed_updates, streams=executor.streams, device=device, on_done=mark)
 
     def rebind(layer_ids: list[int]) -> None:
         """Early updates swapped these layers' masters: fp32 parameters view the current one."""

@@ -17,9 +17,9 @@ rank, so the device streams never wait for another rank. The norm of the whole g
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
 there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
 
-Layers whose update is streamed through the device (`streamed`, one rank) take the routes; their
-next load waits for that update on the device, anything else that reads or writes their host arrays
-on the host.
+Layers whose update is streamed through the device (`streamed`) take the routes; with one rank
+their next load waits for that update on the device, anything else that reads or writes their host
+arrays on the host; with several, everything waits for every rank's mark (step_flags.py).
 
 Layers whose optimizer state lives on the device (`device_state`: every rank keeps the same copy)
 take neither route: the weights are copied into the slot from the device's own master, the gradient
@@ -80,7 +80,7 @@ class Routes:
         if self.device_state is not None and layer_id in self.device_state:
             return  # updated on the device, in stream order
         t0 = time.perf_counter()
-        if self.streamed is not None and layer_id in self.streamed:
+        if self.flags is None and self.streamed is not None and layer_id in self.streamed:
             self.streamed.wait(layer_id)
         elif self.flags is None:
             self.wait_local_update(layer_id)
@@ -100,7 +100,7 @@ class Routes:
             self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
             self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
             return
-        if self.streamed is not None and layer_id in self.streamed:
+        if self.flags is None and self.streamed is not None and layer_id in self.streamed:
             self.streams.wait("h2d", self.streamed.ready.get(layer_id))  # its last update, on the device
         else:
             self.wait_updated(layer_id)

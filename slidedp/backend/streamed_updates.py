@@ -13,14 +13,18 @@ order the next forward needs them):
 memory.STREAMED_SLOTS slots let a piece come up while the one before is updated and goes down. The
 host state stays the one authority: nothing of these layers lives on the device between steps. The
 next load of such a layer waits on the device for its last piece down (`ready`); whatever reads the
-host arrays (the next gradient copy, a checkpoint, close) waits on the host (`wait`). The result is
+host arrays (the next gradient copy, a checkpoint, close) waits on the host (`wait`). With several
+ranks each rank updates the chunks it owns on its own device, and marks the layer updated for the
+others once its copies down have landed (`on_done`); their loads wait for every rank. The result is
 that of the CPU optimizer: both are torch's AdamW arithmetic on fp32, and tests/engine compare them
 with torch.optim.AdamW.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -43,8 +47,13 @@ class _Slot:
 
 class StreamedUpdates:
     def __init__(self, host: HostState, layer_ids, *, streams: Streams, device: torch.device,
-                 piece_numel: int | None = None):
+                 piece_numel: int | None = None, on_done: Callable[[int], None] | None = None):
         self.host, self.streams, self.device = host, streams, device
+        # With several ranks: told on a thread of its own once a layer's update has written the host
+        # state (the rank marks it updated for the others, step_flags.py)
+        self.on_done = on_done
+        self._marker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-streamed") if on_done else None
+        self._marks: list[Future] = []
         self.order = list(layer_ids)
         self._ids = set(self.order)
         lean = [i for i in self.order if host.layers[i].exp_avg.numel() != host.layers[i].layout.numel]
@@ -64,14 +73,16 @@ class StreamedUpdates:
     def __contains__(self, layer_id: int) -> bool:
         return layer_id in self._ids
 
-    def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float) -> None:
-        """Enqueue the layer's round trip; `segments` are its (start, end, decay) runs."""
+    def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float, ranges=None) -> None:
+        """Enqueue the layer's round trip; `segments` are its (start, end, decay) runs, `ranges` the
+        (start, end) parts this rank updates (default: all of it; with several ranks, its chunks)."""
         arrays = self.host.layers[layer_id]
         s = self.streams
         with s.on("update"):  # a fill on the device: no host synchronisation
             steps = [torch.full((), float(step), dtype=torch.float32, device=self.device)]
-        for lo in range(0, arrays.layout.numel, self.piece_numel):
-            hi = min(lo + self.piece_numel, arrays.layout.numel)
+        pieces = [(lo, min(lo + self.piece_numel, end)) for start, end in ([(0, arrays.layout.numel)] if ranges is None else ranges)
+                  for lo in range(start, end, self.piece_numel)]
+        for lo, hi in pieces:
             slot = self.slots[self._next]
             self._next = (self._next + 1) % len(self.slots)
             pairs = [(slot.master, arrays.master), (slot.exp_avg, arrays.exp_avg),
@@ -96,6 +107,13 @@ class StreamedUpdates:
                 s.copy("d2h", host[lo:hi], dev[: hi - lo])
             slot.free = s.record("d2h")
         self.ready[layer_id] = s.record("d2h")
+        if self.on_done is not None:
+            self._marks.append(self._marker.submit(self._mark, layer_id, self.ready[layer_id]))
+
+    def _mark(self, layer_id: int, event) -> None:
+        if event is not None:
+            event.synchronize()
+        self.on_done(layer_id)
 
     def wait(self, layer_id: int) -> None:
         """Block until the layer's last update has written the host state."""
@@ -104,5 +122,16 @@ class StreamedUpdates:
             event.synchronize()
 
     def wait_all(self) -> None:
+        """Block until every update enqueued has written the host state (and has been told)."""
         for layer_id in self.order:
             self.wait(layer_id)
+        marks, self._marks = self._marks, []
+        for mark in marks:
+            mark.result()
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            if self._marker is not None:
+                self._marker.shutdown(wait=True)

@@ -192,20 +192,27 @@ class ProblemCosts:
             updated += t(ops.device_update_time_s(layer.numel, hw))
             self.device_update = max(self.device_update, updated - forward_before[layer.id])
         self.prologue_fwd = prologue_fwd + self.device_update
-        # Streamed updates (decisions.streamed): per host layer, its pieces' (up, down) ticks; up: H2D,
-        # down: the device's AdamW of the piece, then D2H (both directions busy, duplex rates).
-        self.streamed_pieces: dict[int, tuple[tuple[int, int], ...]] = {}
+        # Streamed updates (decisions.streamed): per host layer and chunk count, per chunk (the owner's
+        # part, backend.program.chunk_bounds) its pieces' (up, down) ticks; up: H2D, down: the device's
+        # AdamW of the piece, then D2H (both directions busy: duplex rates, the W ranks sharing links).
+        self.streamed_pieces: dict[tuple[int, int], tuple[tuple[tuple[int, int], ...], ...]] = {}
         self.streamed_update_bytes = mem.streamed_update_bytes(self.elem)
         for layer in g.layers:
             if layer.id in problem.device_state or not layer.numel:
                 continue
-            pieces = []
-            for lo in range(0, layer.numel, mem.STREAMED_PIECE_NUMEL):
-                n = min(mem.STREAMED_PIECE_NUMEL, layer.numel - lo)
-                up, down = ops.streamed_update_bytes(n, self.elem)
-                pieces.append((t(ops.transfer_time_s(up, h2d_duplex, curve)),
-                               t(ops.device_update_time_s(n, hw) + ops.transfer_time_s(down, d2h_duplex, curve))))
-            self.streamed_pieces[layer.id] = tuple(pieces)
+            for k in {o.chunks for o in self.layer_options[layer.id]}:
+                size = -(-layer.numel // k)
+                chunks = []
+                for lo in range(0, layer.numel, size):
+                    pieces = []
+                    for a in range(lo, min(lo + size, layer.numel), mem.STREAMED_PIECE_NUMEL):
+                        n = min(mem.STREAMED_PIECE_NUMEL, lo + size - a, layer.numel - a)
+                        up, down = ops.streamed_update_bytes(n, self.elem)
+                        pieces.append((t(ops.transfer_time_s(up, h2d_duplex, curve)),
+                                       t(ops.device_update_time_s(n, hw) + ops.transfer_time_s(down, d2h_duplex, curve))))
+                    chunks.append(tuple(pieces))
+                self.streamed_pieces[(layer.id, k)] = tuple(chunks)
+        self.streamed_layers = frozenset(i for i, _ in self.streamed_pieces)
         self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
         self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
 

@@ -40,8 +40,8 @@ class Problem:
     # one rank, no clipping); None: early updates are not allowed.
     early_host_bytes: int | None = None
     # Host layers whose AdamW may run on the device at the step boundary, their state streamed up and
-    # back down (backend/streamed_updates.py: one rank in the engine's process, the device's memory
-    # bandwidth known); the solver picks a prefix of the host layers in update order (streamed.py).
+    # back down (backend/streamed_updates.py: each rank its own chunks; allowed where the device's
+    # memory bandwidth is known); the solver picks a prefix of the host layers in update order (streamed.py).
     streamed_updates: bool = False
 
     def __post_init__(self):
@@ -53,8 +53,6 @@ class Problem:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
-        if self.streamed_updates and self.world_size != 1:
-            raise ValueError("streamed updates run on one rank: streamed_updates needs world_size 1")
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
             raise ValueError("the graph counts kept activations as compiled blocks save them; eager blocks "
                              "save more: build it with compiled_blocks=False to plan eager blocks")

@@ -137,7 +137,7 @@ class Plan:
     # Early updates (backend/early_updates.py; one rank, no clipping): the host layers' updates in
     # the order the CPU takes them during the backward; () : after the backward, in update_order.
     early_order: tuple[int, ...] = ()
-    # Streamed updates (backend/streamed_updates.py; one rank): host layers the device updates at the
+    # Streamed updates (backend/streamed_updates.py): host layers the devices update at the
     # step boundary, their fp32 state streamed up and back down, in this order; the CPU updates the rest.
     streamed_updates: tuple[int, ...] = ()
 

@@ -25,11 +25,12 @@ point: lay out the step with the carry of the previous layout (first none), unti
 The updates run beside the backward's copies both ways, at hardware.cpu_adamw_backward_fraction of
 the CPU's AdamW rate.
 
-Note [streamed updates]. The layers in `d.streamed` (one rank) are updated on the device at the
-step boundary, piece by piece (costs.streamed_pieces): each piece goes up on the H2D lane, then is
-updated and goes down on the D2H lane; a piece waits for the slot of the piece two before it to be
-down (two slots). They head both lanes, before any load of the step, and the forward load of such a
-layer waits for its last piece to be down. They are not on the CPU lane.
+Note [streamed updates]. The layers in `d.streamed` are updated on the devices at the step
+boundary, each chunk by its owner, piece by piece (costs.streamed_pieces): each piece goes up on
+the owner's H2D lane, then is updated and goes down on its D2H lane; a piece waits for the slot of
+the piece two before it on that rank to be down (two slots). They head both lanes, before any load
+of the step (every rank's are laid out, whatever `all_ranks`), and the forward load of a chunk waits
+for its last piece to be down. They are not on the CPU lanes.
 
 Note [lockstep]. Ranks run the same GPU program. A collective waits for its input on every
 rank. Shared host resources (root-complex links, host DRAM, CPU cores) are charged as shares:
@@ -116,7 +117,7 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     if d.streamed:
         if not costs.problem.streamed_updates:
             raise ValueError("streamed updates are not allowed for this problem (Problem.streamed_updates)")
-        bad = [i for i in d.streamed if i not in costs.streamed_pieces or i in d.early_order]
+        bad = [i for i in d.streamed if i not in costs.streamed_layers or i in d.early_order]
         if bad or len(set(d.streamed)) != len(d.streamed):
             raise ValueError(f"streamed layers must be distinct host layers with parameters and no early "
                              f"update, got {d.streamed}")
@@ -203,15 +204,22 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
     early = carry is not None
     streamed = set(d.streamed)
-    down_pieces: list[int] = []
-    for layer in d.streamed:  # one rank (check_decisions)
-        for p, (up_ticks, down_ticks) in enumerate(costs.streamed_pieces[layer]):
-            slot = (down_pieces[-2],) if len(down_pieces) >= 2 else ()
-            up = add(0, H2D, ("state up L{} p{}", layer, p), layer, p, up_ticks, (), slot, key=f"state_up[L{layer}]")
-            down_pieces.append(add(0, D2H, ("update+state down L{} p{}", layer, p), layer, p, down_ticks, (), (up,),
-                                   key=f"state_down[L{layer}]"))
-        for c in range(opt[layer].chunks):
-            update_piece[(layer, c)] = down_pieces[-1]
+    down_pieces: dict[int, list[int]] = {r: [] for r in range(W)}  # each rank's streamed pieces down, in order
+    for layer in d.streamed:
+        chunks = costs.streamed_pieces[(layer, opt[layer].chunks)]
+        for r in range(W):
+            downs = down_pieces[r]
+            for c in owned[(layer, r)]:
+                for up_ticks, down_ticks in chunks[c] if c < len(chunks) else ():
+                    slot = (downs[-2],) if len(downs) >= 2 else ()
+                    up = add(r, H2D, ("state up L{} c{}", layer, c), layer, c, up_ticks, (), slot,
+                             key=f"state_up[L{layer}]")
+                    downs.append(add(r, D2H, ("update+state down L{} c{}", layer, c), layer, c, down_ticks, (),
+                                     (up,), key=f"state_down[L{layer}]"))
+            # a load waits for the whole layer (the device's event, or every rank's mark): by
+            # note [lockstep] each rank's last piece of it ends at the same time as the owner's
+            for c in owned[(layer, r)] if downs else ():
+                update_piece[(layer, c)] = downs[-1]
     for r in range(W):
         for layer in (d.early_order if early else order):
             if layer in streamed:

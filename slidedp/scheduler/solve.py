@@ -160,7 +160,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
     offloaded activations take at most `host_offload_bytes` of host memory (None: no limit); early
     updates (one rank, no clipping) may take `early_host_bytes` for their spare state (None: none);
-    `streamed_updates` lets the device update some host layers (one rank in the engine's process).
+    `streamed_updates` lets the devices update some host layers (each rank its own chunks).
     Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,

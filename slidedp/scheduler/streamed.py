@@ -22,7 +22,7 @@ from slidedp.scheduler.simulate import Simulation, simulate
 
 def candidates(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
     """Host layers with parameters, in update order: the streamed ones are a prefix of these."""
-    return tuple(i for i in d.order(costs.n_layers) if i in costs.streamed_pieces)
+    return tuple(i for i in d.order(costs.n_layers) if i in costs.streamed_layers)
 
 
 def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int

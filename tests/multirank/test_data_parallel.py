@@ -2,6 +2,7 @@
 torch.optim.AdamW on the same global batches, and what happens when a rank fails."""
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -175,3 +176,15 @@ def test_one_rank_in_a_worker_process(monkeypatch):
     with compile_ranks(model, 1, routed_plan(model, 1, ("replicated", "cpu"))) as engine:
         assert len(engine.runner.procs) == 1
         train_against_reference(engine, ref, world_size=1)
+
+
+@pytest.mark.parametrize("route", [("replicated", "cpu"), ("sharded", "gpu")], ids=["replicated-cpu", "sharded-gpu"])
+def test_streamed_updates_on_every_rank_match_torch_adamw(route):
+    """The prologue and two blocks updated at the step boundary by each rank on its own device (its
+    chunks), the others waiting for every rank's mark; tied weights, clipping, two passes."""
+    model = make_model("llama", tied=True)
+    ref = copy.deepcopy(model).eval()
+    plan = routed_plan(model, 2, route)
+    plan = dataclasses.replace(plan, streamed_updates=plan.update_order[:3])
+    with compile_ranks(model, 2, plan) as engine:
+        train_against_reference(engine, ref, world_size=2, steps=3)

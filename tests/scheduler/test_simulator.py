@@ -176,7 +176,7 @@ def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
                                                                    if e.lane == "cpu_update"}
     ups = [e for e in sim.events if e.name.startswith("state up")]
     downs = [e for e in sim.events if e.name.startswith("update+state down")]
-    pieces = sum(len(costs.streamed_pieces[i]) for i in d.streamed)
+    pieces = sum(len(p) for i in d.streamed for p in costs.streamed_pieces[(i, d.layers[i].chunks)])
     assert len(ups) == len(downs) == pieces
     h2d = sorted((e for e in sim.events if e.lane == "h2d"), key=lambda e: e.start)
     assert [e.name for e in h2d[:pieces]] == [e.name for e in sorted(ups, key=lambda e: e.start)]
@@ -187,7 +187,7 @@ def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
     last_down = {i: max(e.end for e in downs if e.layer == i) for i in d.streamed}
     loads = [e for e in sim.events if e.lane == "h2d" and e.name.startswith("load") and e.layer in last_down]
     assert loads and all(e.start >= last_down[e.layer] for e in loads)
-    ticks = sum(u for i in d.streamed for u, _ in costs.streamed_pieces[i])
+    ticks = sum(u for i in d.streamed for p in costs.streamed_pieces[(i, d.layers[i].chunks)] for u, _ in p)
     assert sim.lane_busy["cpu_update"] < plain.lane_busy["cpu_update"]
     assert sim.makespan >= max(ticks, sim.lane_busy["compute"])
     with pytest.raises(ValueError, match="streamed"):
@@ -225,3 +225,28 @@ def test_best_streamed_count_is_found_and_never_slower():
     fixed = ProblemCosts(Problem(graph, hw, 1, 1, streamed_updates=True), SolverOptions(streamed_layers=2))
     assert best_streamed(fixed, d, 1 << 50)[0].streamed == candidates(costs, d)[:2]
     assert best_streamed(ProblemCosts(Problem(graph, hw, 1, 1), SolverOptions()), d, 1 << 50) is None
+
+
+def test_streamed_updates_with_several_ranks_split_by_chunk_owner():
+    """Each rank streams the chunks it owns on its own lanes; together every chunk once; a load of a
+    streamed layer on any rank starts after that rank's last piece of the layer is down; the CPU
+    lanes do not update streamed layers; streaming shortens the step of a CPU-bound problem."""
+    graph = synthetic_graph(4, block_scale=(1.0, 0.5, 2.0, 1.0))
+    hw = replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=0.3e9)
+    costs = ProblemCosts(Problem(graph, hw, 2, 1, streamed_updates=True), SolverOptions())
+    d = baselines.uniform(costs, window=2, activation="recompute", chunk_multiple=2)
+    d = replace(d, streamed=d.order(costs.n_layers)[:3])
+    sim = simulate(costs, d, record=True)
+    order = d.order(costs.n_layers)
+    for layer in d.streamed:
+        k = d.layers[layer].chunks
+        ups = [e for e in sim.events if e.name.startswith("state up") and e.layer == layer]
+        assert sorted({(e.rank, e.chunk) for e in ups}) == sorted(
+            (costs.owner(order.index(layer), c), c) for c in range(k))
+        assert len(ups) == sum(len(p) for p in costs.streamed_pieces[(layer, k)])
+        for r in range(2):
+            last = max(e.end for e in sim.events if e.rank == r and e.layer == layer and e.name.startswith("update+"))
+            loads = [e for e in sim.events if e.rank == r and e.layer == layer and e.name.startswith("load")]
+            assert loads and all(e.start >= last for e in loads)
+    assert not any(e.lane == "cpu_update" and e.layer in d.streamed for e in sim.events)
+    assert sim.makespan < simulate(costs, replace(d, streamed=())).makespan
