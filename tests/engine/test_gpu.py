@@ -79,11 +79,15 @@ def train_against_gpu_resident(engine, ref):
     return opt
 
 
-def test_streamed_updates_match_gpu_resident(monkeypatch):
-    """The prologue and two blocks updated on the device at the step boundary, several pieces each."""
+@pytest.mark.parametrize("worker", [False, True], ids=["engine-process", "worker-process"])
+def test_streamed_updates_match_gpu_resident(monkeypatch, worker):
+    """The prologue and two blocks updated on the device at the step boundary, several pieces each;
+    in a worker process the multi-rank path (each layer marked updated once its copies landed)."""
     from slidedp.costmodel import memory
 
-    monkeypatch.setattr(memory, "STREAMED_PIECE_NUMEL", 4096)
+    monkeypatch.setattr(memory, "STREAMED_PIECE_NUMEL", 4096)  # this process only (not a worker's)
+    if worker:
+        monkeypatch.setenv("SLIDEDP_WORKER_PROCESSES", "1")
     model = make_model("qwen3")
     ref = copy.deepcopy(model).cuda().eval()
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.bfloat16)
@@ -93,5 +97,6 @@ def test_streamed_updates_match_gpu_resident(monkeypatch):
     assert plan.streamed_updates == (0, 1, 2)
     with slidedp.compile(model, 2**30, batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16",
                          optimizer=slidedp.AdamW(lr=LR), max_grad_norm=CLIP, plan=plan) as engine:
-        assert engine.runner.streamed is not None and engine.runner.streamed.piece_numel == 4096
+        if not worker:
+            assert engine.runner.streamed is not None and engine.runner.streamed.piece_numel == 4096
         train_against_gpu_resident(engine, ref)
