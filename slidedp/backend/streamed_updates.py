@@ -80,7 +80,8 @@ class StreamedUpdates:
         s = self.streams
         with s.on("update"):  # a fill on the device: no host synchronisation
             steps = [torch.full((), float(step), dtype=torch.float32, device=self.device)]
-        pieces = [(lo, min(lo + self.piece_numel, end)) for start, end in ([(0, arrays.layout.numel)] if ranges is None else ranges)
+        ranges = [(0, arrays.layout.numel)] if ranges is None else ranges
+        pieces = [(lo, min(lo + self.piece_numel, end)) for start, end in ranges
                   for lo in range(start, end, self.piece_numel)]
         for lo, hi in pieces:
             slot = self.slots[self._next]
@@ -108,6 +109,9 @@ class StreamedUpdates:
             slot.free = s.record("d2h")
         self.ready[layer_id] = s.record("d2h")
         if self.on_done is not None:
+            for mark in [m for m in self._marks if m.done()]:
+                self._marks.remove(mark)
+                mark.result()  # re-raises a failed mark
             self._marks.append(self._marker.submit(self._mark, layer_id, self.ready[layer_id]))
 
     def _mark(self, layer_id: int, event) -> None:
