@@ -174,16 +174,17 @@ def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
     cpu = {e.layer for e in sim.events if e.lane == "cpu_update"}
     assert cpu.isdisjoint(d.streamed) and cpu | set(d.streamed) == {e.layer for e in plain.events
                                                                    if e.lane == "cpu_update"}
-    ups = [e for e in sim.events if e.name.startswith("state up")]
-    downs = [e for e in sim.events if e.name.startswith("update+state down")]
+    def by_start(prefix):
+        return sorted((e for e in sim.events if e.name.startswith(prefix)), key=lambda e: e.start)
+
+    ups, downs = by_start("state up"), by_start("update+state down")
     pieces = sum(len(p) for i in d.streamed for p in costs.streamed_pieces[(i, d.layers[i].chunks)])
     assert len(ups) == len(downs) == pieces
     h2d = sorted((e for e in sim.events if e.lane == "h2d"), key=lambda e: e.start)
-    assert [e.name for e in h2d[:pieces]] == [e.name for e in sorted(ups, key=lambda e: e.start)]
-    for i, (up, down) in enumerate(zip(sorted(ups, key=lambda e: e.start), sorted(downs, key=lambda e: e.start))):
+    assert [e.name for e in h2d[:pieces]] == [e.name for e in ups]
+    for i, (up, down) in enumerate(zip(ups, downs)):
         assert (up.layer, up.chunk) == (down.layer, down.chunk) and down.start >= up.end
-        if i >= 2:
-            assert up.start >= sorted(downs, key=lambda e: e.start)[i - 2].end
+        assert i < 2 or up.start >= downs[i - 2].end  # two slots
     last_down = {i: max(e.end for e in downs if e.layer == i) for i in d.streamed}
     loads = [e for e in sim.events if e.lane == "h2d" and e.name.startswith("load") and e.layer in last_down]
     assert loads and all(e.start >= last_down[e.layer] for e in loads)
