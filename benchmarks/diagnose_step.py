@@ -14,7 +14,10 @@ Builds the Qwen3-4B shape (optionally with fewer blocks) exactly as benchmarks/h
   operation kind (the sum is the serial time of the pass; each kind's share says what is slow);
 * `profile` (with --profile): torch.profiler tables and trace of one overlapped step, and the
   plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`), and each CUDA
-  stream's kernel time, busy time and span in that step (`gpu_lanes`).
+  stream's kernel time, busy time and span in that step (`gpu_lanes`);
+* `memory_peak` (with --memory-snapshot): what is allocated at the first step's peak, by source line
+  (memory_peak.py; the long-context check: `--blocks 36 --tokens 262144 --seq 262144 --steps 0
+  --no-synced --memory-snapshot --plan <its plan>`).
 """
 
 from __future__ import annotations
@@ -139,11 +142,17 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-synced", action="store_true")
     p.add_argument("--plan", help="a saved plan to run (its budget and workload); else solved here")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="record the allocator's history from compile through the first step; write it and "
+                        "what is live at its peak (memory_peak.py)")
     p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = dict(bench.SHAPES["4b"], blocks=args.blocks)
+    if args.seq:
+        shape["seq"] = args.seq
     bench.SHAPES["diag"] = shape
     t0 = time.perf_counter()
     model = bench.build_model("diag", dtype=torch.bfloat16, device="cpu", init_device=torch.device("cuda"), seed=0)
@@ -162,6 +171,8 @@ def main() -> None:
             plan = slidedp.plan(model, args.budget, **kwargs)
             plan = dataclasses.replace(plan, decisions=tuple(
                 dataclasses.replace(d, activation=args.policy) if d.kind == "block" else d for d in plan.decisions))
+        if args.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         t0 = time.perf_counter()
         engine = slidedp.compile(model, args.budget, plan=plan, **kwargs)
         point = {"tokens": tokens, "compile_s": time.perf_counter() - t0, "policy": args.policy,
@@ -172,6 +183,19 @@ def main() -> None:
         data = bench.batches(shape["vocab"], rows, shape["seq"], args.steps + 1, seed=0)
         torch.cuda.reset_peak_memory_stats()
         point["warmup"] = timed_steps(engine, data[:1], isolated=False)
+        if args.memory_snapshot:
+            import pickle
+
+            import memory_peak
+
+            path = out_dir / f"memory_{args.blocks}b_{tokens}.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with open(path, "rb") as f:
+                point["memory_peak"] = memory_peak.summary(pickle.load(f))
+            point["memory_peak"]["allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
+            print(json.dumps(point["memory_peak"], indent=1), flush=True)
+            os.system(f"gzip -f {path}")
         point["overlapped"] = timed_steps(engine, data[1:], isolated=False)
         point["isolated"] = timed_steps(engine, data[1:2], isolated=True)
         point["peak_device_bytes"] = torch.cuda.max_memory_allocated()
