@@ -99,6 +99,10 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
         if the_plan.early_order and not _early_allowed(world_size, max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
+        streamed, elsewhere = set(the_plan.streamed_updates), set(the_plan.device_state) | set(the_plan.early_order)
+        if streamed - set(range(len(graph.layers))) or streamed & elsewhere:
+            raise ValueError(f"the plan's streamed_updates {the_plan.streamed_updates} must be layer ids whose state "
+                             "lives on the host and that are not updated early (device_state, early_order)")
     else:
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,

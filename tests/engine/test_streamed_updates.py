@@ -4,6 +4,7 @@ torch.optim.AdamW's, with or without clipping, beside device state and early upd
 step changes nothing; the planner streams layers only where allowed."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -129,3 +130,11 @@ def test_checkpoint_round_trip(tmp_path, monkeypatch):
         resumed = engine.state_dict()
     for name, value in final.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_a_plan_streaming_a_layer_twice_is_refused():
+    model = make_model("llama")
+    plan = streamed_plan(model, 2, device_blocks=1)  # block 1's state on the device
+    for bad in [dataclasses.replace(plan, streamed_updates=(1,)), dataclasses.replace(plan, streamed_updates=(99,))]:
+        with pytest.raises(ValueError, match="streamed_updates"):
+            compiled(model, bad)
