@@ -176,8 +176,8 @@ class Rank:
         """AdamW on this rank's chunks of every layer, in update order, on the update thread (unless
         the host layers' round already started early), and on the device for the device state."""
         step = self.host.step if host_started else self._next_round()
+        segments = self._decay_segments(opt)  # cached per decay setting
         if self.device_state is not None:
-            segments = self._decay_segments(opt)
             streams = self.executor.streams
             for stream in ("compute", "d2h"):  # every gradient of the step is there
                 streams.wait("update", streams.record(stream))
@@ -186,7 +186,6 @@ class Rank:
                     self.device_state.update(layer_id, segments[layer_id], opt, step=step, clip=clip)
                     self.device_state.ready[layer_id] = streams.record("update")
         if self.streamed is not None:  # the host gradient is whole (routes.finish waited for it)
-            segments = self._decay_segments(opt)
             for layer_id in self.streamed.order:  # this rank's chunks (every chunk with one rank)
                 self.streamed.update(layer_id, segments[layer_id], opt, step=step, clip=clip,
                                      ranges=self.routes.owned(layer_id))

@@ -75,12 +75,17 @@ class Routes:
         return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
 
     # -- the step boundary ----------------------------------------------------------------------
+    def _streamed_here(self, layer_id: int) -> bool:
+        """The layer's update is streamed through this process's device alone (one rank): its events
+        say when it is done (with several ranks, every rank's mark does)."""
+        return self.flags is None and self.streamed is not None and layer_id in self.streamed
+
     def wait_updated(self, layer_id: int) -> None:
         """Until every rank has finished the last started update of the layer."""
         if self.device_state is not None and layer_id in self.device_state:
             return  # updated on the device, in stream order
         t0 = time.perf_counter()
-        if self.flags is None and self.streamed is not None and layer_id in self.streamed:
+        if self._streamed_here(layer_id):
             self.streamed.wait(layer_id)
         elif self.flags is None:
             self.wait_local_update(layer_id)
@@ -100,7 +105,7 @@ class Routes:
             self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
             self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
             return
-        if self.flags is None and self.streamed is not None and layer_id in self.streamed:
+        if self._streamed_here(layer_id):
             self.streams.wait("h2d", self.streamed.ready.get(layer_id))  # its last update, on the device
         else:
             self.wait_updated(layer_id)

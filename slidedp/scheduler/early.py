@@ -31,10 +31,10 @@ def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[i
     return tuple(first) + tuple(i for i in d.order(costs.n_layers) if i in host and i not in first)
 
 
-def spare_bytes(costs: ProblemCosts, d: Decisions | None = None) -> int:
+def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
     """Host bytes of the spare fp32 master and moments of every host layer the CPU updates."""
     g = costs.problem.graph
-    skip = set(costs.problem.device_state) | set(d.streamed if d is not None else ())
+    skip = set(costs.problem.device_state) | set(d.streamed)
     return sum(12 * layer.numel for layer in g.layers if layer.id not in skip)
 
 
