@@ -167,14 +167,15 @@ def main() -> None:
                       hardware=hardware, max_grad_norm=1.0,
                       optimizer=slidedp.AdamW(lr=bench.LR, betas=bench.BETAS, eps=bench.EPS))
         plan = slidedp.Plan.load(args.plan) if args.plan else None
+        budget = plan.budget_bytes if plan is not None else args.budget  # a saved plan's own budget
         if args.policy != "plan":
-            plan = slidedp.plan(model, args.budget, **kwargs)
+            plan = slidedp.plan(model, budget, **kwargs)
             plan = dataclasses.replace(plan, decisions=tuple(
                 dataclasses.replace(d, activation=args.policy) if d.kind == "block" else d for d in plan.decisions))
         if args.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         t0 = time.perf_counter()
-        engine = slidedp.compile(model, args.budget, plan=plan, **kwargs)
+        engine = slidedp.compile(model, budget, plan=plan, **kwargs)
         point = {"tokens": tokens, "compile_s": time.perf_counter() - t0, "policy": args.policy,
                  "predicted_step_s": engine.plan.predicted_step_time_s, "predicted": engine.plan.predicted,
                  "activation": [d.activation for d in engine.plan.decisions], "window": engine.plan.window,

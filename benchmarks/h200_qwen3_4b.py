@@ -926,12 +926,15 @@ def solve_plans(args) -> int:
     with torch.device("meta"):
         model = Qwen3ForCausalLM(qwen3_config(args.shape))
     model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    # the eager system alone: its plan counts eager blocks' saved activations
+    compile_blocks = False if "slidedp" not in args.systems and "slidedp_eager" in args.systems else None
     for tokens in args.tokens:
         rows = args.slidedp_micro_rows
         plan = slidedp.plan(model, args.budget, batch_size=rows, seq_len=seq, precision=precision,
                             micro_batches=tokens // seq // rows, hardware=args.hardware or "h200-sxm",
                             optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                            max_grad_norm=args.max_grad_norm)
+                            max_grad_norm=args.max_grad_norm, compile_blocks=compile_blocks,
+                            host_memory=args.host_ram)
         path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)
@@ -971,6 +974,8 @@ def main(argv=None) -> int:
     p.add_argument("--readme-path", default=str(HERE / "README.md"))
     p.add_argument("--render", metavar="JSON", help="only render the table of an existing records file")
     p.add_argument("--solve-plans", action="store_true", help="only solve and save slidedp's plans (no GPU)")
+    p.add_argument("--host-ram", help="with --solve-plans: host RAM available on the machine that will run them "
+                                      "(e.g. 125GiB, the H200 host's), bounding activation offload as there")
     # worker side (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)

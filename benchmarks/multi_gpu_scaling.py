@@ -841,7 +841,8 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
     """The README section: title, commands, hardware, table, targets, how it was measured."""
     dates = sorted({r["date"] for r in records if r.get("date")})
     commands = sorted({r["command"] for r in records if r.get("command")})
-    hardware = sorted({r["hardware"] for r in records if r.get("hardware")})
+    # a point that failed may not have seen its GPUs
+    hardware = sorted({r["hardware"] for r in records if r.get("hardware") and not r.get("error")})
     soft = sorted({f"torch {r['torch']}, transformers {r['transformers']}" for r in records if r.get("torch")})
     commits = sorted({r["git_commit"] for r in records if r.get("git_commit")})
     budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes") and r["system"] == "slidedp"})

@@ -51,11 +51,13 @@ def _resolve_device(device: str) -> torch.device:
 
 def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
              max_grad_norm, hardware, plan, micro_batches, compile_blocks, planning_only=False,
-             solver_options=None):
+             solver_options=None, host_memory=None):
     """Validate every argument and solve (or load) the plan; allocates nothing.
 
     `compile_blocks` None: a given plan's choice; else on CUDA (and, when only planning, for any
-    GPU hardware profile) yes, on the CPU no. `solver_options`: a SolverOptions for the solve."""
+    GPU hardware profile) yes, on the CPU no. `solver_options`: a SolverOptions for the solve.
+    Host RAM the plan may use beside the host state: what this machine has available, or when only
+    planning `host_memory` (that of the machine the plan is for; None: unbounded)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = Budget.parse(budget)
@@ -80,6 +82,13 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             raise TypeError(f"solver_options must be a SolverOptions, got {type(solver_options).__name__}")
         if plan is not None:
             raise ValueError("solver_options and plan exclude each other: a given plan is not solved again")
+    if host_memory is not None:
+        if not planning_only:
+            raise ValueError("host_memory is for planning for another machine; compile measures this one's")
+        try:
+            host_memory = Budget.parse(host_memory).device_bytes
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"host_memory: {e}") from None
     dev = _resolve_device(device)
     hw = resolve_hardware(hardware, dev.type)
     tie_meta_model(model)
@@ -104,11 +113,14 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             raise ValueError(f"the plan's streamed_updates {the_plan.streamed_updates} must be layer ids whose state "
                              "lives on the host and that are not updated early (device_state, early_order)")
     else:
+        from slidedp.preflight import host_available_bytes
+
+        available = host_memory if planning_only else host_available_bytes()
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
                               precision=precision, micro_batches=micro_batches, version=__version__,
                               compiled_blocks=compile_blocks, options=solver_options,
-                              host_offload_bytes=None if planning_only else _host_offload_bytes(graph, precision),
-                              early_host_bytes=_early_host_bytes(graph, precision, planning_only)
+                              host_offload_bytes=_host_offload_bytes(graph, precision, available),
+                              early_host_bytes=_early_host_bytes(graph, precision, available)
                               if _early_allowed(world_size, max_grad_norm) else None,
                               streamed_updates=hw.gpu_memory_bytes_per_s > 0)
     return graph, the_plan, dev, optimizer, max_grad_norm
@@ -125,28 +137,26 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
     return max_grad_norm is None and _one_process(world_size)
 
 
-def _early_host_bytes(graph: LayerGraph, precision: str, planning_only: bool) -> int | None:
-    """Host RAM the spare state of early updates may take: what is available beyond the host state
-    and twice the preflight's headroom (when only planning, or not known: no limit; compile's
-    preflight counts the spare state against what the machine has)."""
-    from slidedp.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
+def _early_host_bytes(graph: LayerGraph, precision: str, available: int | None) -> int:
+    """Host RAM the spare state of early updates may take: what is `available` beyond the host state
+    and twice the preflight's headroom (not known: no limit; compile's preflight counts the spare
+    state against what the machine has)."""
+    from slidedp.preflight import HOST_HEADROOM_BYTES, host_state_bytes
 
-    available = None if planning_only else host_available_bytes()
     if available is None:
         return 1 << 62
     return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES)
 
 
-def _host_offload_bytes(graph: LayerGraph, precision: str) -> int | None:
-    """Host RAM that offloaded activations may take on this machine: half of what is available
+def _host_offload_bytes(graph: LayerGraph, precision: str, available: int | None) -> int | None:
+    """Host RAM that offloaded activations may take on the machine: half of what is `available`
     beyond the host state compile will allocate and the preflight's headroom (None: unknown); the
     other half stays for the rest of the process (the model as built, compile workers, data). Seen
     on the H200 host: a 262,144-token plan offloading 41.7 GiB beside 70 GiB of host state was
     killed for host memory (then each offloaded tensor was pinned on its own, rounded up to a power
     of two; it now goes into one arena of the exact size, saved_activations.HostArena)."""
-    from slidedp.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
+    from slidedp.preflight import HOST_HEADROOM_BYTES, host_state_bytes
 
-    available = host_available_bytes()
     if available is None:
         return None
     return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES) // 2
@@ -176,9 +186,13 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
          device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
-         compile_blocks: bool | None = None, solver_options: SolverOptions | None = None) -> Plan:
+         compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
+         host_memory: int | str | None = None) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
+    `host_memory` (bytes or e.g. "125GiB"): the host RAM available (MemAvailable) on the machine the
+    plan is for, before compile allocates there: bounds activation offload and early updates' spare
+    state as compile would on that machine (None: unbounded; compile's preflight checks there).
     `solver_options` (slidedp.scheduler.decisions.SolverOptions): the values the solver may choose
     from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
     (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
@@ -188,7 +202,7 @@ def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size:
                                device=device, precision=precision, optimizer=optimizer,
                                max_grad_norm=max_grad_norm, hardware=hardware, plan=plan,
                                micro_batches=micro_batches, compile_blocks=compile_blocks, planning_only=True,
-                               solver_options=solver_options)
+                               solver_options=solver_options, host_memory=host_memory)
     return the_plan
 
 

@@ -269,6 +269,34 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     return _time_s(step, cuda, repeats=repeats)
 
 
+def attention_flops_fwd_bwd(shape: BlockShape) -> tuple[int, int]:
+    """FLOPs of the block's causal attention, forward and backward, as slidedp.ir counts them."""
+    from slidedp.ir.export_trace import attention_flops
+
+    q = (shape.batch_size, shape.num_attention_heads, shape.seq_len, shape.head_dim)
+    kv = (shape.batch_size, shape.num_key_value_heads, shape.seq_len, shape.head_dim)
+    return attention_flops(q, kv, kv, True, backward=False), attention_flops(q, kv, kv, True, backward=True)
+
+
+def measure_attention_s(device: torch.device, shape: BlockShape, *, repeats: int) -> tuple[float, float]:
+    """Seconds of the block's causal SDPA (grouped-query heads) forward alone, and of forward +
+    backward (gradients of query, key and value); bf16 on CUDA, fp32 on the CPU."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    b, s, d = shape.batch_size, shape.seq_len, shape.head_dim
+    q = torch.randn(b, shape.num_attention_heads, s, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, shape.num_key_value_heads, s, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        forward_s = _time_s(forward, cuda, repeats=repeats)
+    return forward_s, _time_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), cuda, repeats=repeats)
+
+
 class CopyBuffers:
     """The four buffers of the copy measurements, `nbytes` each.
 
@@ -493,18 +521,36 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
     say(f"matmul          {sizes.matmul_n}^3 {'bf16' if cuda else 'fp32'}: {matmul / 1e12:.4g} TFLOP/s")
 
     flops_fwd, flops_bwd = count_block_flops_fwd_bwd(shape, torch.bfloat16 if cuda else torch.float32)
+    attention_fwd, attention_bwd = attention_flops_fwd_bwd(shape)
+    attention = 0.0  # the CPU's attention is no faster than the rest of its block: one rate
+    if cuda:  # on sequences 4x the block's: the rate long sequences reach, where attention matters
+        long = BlockShape(**{**shape.__dict__, "seq_len": 4 * shape.seq_len})
+        long_fwd, long_bwd = attention_flops_fwd_bwd(long)
+        attention = (long_fwd + long_bwd) / measure_attention_s(dev, long, repeats=reps)[1]
+        say(f"attention       causal SDPA forward + backward, {long.batch_size}x{long.seq_len} tokens: "
+            f"{attention / 1e12:.4g} TFLOP/s, attention_flops_per_s")
+        torch.cuda.empty_cache()
+
+    def rest_efficiency(seconds: float, forwards: int) -> float:
+        """Efficiency of the block's FLOPs but attention's, in `seconds` less attention's time."""
+        flops = forwards * flops_fwd + flops_bwd
+        if not attention:
+            return flops / seconds / matmul
+        att = forwards * attention_fwd + attention_bwd
+        return (flops - att) / max(seconds - att / attention, 0.1 * seconds) / matmul
+
     flops = flops_fwd + flops_bwd
     block_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps)
-    efficiency = flops / block_s / matmul
+    efficiency = rest_efficiency(block_s, 1)
     say(f"block fwd+bwd   Qwen3 hidden {shape.hidden_size}, {shape.batch_size}x{shape.seq_len} tokens: "
         f"{block_s * 1e3:.4g} ms for {flops / 1e12:.4g} TFLOP = {flops / block_s / 1e12:.4g} TFLOP/s, "
-        f"block_efficiency {efficiency:.3f}")
+        f"block_efficiency {efficiency:.3f}" + (" (of the FLOPs but attention's)" if attention else ""))
     compiled_efficiency = 0.0  # the CPU backend does not compile blocks by default (api.compile)
     if cuda:
         torch.cuda.empty_cache()
         recompute_flops = 2 * flops_fwd + flops_bwd
         compiled_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps, compiled=True)
-        compiled_efficiency = recompute_flops / compiled_s / matmul
+        compiled_efficiency = rest_efficiency(compiled_s, 2)
         say(f"compiled block  forward, recompute + backward (torch.compile): {compiled_s * 1e3:.4g} ms for "
             f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
             f"compiled_block_efficiency {compiled_efficiency:.3f}")
@@ -582,4 +628,5 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
         cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
         compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
+        attention_flops_per_s=attention,
     )

@@ -56,6 +56,10 @@ class Hardware:
     # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/early.py), which run
     # beside the backward's gradient and weight copies both ways; 0: cpu_adamw_contended_fraction.
     cpu_adamw_backward_fraction: float = 0.0
+    # Rate of the attention kernels (causal scaled-dot-product attention, forward and backward) on
+    # the FLOPs slidedp.ir counts for them [FLOP/s]; the rest of a block runs at the block's rate.
+    # 0: not measured, attention runs at the block's rate (which then covers it).
+    attention_flops_per_s: float = 0.0
 
     def __post_init__(self):
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
@@ -72,7 +76,7 @@ class Hardware:
                              f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
         object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
         for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency",
-                     "gpu_memory_bytes_per_s"):
+                     "gpu_memory_bytes_per_s", "attention_flops_per_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -116,13 +120,18 @@ PRESETS: dict[str, Hardware] = {
     # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.657.
     # (Fitted as 0.565 and 0.76 when causal attention counted every query-key pair; rescaled by the
     # FLOP ratio at 4,096-token sequences, 0.875 forward, 0.864 forward + recompute + backward.)
+    # Attention apart (benchmarks/block_rate.py, session 9): causal SDPA forward + backward runs at
+    # 419 / 600 / 552 / 533 TFLOP/s at 4,096 / 16,384 / 65,536 / 262,144-token sequences, the rest of
+    # the block at 348-412; with attention at 540 the rest's efficiencies become 0.4685 and 0.652 so
+    # that a 4,096-token block takes what the fits above gave (at 262,144 tokens attention is 93% of
+    # the block, and the single rate had predicted the long-context step 29% slow).
     "h200-sxm": Hardware(
-        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.494,
+        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.4685,
         h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
         host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.78,
         cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
         host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.67,
-        compiled_block_efficiency=0.657, gpu_memory_bytes_per_s=3.0e12,
+        compiled_block_efficiency=0.652, gpu_memory_bytes_per_s=3.0e12, attention_flops_per_s=540e12,
         # Early updates of Qwen3-4B at 16,384 tokens, 24 GiB, 2-row micro-batches: steady steps of
         # 1.82 s (CPU updates only) and 1.61 s (with streamed updates) are what the simulator gives
         # their plans at 0.57 and 0.55 (benchmarks/README.md, session 8); 0.66 (2.62 of 3.97 G params/s

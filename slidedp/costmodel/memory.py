@@ -68,11 +68,17 @@ def streamed_update_bytes(elem_bytes: int, piece_numel: int = STREAMED_PIECE_NUM
 
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                            loss_chunk_tokens: int) -> int:
-    """Final norm, head and chunked cross-entropy of one micro-batch.
+    """Final norm, head and chunked cross-entropy of one micro-batch: the larger of its two phases.
 
-    3 * tokens * hidden * elem (final hidden state, its norm, its gradient) plus, for one chunk of
-    T = min(loss_chunk_tokens, tokens) tokens, T * vocab * (2 * elem + 8): the logits and their
-    gradient in the compute dtype, the fp32 log-softmax and its gradient.
+    Forward and loss: tokens * hidden * (3 * elem + 4) (final hidden state, its norm, its gradient
+    and the norm's fp32 copy of its input) plus, for one chunk of T = min(loss_chunk_tokens, tokens)
+    tokens, T * vocab * (2 * elem + 8): the logits and their gradient in the compute dtype, the fp32
+    log-softmax and its gradient.
+    Backward of the final norm: tokens * hidden * (3 * elem + 6 * 4): a norm computed in fp32 (as
+    Llama's and Qwen's RMSNorm upcast) keeps its fp32 input and its backward holds five fp32
+    temporaries at once (measured on Qwen3-4B at 262,144 tokens: benchmarks/README.md, session 9),
+    beside the gradient from the loss and the embedding output the model's own forward recomputes.
     """
     chunk = min(loss_chunk_tokens, tokens)
-    return 3 * tokens * hidden_size * elem_bytes + chunk * vocab_size * (2 * elem_bytes + 8)
+    forward = tokens * hidden_size * (3 * elem_bytes + 4) + chunk * vocab_size * (2 * elem_bytes + 8)
+    return max(forward, tokens * hidden_size * (3 * elem_bytes + 6 * 4))

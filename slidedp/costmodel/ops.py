@@ -106,31 +106,50 @@ def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, reco
     return micro_batches * flops / compute_flops_per_s(hw)
 
 
+def block_flops_time_s(costs: LayerCosts, hw: Hardware, *, forwards: int, backward: bool,
+                       compiled: bool = False) -> float:
+    """GPU time of one micro-batch's `forwards` forwards and (if asked) one backward of a block [s]:
+
+    t = (flops - attention flops) / rate + attention flops / attention_flops_per_s, where rate is
+    matmul_flops_per_s times block_efficiency (or compiled_block_efficiency for a compiled block,
+    when measured); attention_flops_per_s 0 (not measured) runs attention at that rate too.
+    """
+    flops = forwards * costs.flops_fwd + (costs.flops_bwd if backward else 0.0)
+    attention = forwards * costs.attention_flops_fwd + (costs.attention_flops_bwd if backward else 0.0)
+    if compiled and hw.compiled_block_efficiency > 0:
+        rate = hw.matmul_flops_per_s * hw.compiled_block_efficiency
+    else:
+        rate = compute_flops_per_s(hw)
+    if hw.attention_flops_per_s <= 0:
+        return flops / rate
+    return (flops - attention) / rate + attention / hw.attention_flops_per_s
+
+
 def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, compiled: bool = False) -> float:
     """Forward of one block for every micro-batch, issued from Python [s]:
 
-    t = m * max(flops_fwd / rate, host_block_fwd_s): each micro-batch's kernels run no faster than
+    t = m * max(block_flops_time_s, host_block_fwd_s): each micro-batch's kernels run no faster than
     the host thread issues them (host_block_fwd_s, measured; 0 ignores the host). Compiled (and
-    measured: compiled_block_efficiency > 0): t = m * flops_fwd / (matmul rate * compiled efficiency).
+    measured: compiled_block_efficiency > 0): its few fused kernels leave the host no floor.
     """
+    gpu_s = block_flops_time_s(costs, hw, forwards=1, backward=False, compiled=compiled)
     if compiled and hw.compiled_block_efficiency > 0:
-        return micro_batches * costs.flops_fwd / (hw.matmul_flops_per_s * hw.compiled_block_efficiency)
-    return micro_batches * max(costs.flops_fwd / compute_flops_per_s(hw), hw.host_block_fwd_s)
+        return micro_batches * gpu_s
+    return micro_batches * max(gpu_s, hw.host_block_fwd_s)
 
 
 def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool,
                           compiled: bool = False) -> float:
     """Backward of one block for every micro-batch (recomputing its forward first if asked) [s]:
 
-    t = m * max((flops_bwd + [recompute] flops_fwd) / rate,
-                host_block_bwd_s + [recompute] host_block_fwd_s)
-    or, compiled (every policy: executor.py), m * flops / (matmul rate * compiled efficiency).
+    t = m * max(block_flops_time_s, host_block_bwd_s + [recompute] host_block_fwd_s), or compiled
+    (every policy: executor.py) m * block_flops_time_s.
     """
-    flops = costs.flops_bwd + (costs.flops_fwd if recompute else 0.0)
+    gpu_s = block_flops_time_s(costs, hw, forwards=int(recompute), backward=True, compiled=compiled)
     if compiled and hw.compiled_block_efficiency > 0:
-        return micro_batches * flops / (hw.matmul_flops_per_s * hw.compiled_block_efficiency)
+        return micro_batches * gpu_s
     host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
-    return micro_batches * max(flops / compute_flops_per_s(hw), host)
+    return micro_batches * max(gpu_s, host)
 
 
 def head_flops_per_s(hw: Hardware) -> float:

@@ -136,6 +136,13 @@ class AttentionWorkspace(TorchDispatchMode):
         return out
 
 
+def attention_flops_counted(counter: FlopCounterMode) -> float:
+    """The FLOPs a counter gave scaled-dot-product attention (any backend's kernels, forward or
+    backward; each op counted once, at the top level)."""
+    ops = counter.get_flop_counts().get("Global", {})
+    return float(sum(n for op, n in ops.items() if "scaled_dot_product" in str(op)))
+
+
 def _no_decay(module: nn.Module, param_name: str) -> bool:
     cls = type(module).__name__
     return param_name.endswith("bias") or any(s in cls for s in _NO_DECAY_CLASSES)
@@ -175,6 +182,8 @@ def _trace_block(block: nn.Module, call: BlockCall, dtype: torch.dtype,
     costs = LayerCosts(
         flops_fwd=float(fwd_counter.get_total_flops()),
         flops_bwd=float(bwd_counter.get_total_flops()),
+        attention_flops_fwd=attention_flops_counted(fwd_counter),
+        attention_flops_bwd=attention_flops_counted(bwd_counter),
         boundary_activation_bytes=boundary,
         saved_activation_bytes=saved_bytes,
         peak_workspace_bytes=int(max(saved.values(), default=0)) + 2 * boundary + attention.bytes,

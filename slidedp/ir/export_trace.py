@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -41,26 +42,26 @@ MAX_TRACED_BLOCKS = 1  # exported as themselves; later blocks are stand-ins (spe
 _aten = torch.ops.aten
 
 
-def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
-                     backward: bool) -> int:
-    """FLOPs of SDPA on [b, h, s, d] tensors, counted as FlopCounterMode's registry counts them (2 per
+def attention_flops(query_shape: Sequence[int], key_shape: Sequence[int], value_shape: Sequence[int],
+                    is_causal: bool, backward: bool) -> int:
+    """FLOPs of SDPA on [b, h, s, d] tensors of these shapes, counted as FlopCounterMode's registry counts them (2 per
     multiply-add of each matmul: forward 2 b h s_q s_k (d + d_v), backward the scores again and four
     gradient matmuls, 2 b h s_q s_k (3 d + 2 d_v)), with h the query heads (grouped-query attention,
     which some torch versions' formulas refuse, costs what its query heads do), halved when causal
     (queries and keys of the same length: half the pairs, which is what the GPU's flash kernels skip)."""
-    b, h, s_q, d = query.shape
-    s_k, d_v = key.shape[-2], value.shape[-1]
+    b, h, s_q, d = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
     flops = 2 * b * h * s_q * s_k * ((3 * d + 2 * d_v) if backward else (d + d_v))
     return flops // 2 if is_causal and s_q == s_k else flops
 
 
 def _flash_cpu_forward_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
-    return _attention_flops(query, key, value, bool(is_causal), backward=False)
+    return attention_flops(query.shape, key.shape, value.shape, bool(is_causal), backward=False)
 
 
 def _flash_cpu_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
                               *args, **kwargs) -> int:
-    return _attention_flops(query, key, value, bool(is_causal), backward=True)
+    return attention_flops(query.shape, key.shape, value.shape, bool(is_causal), backward=True)
 
 
 _flash_cpu_forward_flops._get_raw = True  # tensors in, not shapes: FlopCounterMode must not re-wrap

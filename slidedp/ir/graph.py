@@ -37,6 +37,9 @@ class LayerCosts:
 
     flops_fwd: float = 0.0
     flops_bwd: float = 0.0  # gradient of inputs and parameters, excluding recompute
+    # the part of flops_fwd / flops_bwd that is scaled-dot-product attention (its own rate on a GPU)
+    attention_flops_fwd: float = 0.0
+    attention_flops_bwd: float = 0.0
     boundary_activation_bytes: int = 0  # the layer's output (the next layer's input)
     saved_activation_bytes: int = 0  # what autograd saves for backward when activations are kept
     peak_workspace_bytes: int = 0  # transient memory of one forward+backward beyond the above

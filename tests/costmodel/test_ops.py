@@ -86,9 +86,21 @@ def test_block_times_are_bounded_below_by_the_host_and_the_head_has_its_own_rate
         ops.forward_time_s(head, plain, 2) + ops.backward_time_s(head, plain, 2, recompute=False))
     with pytest.raises(ValueError, match="host_block_bwd_s"):
         replace(plain, host_block_bwd_s=-1.0)
+    # attention at its own rate (the rest at the block's); 0 (unmeasured): all at the block's
+    attn = LayerCosts(flops_fwd=4.5e12, flops_bwd=9e12, attention_flops_fwd=1.5e12, attention_flops_bwd=3e12)
+    fast = replace(hw, attention_flops_per_s=1e15)
+    assert ops.block_forward_time_s(attn, fast, 2) == pytest.approx(2 * (3e12 / rate + 1.5e12 / 1e15))
+    assert ops.block_backward_time_s(attn, fast, 2, recompute=True) == pytest.approx(
+        2 * (9e12 / rate + 4.5e12 / 1e15))
+    assert ops.block_backward_time_s(attn, hw, 2, recompute=True) == pytest.approx(2 * 13.5e12 / rate)
+    compiled = replace(fast, compiled_block_efficiency=0.8)
+    assert ops.block_backward_time_s(attn, compiled, 1, recompute=False, compiled=True) == pytest.approx(
+        6e12 / (750e12 * 0.8) + 3e12 / 1e15)
+    with pytest.raises(ValueError, match="attention_flops_per_s"):
+        replace(hw, attention_flops_per_s=-1.0)
     # profiles written before these fields existed still load (defaults)
     data = plain.to_dict()
-    for key in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency"):
+    for key in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "attention_flops_per_s"):
         data.pop(key)
     assert Hardware.from_dict(data) == plain
 
@@ -129,9 +141,13 @@ def test_memory_buffers():
     tokens, hidden, vocab = 8 * 4096, 5120, 151936
     assert tokens * vocab * 4 > 19e9
     chunked = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096)
-    assert chunked == 3 * tokens * hidden * 2 + 4096 * vocab * 12
-    assert chunked < 9e9
-    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == 3 * 100 * 8 * 2 + 100 * 10 * 12
+    assert chunked == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 12
+    assert chunked < 10e9  # half the full logits
+    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == max(100 * 8 * 10 + 100 * 10 * 12, 100 * 8 * 30)
+    # one long sequence: the fp32 norm's backward outgrows a chunk's logits (Qwen3-4B, 262,144
+    # tokens: 18.75 GiB; measured 17.5 GiB of the epilogue live at the step's peak)
+    long = memory.epilogue_working_bytes(262144, 2560, vocab, 2, 4096)
+    assert long == 262144 * 2560 * 30 and 17.5 * GiB < long < 19 * GiB
 
 
 def test_hardware_profile_round_trips_through_json_with_its_curve(tmp_path):

@@ -89,3 +89,33 @@ def test_compile_blocks_defaults_off_on_the_cpu_and_on_for_gpu_plans():
     assert plan.workload.compiled_blocks
     with pytest.raises(TypeError, match="compile_blocks"):
         slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, compile_blocks="yes")
+
+
+def test_a_plan_for_another_machine_is_bounded_by_its_host_memory(monkeypatch):
+    """plan(host_memory=) passes that machine's host RAM to the solver as compile passes this one's:
+    half of it beyond the host state and the preflight's headroom for offloaded activations, the
+    rest for early updates' spare state. Without it planning is unbounded; compile refuses it."""
+    from slidedp import api, preflight
+
+    seen = []
+
+    def spy(graph, **kwargs):
+        seen.append((graph, kwargs["host_offload_bytes"], kwargs["early_host_bytes"]))
+        return real(graph, **kwargs)
+
+    real = api.solve_plan
+    monkeypatch.setattr(api, "solve_plan", spy)
+    model = make_model("llama")
+    kwargs = dict(batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu")
+    slidedp.plan(model, "1GiB", **kwargs)
+    assert seen[-1][1:] == (None, 1 << 62)  # max_grad_norm None on one rank: early updates allowed
+    slidedp.plan(model, "1GiB", host_memory="3GiB", **kwargs)
+    graph, offload, early = seen[-1]
+    spare = (3 << 30) - preflight.host_state_bytes(graph, precision="fp32") - 2 * preflight.HOST_HEADROOM_BYTES
+    assert spare > 0 and offload == spare // 2 and early == spare
+    assert slidedp.plan(model, "1GiB", host_memory=1 << 20, **kwargs) is not None  # too little: nothing offloaded
+    assert seen[-1][1:] == (0, 0)
+    with pytest.raises(ValueError, match="host_memory"):
+        slidedp.plan(model, "1GiB", host_memory="lots", **kwargs)
+    with pytest.raises(TypeError, match="compile"):
+        slidedp.compile(model, "1GiB", host_memory="3GiB", **kwargs)

@@ -134,6 +134,11 @@ def test_qwen3_8b_on_meta_device_is_fast_and_allocates_nothing():
     block = g.blocks[0]
     assert block.costs.flops_fwd == pytest.approx(  # weights, and causal attention: half of 4 S^2 H d
         2 * block.numel * 4096 + 2 * 4096 * 4096 * 32 * 128, rel=0.02)
+    # the attention part on its own (the cost model gives it its own rate): forward QK^T and PV,
+    # backward the scores again and four gradient matmuls, causal: half the pairs
+    assert block.costs.attention_flops_fwd == 2 * 4096 * 4096 * 32 * 128
+    assert block.costs.attention_flops_bwd == 5 * 4096 * 4096 * 32 * 128
+    assert g.prologue.costs.attention_flops_fwd == g.epilogue.costs.attention_flops_bwd == 0
 
 
 def test_frozen_parameters_get_no_storage():
