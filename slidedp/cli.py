@@ -43,7 +43,8 @@ def _plan(args) -> int:
     model = _model_from_spec(args.model)
     plan = slidedp.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
-                        micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto")
+                        micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto",
+                        host_memory=args.host_memory)
     plan.save(args.out)
     print(plan.summary())
     print(f"\nplan written to {args.out}")
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--hardware", default=None, help="preset name or hardware profile JSON")
+    p.add_argument("--host-memory", default=None,
+                   help="host RAM available on the machine the plan is for (e.g. 500GiB): bounds activation "
+                        "offload there (default: unbounded)")
     p.add_argument("--out", default="plan.json")
     p.set_defaults(func=_plan)
 

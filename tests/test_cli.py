@@ -70,6 +70,9 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out
     assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert main(["plan", "qwen3-0.6b", "--budget", "20GiB", "--batch-size", "1", "--seq-len", "1024",
+                 "--hardware", "h100-sxm", "--host-memory", "lots", "--out", str(out)]) == 2
+    assert "host_memory" in capsys.readouterr().err
 
 
 def test_cli_report_writes_html_and_trace_and_needs_an_output(tmp_path, capsys):

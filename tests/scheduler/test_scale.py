@@ -20,7 +20,11 @@ def test_an_80_block_model_on_8_ranks_plans_in_under_10_s():
     elapsed = time.perf_counter() - t0
     assert elapsed < 10, f"planning took {elapsed:.1f} s"
     assert sum(d.kind == "block" for d in plan.decisions) == 80 and plan.workload.world_size == 8
-    assert plan.solver["status"] in ("OPTIMAL", "FEASIBLE") and 0 <= plan.solver["relative_gap"] < 0.5
+    assert plan.solver["status"] in ("OPTIMAL", "FEASIBLE") and 0 <= plan.solver["relative_gap"] < 1
+    if plan.streamed_updates:  # better than CP-SAT's own plan; bounded by the analytical bound only
+        assert plan.predicted_step_time_s < plan.solver["streamed_tried"]["0"]
+    else:  # CP-SAT's bound
+        assert plan.solver["relative_gap"] < 0.5
     assert plan.peak_device_bytes <= 40 * GiB
     baselines = [v for k, v in plan.solver["candidates"].items() if k.startswith("baseline:")]
     assert plan.predicted_step_time_s <= min(baselines)
