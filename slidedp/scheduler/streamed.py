@@ -30,9 +30,26 @@ def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
     """`d` with the best number of streamed layers (early updates re-chosen for the rest when `d`
     has them), its simulation and every k tried that fits with its step [s]; None: not allowed, no
     host layer, or nothing fits.
-    costs.options.streamed_layers fixes k."""
+    costs.options.streamed_layers fixes k. The streamed updates' slots need room: when none fits
+    beside d's weight window, the narrower windows the options allow are tried, widest first, until
+    one streams faster than d without streaming."""
     if not costs.problem.streamed_updates:
         return None
+    found = _best_streamed_at(costs, d, budget_bytes)
+    if costs.options.streamed_layers is not None:
+        return found
+    for window in sorted((w for w in costs.windows() if w < d.window), reverse=True):
+        if found is not None and found[0].streamed:
+            break
+        narrower = _best_streamed_at(costs, replace(d, window=window), budget_bytes)
+        if narrower is not None and narrower[0].streamed and (found is None or narrower[1].makespan < found[1].makespan):
+            found = narrower
+    return found
+
+
+def _best_streamed_at(costs: ProblemCosts, d: Decisions, budget_bytes: int
+                      ) -> tuple[Decisions, Simulation, dict[int, float]] | None:
+    """best_streamed for d's own window."""
     hosts = candidates(costs, d)
     if not hosts:
         return None
@@ -57,7 +74,8 @@ def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
     else:
         # about unimodal in k: a coarse sweep, then the neighbours of the best
         for k in sorted({round(n * j / 8) for j in range(9)}):
-            at(k)
+            if at(k) == float("inf") and k > 0:  # the slots do not fit (their bytes do not depend on k)
+                break
         step = max(1, n // 8)
         while step > 1:
             best = min(tried, key=lambda k: (at(k), k))

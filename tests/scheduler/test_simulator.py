@@ -251,3 +251,22 @@ def test_streamed_updates_with_several_ranks_split_by_chunk_owner():
             assert loads and all(e.start >= last for e in loads)
     assert not any(e.lane == "cpu_update" and e.layer in d.streamed for e in sim.events)
     assert sim.makespan < simulate(costs, replace(d, streamed=())).makespan
+
+
+def test_streamed_updates_get_room_from_a_narrower_window():
+    """When the chosen decisions leave no room for the streamed updates' slots, the search tries a
+    weight window one slot narrower: streaming there beats not streaming (a CPU-bound step)."""
+    from slidedp.costmodel.memory import streamed_update_bytes
+    from slidedp.scheduler.streamed import best_streamed
+
+    graph = synthetic_graph(6, block_numel=256 << 20)  # a weight slot: 512 MiB in bf16
+    hw = replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=0.3e9)  # a slow CPU: the updates bound the step
+    costs = ProblemCosts(Problem(graph, hw, 1, 1, streamed_updates=True), SolverOptions())
+    d = baselines.uniform(costs, window=2, activation="recompute")
+    plain = simulate(costs, d)
+    budget = plain.peak_bytes + streamed_update_bytes(2) // 2  # half the slots' room at window 2
+    assert costs.fits(d, plain.peak_bytes, budget)
+    e, sim, tried = best_streamed(costs, d, budget)
+    assert e.window == 1 and e.streamed and sim.makespan < plain.makespan
+    assert costs.fits(e, sim.peak_bytes, budget)
+    assert best_streamed(costs, d, 1 << 50)[0].window == 2  # with room, the window stays
