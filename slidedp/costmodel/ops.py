@@ -106,6 +106,12 @@ def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, reco
     return micro_batches * flops / compute_flops_per_s(hw)
 
 
+def _compiled(hw: Hardware, compiled: bool) -> bool:
+    """A compiled block whose rate was measured (compiled_block_efficiency > 0): its own rate, and
+    its few fused kernels leave the host no floor; else the eager figures apply."""
+    return compiled and hw.compiled_block_efficiency > 0
+
+
 def block_flops_time_s(costs: LayerCosts, hw: Hardware, *, forwards: int, backward: bool,
                        compiled: bool = False) -> float:
     """GPU time of one micro-batch's `forwards` forwards and (if asked) one backward of a block [s]:
@@ -116,10 +122,7 @@ def block_flops_time_s(costs: LayerCosts, hw: Hardware, *, forwards: int, backwa
     """
     flops = forwards * costs.flops_fwd + (costs.flops_bwd if backward else 0.0)
     attention = forwards * costs.attention_flops_fwd + (costs.attention_flops_bwd if backward else 0.0)
-    if compiled and hw.compiled_block_efficiency > 0:
-        rate = hw.matmul_flops_per_s * hw.compiled_block_efficiency
-    else:
-        rate = compute_flops_per_s(hw)
+    rate = hw.matmul_flops_per_s * hw.compiled_block_efficiency if _compiled(hw, compiled) else compute_flops_per_s(hw)
     if hw.attention_flops_per_s <= 0:
         return flops / rate
     return (flops - attention) / rate + attention / hw.attention_flops_per_s
@@ -133,7 +136,7 @@ def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *,
     measured: compiled_block_efficiency > 0): its few fused kernels leave the host no floor.
     """
     gpu_s = block_flops_time_s(costs, hw, forwards=1, backward=False, compiled=compiled)
-    if compiled and hw.compiled_block_efficiency > 0:
+    if _compiled(hw, compiled):
         return micro_batches * gpu_s
     return micro_batches * max(gpu_s, hw.host_block_fwd_s)
 
@@ -146,7 +149,7 @@ def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *
     (every policy: executor.py) m * block_flops_time_s.
     """
     gpu_s = block_flops_time_s(costs, hw, forwards=int(recompute), backward=True, compiled=compiled)
-    if compiled and hw.compiled_block_efficiency > 0:
+    if _compiled(hw, compiled):
         return micro_batches * gpu_s
     host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
     return micro_batches * max(gpu_s, host)

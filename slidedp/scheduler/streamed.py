@@ -42,7 +42,8 @@ def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
         if found is not None and found[0].streamed:
             break
         narrower = _best_streamed_at(costs, replace(d, window=window), budget_bytes)
-        if narrower is not None and narrower[0].streamed and (found is None or narrower[1].makespan < found[1].makespan):
+        faster = narrower is not None and (found is None or narrower[1].makespan < found[1].makespan)
+        if faster and narrower[0].streamed:
             found = narrower
     return found
 
