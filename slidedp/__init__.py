@@ -5,7 +5,7 @@ and gradients stream back to a CPU optimizer. `compile(model, budget, ...)` trac
 a layer IR, plans a schedule under the device-memory budget and returns an Engine.
 """
 
-__version__ = "0.1.0"
+from slidedp._version import __version__  # noqa: E402,F401
 
 from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402

@@ -9,24 +9,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slidedp import __version__
-from slidedp.backend.comm import RankComm
-from slidedp.backend.host_state import HostState
-from slidedp.backend.program import Program, lower
-from slidedp.backend.rank import build_rank
-from slidedp.backend.simulate import simulate
-from slidedp.backend.step_flags import StepFlags
-from slidedp.backend.workers import WorkerPool, job_skeleton
+from slidedp._version import __version__
+from slidedp.backend.runtime.comm import RankComm
+from slidedp.backend.state.host_state import HostState
+from slidedp.backend.lowering.program import Program, lower
+from slidedp.backend.runtime.rank import build_rank
+from slidedp.backend.lowering.verify import simulate
+from slidedp.backend.state.step_flags import StepFlags
+from slidedp.backend.runtime.workers import WorkerPool, job_skeleton
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import resolve_hardware
-from slidedp.engine import Engine, update_order
+from slidedp.run.engine import Engine, update_order
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.optim import AdamW
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.solve import solve_plan
-from slidedp.weights import bind_parameters, check_weights_source, fill_masters, tie_meta_model
+from slidedp.run.weights import bind_parameters, check_weights_source, fill_masters, tie_meta_model
 
 _PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -111,7 +111,7 @@ def _prepare(model, budget, *, batch_size, seq_len, world_size, device, precisio
             raise ValueError(f"the plan's streamed_updates {the_plan.streamed_updates} must be layer ids whose state "
                              "lives on the host and that are not updated early (device_state, early_order)")
     else:
-        from slidedp.preflight import host_available_bytes
+        from slidedp.run.preflight import host_available_bytes
 
         available = host_memory if planning_only else host_available_bytes()
         the_plan = solve_plan(graph, budget_bytes=budget.device_bytes, hardware=hw, world_size=world_size,
@@ -130,7 +130,7 @@ def _one_process(world_size: int) -> bool:
 
 
 def _early_allowed(world_size: int, max_grad_norm) -> bool:
-    """Early updates (backend/early_updates.py) need the whole gradient only for its finite check:
+    """Early updates (backend/runtime/early_updates.py) need the whole gradient only for its finite check:
     not with clipping, and they run on one rank in the engine's own process."""
     return max_grad_norm is None and _one_process(world_size)
 
@@ -139,7 +139,7 @@ def _early_host_bytes(graph: LayerGraph, precision: str, available: int | None) 
     """Host RAM the spare state of early updates may take: what is `available` beyond the host state
     and twice the preflight's headroom (not known: no limit; compile's preflight counts the spare
     state against what the machine has)."""
-    from slidedp.preflight import HOST_HEADROOM_BYTES, host_state_bytes
+    from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_state_bytes
 
     if available is None:
         return 1 << 62
@@ -153,7 +153,7 @@ def _host_offload_bytes(graph: LayerGraph, precision: str, available: int | None
     on the H200 host: a 262,144-token plan offloading 41.7 GiB beside 70 GiB of host state was
     killed for host memory (then each offloaded tensor was pinned on its own, rounded up to a power
     of two; it now goes into one arena of the exact size, saved_activations.HostArena)."""
-    from slidedp.preflight import HOST_HEADROOM_BYTES, host_state_bytes
+    from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_state_bytes
 
     if available is None:
         return None
@@ -210,7 +210,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
             compile_blocks: bool | None = None, weights=None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
-    `weights`: where the initial weights come from (slidedp/weights.py): None, the model's own
+    `weights`: where the initial weights come from (slidedp/run/weights.py): None, the model's own
     parameters; a safetensors checkpoint folder or a function fn(name, out) filling each fp32
     master, for a model built with its parameters on the meta device
     (`accelerate.init_empty_weights()`), read straight into the host state.
@@ -218,12 +218,12 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
 
-    `compile_blocks`: run every block through `torch.compile` (backend/executor.py), and plan
+    `compile_blocks`: run every block through `torch.compile` (backend/runtime/executor.py), and plan
     with the hardware's compiled block rate; None (default): as a given plan says, else on CUDA
     devices but not on the CPU, where compiling costs more than it saves.
 
     With `world_size` > 1 the ranks are worker processes (one per GPU, or CPU processes), started
-    here and driven by this process: `step()` takes the global batch (backend/workers.py). Under
+    here and driven by this process: `step()` takes the global batch (backend/runtime/workers.py). Under
     `torchrun --nproc-per-node=W` (WORLD_SIZE=W in the environment) every process is one rank
     instead: each calls `compile` and `step` with the same arguments and global batch, and
     takes its share of the rows; rank 0's process holds the host state, the others map it.
@@ -249,7 +249,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     if dev.type == "cuda" and launched_rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     flag_ints = StepFlags.ints_needed(world_size, len(graph.layers))
-    from slidedp.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
+    from slidedp.run.preflight import check_compile  # host RAM, /dev/shm, free device memory: refuse with numbers
     host = None
     # SLIDEDP_WORKER_PROCESSES=1: one rank in a worker process too (runs the multi-rank code path
     # on a machine with one GPU; for diagnosis)
@@ -295,10 +295,7 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
 
 def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
     """The Program of one pass over the weights, as the plan decides it."""
-    return lower(graph, window=plan.window, micro_batches=plan.workload.micro_batches,
-                 activation={d.layer_id: d.activation for d in plan.decisions if d.kind == BLOCK},
-                 chunks={d.layer_id: d.chunks for d in plan.decisions}, loss_chunk_tokens=plan.loss_chunk_tokens,
-                 device_state=plan.device_state, streamed=bool(plan.streamed_updates))
+    return lower(graph, plan.schedule, micro_batches=plan.workload.micro_batches)
 
 
 def _launched_rank(world_size: int) -> int | None:
@@ -330,7 +327,7 @@ def _share_host_state(comm: RankComm, host: HostState | None) -> HostState:
 def _load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True,
                   weights=None) -> None:
     """Write the initial weights into the host state (unless another rank did: `copy=False`): the
-    model's own, or those of `weights` (slidedp/weights.py); then make the model's parameters views
+    model's own, or those of `weights` (slidedp/run/weights.py); then make the model's parameters views
     of it (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held
     twice."""
     masters, deliveries = {}, {}

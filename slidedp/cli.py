@@ -38,10 +38,10 @@ def _model_from_spec(spec: str):
 
 
 def _plan(args) -> int:
-    import slidedp
+    from slidedp import api
 
     model = _model_from_spec(args.model)
-    plan = slidedp.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
+    plan = api.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
                         micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto",
                         host_memory=args.host_memory)
@@ -57,7 +57,7 @@ def _bench(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slidedp.bench import run_bench, to_json
+    from slidedp.profiler.bench import run_bench, to_json
     from slidedp.train.shapes import preset_config
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -92,6 +92,7 @@ def _inspect(args) -> int:
 
 
 def _report(args) -> int:
+    from slidedp.report import to_chrome_trace, to_html
     from slidedp.scheduler.plan import Plan
 
     if not args.html and not args.trace:
@@ -101,10 +102,10 @@ def _report(args) -> int:
         print(f"note: {args.plan} has no predicted timeline (solver {plan.solver.get('method', '?')}); "
               "the report shows the totals and decisions only", file=sys.stderr)
     if args.html:
-        plan.to_html(args.html)
+        to_html(plan, args.html)
         print(f"HTML report written to {args.html}")
     if args.trace:
-        plan.to_chrome_trace(args.trace)
+        to_chrome_trace(plan, args.trace)
         print(f"Chrome trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
 
@@ -112,7 +113,7 @@ def _report(args) -> int:
 def _calibrate(args) -> int:
     import json
 
-    from slidedp.costmodel.calibrate import calibrate
+    from slidedp.profiler.calibrate import calibrate
 
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
     profile.save(args.out)

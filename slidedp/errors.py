@@ -30,7 +30,7 @@ class NonFiniteGradientError(SlidedpError, FloatingPointError):
 class InsufficientMemoryError(SlidedpError, MemoryError):
     """Not enough host RAM, /dev/shm or free device memory for what compile would allocate.
 
-    Raised by the preflight check (slidedp/preflight.py) before anything is allocated, with the
+    Raised by the preflight check (slidedp/run/preflight.py) before anything is allocated, with the
     numbers: `resource` ("host RAM", "/dev/shm" or "device memory"), `needed_bytes` and
     `available_bytes`.
     """

@@ -1,4 +1,4 @@
-"""Optimizer settings. The update itself runs on the CPU (slidedp/backend/cpu_adamw.py)."""
+"""Optimizer settings. The update itself runs on the CPU (slidedp/backend/kernels/cpu_adamw.py)."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def test_failures_become_records(tmp_path):
 
 def test_largest_shape_counts_sixteen_bytes_per_parameter(tmp_path, monkeypatch):
     """benchmarks/largest_shape.py: host state of each Qwen3 size against a given amount of RAM."""
-    from slidedp import preflight
+    from slidedp.run import preflight
 
     spec = importlib.util.spec_from_file_location("largest_shape", ROOT / "benchmarks" / "largest_shape.py")
     mod = importlib.util.module_from_spec(spec)

@@ -53,7 +53,7 @@ class Hardware:
     # Device memory bandwidth reached by an optimizer kernel (reads and writes together); 0: not
     # known, and the optimizer state of a layer is never planned on the device (ops.device_update_time_s).
     gpu_memory_bytes_per_s: float = 0.0
-    # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/early.py), which run
+    # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/search/early_order.py), which run
     # beside the backward's gradient and weight copies both ways; 0: cpu_adamw_contended_fraction.
     cpu_adamw_backward_fraction: float = 0.0
     # Rate of the attention kernels (causal scaled-dot-product attention, forward and backward) on

@@ -1,6 +1,6 @@
 """The device buffers of the streamed program, each a small function of its size (bytes per rank).
 
-The scheduler (scheduler/footprint.py) places them in program order to get memory over a step.
+The scheduler (scheduler/problem/footprint.py) places them in program order to get memory over a step.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
     return numel * (12 + elem_bytes)
 
 
-# Parameters per piece of a streamed update (backend/streamed_updates.py): 32 MiB of each fp32 array.
+# Parameters per piece of a streamed update (backend/runtime/streamed_updates.py): 32 MiB of each fp32 array.
 STREAMED_PIECE_NUMEL = 1 << 23
 STREAMED_SLOTS = 2  # pieces in flight: one coming up while the one before is updated and goes down
 

@@ -200,7 +200,7 @@ def device_update_time_s(numel: float, hw: Hardware) -> float:
 
 
 def streamed_update_bytes(numel: float, elem_bytes: int) -> tuple[float, float]:
-    """Bytes (up, down) of an update whose state streams through the device (backend/streamed_updates.py):
+    """Bytes (up, down) of an update whose state streams through the device (backend/runtime/streamed_updates.py):
     up the fp32 master and moments and the gradient as the host holds it (the compute dtype), down the
     master, the moments and the delivery copy (bf16 only; fp32 loads read the master)."""
     return numel * (12 + elem_bytes), numel * (12 + (elem_bytes if elem_bytes != 4 else 0))

@@ -9,6 +9,7 @@ passes to each block, or returns a hidden state slidedp computed elsewhere.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,13 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             "an embedding, a ModuleList of blocks (any attribute name) and a head"
         )
     return best[2], best[3]
+
+
+def forward_kwargs(model: nn.Module) -> tuple[str, ...]:
+    """The keyword arguments of the model's forward that slidedp may pass."""
+    params = inspect.signature(model.forward).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return tuple(k for k in ("attention_mask", "use_cache") if k in params or var_kw)
 
 
 def get_submodule_parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:

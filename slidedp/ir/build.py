@@ -30,6 +30,7 @@ from slidedp.ir.blocks import (
     BlockCall,
     StopForward,
     find_blocks,
+    forward_kwargs,
     logits_of,
     proxied_blocks,
     unwrap_block_output,
@@ -41,26 +42,6 @@ from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE, Layer, LayerCosts, Layer
 
 _NO_DECAY_CLASSES = ("Norm", "Embedding")
 log = logging.getLogger(__name__)
-
-
-def forward_kwargs(model: nn.Module) -> tuple[str, ...]:
-    """The keyword arguments of the model's forward that slidedp may pass."""
-    params = inspect.signature(model.forward).parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return tuple(k for k in ("attention_mask", "use_cache") if k in params or var_kw)
-
-
-def model_forward(model: nn.Module, input_ids, attention_mask, kwargs_allowed: tuple[str, ...]):
-    kwargs = {}
-    if "use_cache" in kwargs_allowed:
-        kwargs["use_cache"] = False
-    if attention_mask is not None:
-        if "attention_mask" not in kwargs_allowed:
-            raise UnsupportedModelError(
-                f"{type(model).__name__}.forward takes no attention_mask, but one was given"
-            )
-        kwargs["attention_mask"] = attention_mask
-    return model(input_ids, **kwargs)
 
 
 def _vocab_size(model: nn.Module) -> int:

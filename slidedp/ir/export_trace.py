@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from slidedp.ir.blocks import BlockCall, get_submodule_parent, wrap_block_output
+from slidedp.ir.blocks import BlockCall, forward_kwargs, get_submodule_parent, wrap_block_output
 
 MAX_TRACED_BLOCKS = 1  # exported as themselves; later blocks are stand-ins (speed)
 
@@ -170,8 +170,6 @@ def export_layer_groups(model, blocks_path, n_blocks, batch_size, seq_len, **kw)
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
-    from slidedp.ir.build import forward_kwargs  # lazy: build imports this module
-
     return name in forward_kwargs(model)
 
 

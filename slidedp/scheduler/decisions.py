@@ -36,11 +36,11 @@ class Problem:
     # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
     # prologue (solve.py).
     device_state: frozenset = frozenset()
-    # Host bytes the spare master and moments of early updates may take (backend/early_updates.py:
+    # Host bytes the spare master and moments of early updates may take (backend/runtime/early_updates.py:
     # one rank, no clipping); None: early updates are not allowed.
     early_host_bytes: int | None = None
     # Host layers whose AdamW may run on the device at the step boundary, their state streamed up and
-    # back down (backend/streamed_updates.py: each rank its own chunks; allowed where the device's
+    # back down (backend/runtime/streamed_updates.py: each rank its own chunks; allowed where the device's
     # memory bandwidth is known); the solver picks a prefix of the host layers in update order (streamed.py).
     streamed_updates: bool = False
 

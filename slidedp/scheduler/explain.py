@@ -8,13 +8,13 @@ from dataclasses import replace
 
 from slidedp.budget import format_bytes
 from slidedp.costmodel import ops
-from slidedp.scheduler import closed_form
-from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.oracles import closed_form
+from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions
-from slidedp.scheduler.footprint import evaluate
+from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.plan import Alternative, GroupPrediction
-from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_program
-from slidedp.scheduler.simulate import Simulation
+from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_program
+from slidedp.scheduler.oracles.timeline import Simulation
 
 LANES = (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)
 

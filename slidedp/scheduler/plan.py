@@ -1,11 +1,13 @@
-"""The Plan: decisions per layer plus the predictions they lead to. Plain data, JSON round-trip.
+"""The Plan: plain data, JSON round-trip; it knows no solver and no renderer.
 
-Plans are made by `slidedp.scheduler.solve.solve_plan` (CP-SAT) or by a baseline
-(`slidedp.scheduler.baselines`); `default_plan` is the fixed baseline schedule: one chunk per
-layer, every block recomputed, window 2 (or 1 if 2 does not fit the budget).
+A plan has two parts. `Plan.schedule` (a `Schedule`) is the contract: what the backend lowers
+and the executor must honour, and all it reads. `Plan.explanation` (an `Explanation`) says why and
+what to expect: the predicted step and memory, the timeline, per-group predictions, each decision
+against its runner-up, and which search made the decisions. The schedule:
 
-What the executor must honour (the predicted timing and memory assume it):
-  window                  weight slots; loads follow `scheduler.program.window_loads(N, window)`
+  window                  weight slots
+  window_loads            the blocks' weight loads, in order: which block into which slot, and after
+                          which block visit the copy may start (Belady eviction, scheduler/problem/lanes.py)
   decisions[i].chunks     layer i's H2D, D2H and CPU update move in this many equal chunks
   decisions[i].activation recompute | keep (saved tensors stay on the device until the backward)
                           | offload (copied to pinned host after the forward, back before the
@@ -17,21 +19,36 @@ What the executor must honour (the predicted timing and memory assume it):
                           device (the same on every rank): loaded once, updated there after the
                           step's norm, their weights copied into the slots within the device, their
                           gradient all-reduced between the devices (the CPU skips them)
+  early_order             host layers the CPU updates during the backward, as each gradient lands
+                          (one rank, no clipping; backend/runtime/early_updates.py)
+  streamed_updates        host layers the devices update at the step boundary, their fp32 state
+                          streamed up and back down (backend/runtime/streamed_updates.py)
   loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
-  workload.micro_batches  micro-batches per rank sharing one pass over the weights
+Plans are made by `slidedp.scheduler.solve`; `Plan.workload.micro_batches` micro-batches per rank
+share one pass over the weights.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from slidedp.budget import format_bytes
-from slidedp.costmodel.hardware import Hardware
-from slidedp.ir.graph import BLOCK, LayerGraph
+from slidedp.ir.graph import BLOCK
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+
+@dataclass(frozen=True)
+class Load:
+    """One weight load of the window: block `block` into slot `slot`, needed at block visit
+    `position` (0..2N-1: forward, then backward), issued once visit `issue_after` has computed."""
+
+    position: int
+    block: int
+    slot: int
+    issue_after: int  # -1: at once
 
 
 @dataclass(frozen=True)
@@ -76,7 +93,7 @@ class Workload:
     world_size: int
     precision: str
     micro_batches: int  # micro-batches per rank that share one pass over the weights
-    compiled_blocks: bool = False  # blocks run through torch.compile (backend/executor.py)
+    compiled_blocks: bool = False  # blocks run through torch.compile (backend/runtime/executor.py)
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,86 @@ class Alternative:
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """What the executor must honour (the module docstring says what each field means)."""
+
+    window: int
+    decisions: tuple[LayerDecision, ...]
+    window_loads: tuple[Load, ...]
+    update_order: tuple[int, ...] = ()  # () : prologue, blocks, epilogue
+    device_state: tuple[int, ...] = ()
+    early_order: tuple[int, ...] = ()
+    streamed_updates: tuple[int, ...] = ()
+    loss_chunk_tokens: int = 0  # 0 : the whole micro-batch at once
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Schedule":
+        return cls(
+            window=data["window"],
+            decisions=tuple(LayerDecision(**{**d, "owners": tuple(d.get("owners", ()))}) for d in data["decisions"]),
+            window_loads=tuple(Load(*row) for row in data["window_loads"]),
+            **{k: tuple(data.get(k, ())) for k in ("update_order", "device_state", "early_order", "streamed_updates")},
+            loss_chunk_tokens=data.get("loss_chunk_tokens", 0),
+        )
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["window_loads"] = [[ld.position, ld.block, ld.slot, ld.issue_after] for ld in self.window_loads]
+        return data
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why the schedule, and what it is predicted to do; the executor reads none of it.
+
+    `solver["chosen_by"]` names the search whose decisions the plan holds (CP-SAT, a local search,
+    a baseline rule, a search around CP-SAT) and `solver["searches"]` every search that decided part
+    of them."""
+
+    solver: dict
+    predicted: dict  # step_s, compute_s, h2d_s, d2h_s, collective_s, cpu_update_s, exposed_s, bottleneck
+    memory: dict  # device bytes at the peak, by buffer (scheduler.problem.footprint.CATEGORIES)
+    peak_device_bytes: int
+    notes: tuple[str, ...] = ()
+    timeline: tuple[TimelineEvent, ...] = ()
+    memory_timeline: tuple[MemoryPoint, ...] = ()
+    groups: tuple[GroupPrediction, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Explanation":
+        tl = data.get("timeline") or {"lanes": [], "events": []}
+        return cls(
+            solver=data["solver"], predicted=data["predicted"], memory=data["memory"],
+            peak_device_bytes=data["peak_device_bytes"], notes=tuple(data.get("notes", ())),
+            timeline=tuple(TimelineEvent(rank, tl["lanes"][lane], name, layer, chunk, start, end)
+                           for rank, lane, name, layer, chunk, start, end in tl["events"]),
+            memory_timeline=tuple(MemoryPoint(*row) for row in data.get("memory_timeline", ())),
+            groups=tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])}) for g in data.get("groups", ())),
+            alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
+        )
+
+    def to_dict(self) -> dict:
+        """Timeline and memory curve as rows (one event is 7 values, not a 7-key object)."""
+        data = asdict(self)
+        lanes = sorted({e.lane for e in self.timeline})
+        data["timeline"] = {"lanes": lanes, "events": [
+            [e.rank, lanes.index(e.lane), e.name, e.layer_id, e.chunk, e.start_s, e.end_s] for e in self.timeline]}
+        data["memory_timeline"] = [[m.t_s, m.device_bytes, m.pinned_host_bytes] for m in self.memory_timeline]
+        return data
+
+
+_SCHEDULE_FIELDS = frozenset(f.name for f in fields(Schedule))
+_EXPLANATION_FIELDS = frozenset(f.name for f in fields(Explanation))
+
+
+@dataclass(frozen=True)
 class Plan:
+    """A schedule for one model, workload and budget, and its explanation.
+
+    The fields of both parts read as the plan's own (`plan.window`, `plan.predicted`), and
+    `plan.replace(window=2, notes=())` returns a copy with fields of either part replaced."""
+
     schema_version: int
     slidedp_version: str
     model_fingerprint: str
@@ -120,26 +216,23 @@ class Plan:
     workload: Workload
     budget_bytes: int
     hardware: dict
-    solver: dict
-    window: int  # blocks whose weights are resident at once
-    decisions: tuple[LayerDecision, ...]
-    predicted: dict  # step_s, compute_s, h2d_s, d2h_s, collective_s, cpu_update_s, exposed_s, bottleneck
-    memory: dict  # device bytes at the peak, by buffer (scheduler.footprint.CATEGORIES)
-    peak_device_bytes: int
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    timeline: tuple[TimelineEvent, ...] = ()
-    memory_timeline: tuple[MemoryPoint, ...] = ()
-    update_order: tuple[int, ...] = ()  # layer ids; () : prologue, blocks, epilogue
-    loss_chunk_tokens: int = 0  # tokens per chunk of the epilogue's loss; 0 : the whole micro-batch
-    groups: tuple[GroupPrediction, ...] = ()
-    alternatives: tuple[Alternative, ...] = ()
-    device_state: tuple[int, ...] = ()  # layer ids whose optimizer state lives on the device
-    # Early updates (backend/early_updates.py; one rank, no clipping): the host layers' updates in
-    # the order the CPU takes them during the backward; () : after the backward, in update_order.
-    early_order: tuple[int, ...] = ()
-    # Streamed updates (backend/streamed_updates.py): host layers the devices update at the
-    # step boundary, their fp32 state streamed up and back down, in this order; the CPU updates the rest.
-    streamed_updates: tuple[int, ...] = ()
+    schedule: Schedule
+    explanation: Explanation
+
+    def __getattr__(self, name: str):
+        # only called for names that are not the plan's own fields
+        if name in _SCHEDULE_FIELDS:
+            return getattr(self.schedule, name)
+        if name in _EXPLANATION_FIELDS:
+            return getattr(self.explanation, name)
+        raise AttributeError(f"'Plan' object has no attribute {name!r}")
+
+    def replace(self, **changes) -> "Plan":
+        sched = {k: v for k, v in changes.items() if k in _SCHEDULE_FIELDS}
+        expl = {k: v for k, v in changes.items() if k in _EXPLANATION_FIELDS}
+        own = {k: v for k, v in changes.items() if k not in sched and k not in expl}
+        return replace(self, schedule=replace(self.schedule, **sched), explanation=replace(self.explanation, **expl),
+                       **own)
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -149,32 +242,32 @@ class Plan:
         return {d.layer_id: d.activation for d in self.decisions}
 
     # -- persistence ------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, explanation: bool = True) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("schedule", "explanation")}
+        data["workload"] = asdict(self.workload)
+        data["schedule"] = self.schedule.to_dict()
+        if explanation:
+            data["explanation"] = self.explanation.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise ValueError(f"a plan is a JSON object, not {type(data).__name__}")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"plan schema version {version!r} is not supported (this slidedp reads {SCHEMA_VERSION})")
         data = dict(data)
         data["workload"] = Workload(**data["workload"])
-        data["decisions"] = tuple(LayerDecision(**{**d, "owners": tuple(d.get("owners", ()))})
-                                  for d in data["decisions"])
-        data["notes"] = tuple(data.get("notes", ()))
-        data["timeline"] = tuple(TimelineEvent(**e) for e in data.get("timeline", ()))
-        data["memory_timeline"] = tuple(MemoryPoint(**m) for m in data.get("memory_timeline", ()))
-        data["update_order"] = tuple(data.get("update_order", ()))
-        data["device_state"] = tuple(data.get("device_state", ()))
-        data["early_order"] = tuple(data.get("early_order", ()))
-        data["streamed_updates"] = tuple(data.get("streamed_updates", ()))
-        data["groups"] = tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])})
-                               for g in data.get("groups", ()))
-        data["alternatives"] = tuple(Alternative(**a) for a in data.get("alternatives", ()))
+        data["schedule"] = Schedule.from_dict(data["schedule"])
+        data["explanation"] = Explanation.from_dict(data["explanation"]) if "explanation" in data else Explanation(
+            solver={"method": "unknown", "chosen_by": "unknown"}, predicted={}, memory={}, peak_device_bytes=0,
+            notes=("saved without its explanation: schedule only",))
         return cls(**data)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+    def save(self, path: str | Path, explanation: bool = True) -> None:
+        """JSON; `explanation=False` writes the schedule alone (what `compile(plan=)` needs)."""
+        Path(path).write_text(json.dumps(self.to_dict(explanation), indent=1, sort_keys=True))
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -184,19 +277,7 @@ class Plan:
             raise ValueError(f"{path}: not a plan JSON file ({exc})") from exc
         return cls.from_dict(data)
 
-    # -- presentation -------------------------------------------------------------------------
-    def to_chrome_trace(self, path: str | Path) -> None:
-        """The predicted timeline as Perfetto / chrome://tracing JSON (see slidedp.report)."""
-        from slidedp.report.chrome_trace import to_chrome_trace
-
-        to_chrome_trace(self, path)
-
-    def to_html(self, path: str | Path) -> None:
-        """A self-contained HTML report: swimlanes, memory over time, decisions (see slidedp.report)."""
-        from slidedp.report.html import to_html
-
-        to_html(self, path)
-
+    # -- presentation (text only; HTML and traces: slidedp.report) ---------------------------
     def summary(self) -> str:
         """Decisions and predictions per layer group, and why each decision beat its runner-up."""
         p, w, sv = self.predicted, self.workload, self.solver
@@ -301,16 +382,3 @@ def _groups(decisions) -> list[list[LayerDecision]]:
         else:
             groups.append([d])
     return groups
-
-
-def default_plan(
-    graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int, precision: str,
-    micro_batches: int, version: str,
-) -> Plan:
-    """The fixed baseline: one chunk per rank per layer, every block recomputed, window 2 (else 1)."""
-    from slidedp.scheduler import baselines
-    from slidedp.scheduler.solve import fixed_plan
-
-    return fixed_plan(graph, baselines.default_decisions, method="default", budget_bytes=budget_bytes,
-                      hardware=hardware, world_size=world_size, precision=precision, micro_batches=micro_batches,
-                      version=version)

@@ -18,17 +18,17 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
-from slidedp.scheduler import baselines, cpsat, local_search
-from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.search import baselines, cpsat, local_search
+from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
-from slidedp.scheduler.early import best_early
-from slidedp.scheduler.streamed import best_streamed
+from slidedp.scheduler.search.early_order import best_early
+from slidedp.scheduler.search.streamed_prefix import best_streamed
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
-    SCHEMA_VERSION, Alternative, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload,
+    SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
 )
-from slidedp.scheduler.program import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D
-from slidedp.scheduler.simulate import Simulation, simulate
+from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, window_loads
+from slidedp.scheduler.oracles.timeline import Simulation, simulate
 
 log = logging.getLogger("slidedp")
 
@@ -197,9 +197,9 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                     solver=solver, explain=explain)
     if explain and len(tried) > 1:
         chosen = (graph.prologue.id in plan.device_state, len(set(plan.device_state) - {graph.prologue.id}))
-        plan = replace(plan, alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
+        plan = plan.replace(alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
     if explain and len(sol.streamed_tried) > 1 and len(plan.streamed_updates) in sol.streamed_tried:
-        plan = replace(plan, alternatives=plan.alternatives + (
+        plan = plan.replace(alternatives=plan.alternatives + (
             _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates)),))
     return plan
 
@@ -370,7 +370,6 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         *(["streamed updates: at the step boundary the device updates the streamed_updates layers, their "
            "fp32 state up and back down ahead of every load of the step; each one's loads wait for its "
            "last piece down"] if decisions.streamed else []),
-        f"weight loads follow scheduler.program.window_loads({costs.n_blocks}, {decisions.window})",
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
     if any(d.activation != RECOMPUTE for d in decisions.layers[1:-1]):
@@ -386,6 +385,27 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         auto_notes.append("with sharded delivery or GPU reduction, rank r copies and updates the chunks it owns")
     groups = group_predictions(costs, decisions, sim) if explain else ()
     alts = alternatives(costs, decisions, sim, budget_bytes) if explain else ()
+    schedule = Schedule(
+        window=decisions.window,
+        decisions=layer_decisions,
+        window_loads=window_loads(costs.n_blocks, decisions.window),
+        update_order=order,
+        device_state=tuple(sorted(problem.device_state)),
+        early_order=decisions.early_order,
+        streamed_updates=decisions.streamed,
+        loss_chunk_tokens=problem.effective_loss_chunk_tokens,
+    )
+    explanation = Explanation(
+        solver=solver,
+        predicted=predicted,
+        memory=dict(sim.footprint.breakdown),
+        peak_device_bytes=sim.peak_bytes,
+        notes=tuple(notes) + tuple(auto_notes),
+        timeline=timeline,
+        memory_timeline=memory_timeline,
+        groups=groups,
+        alternatives=alts,
+    )
     return Plan(
         schema_version=SCHEMA_VERSION,
         slidedp_version=version,
@@ -395,22 +415,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
                           problem.compiled_blocks),
         budget_bytes=int(budget_bytes),
         hardware=problem.hardware.to_dict(),
-        solver=solver,
-        window=decisions.window,
-        decisions=layer_decisions,
-        predicted=predicted,
-        memory=dict(sim.footprint.breakdown),
-        peak_device_bytes=sim.peak_bytes,
-        notes=tuple(notes) + tuple(auto_notes),
-        timeline=timeline,
-        memory_timeline=memory_timeline,
-        update_order=order,
-        loss_chunk_tokens=problem.effective_loss_chunk_tokens,
-        groups=groups,
-        alternatives=alts,
-        device_state=tuple(sorted(problem.device_state)),
-        early_order=decisions.early_order,
-        streamed_updates=decisions.streamed,
+        schedule=schedule,
+        explanation=explanation,
     )
 
 
@@ -430,3 +436,13 @@ def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, har
             min_budget_bytes=min_budget, budget_bytes=budget_bytes)
     return plan_for(costs, decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver={"method": method, "status": "FIXED"})
+
+
+def default_plan(
+    graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int, precision: str,
+    micro_batches: int, version: str,
+) -> Plan:
+    """The fixed baseline: one chunk per rank per layer, every block recomputed, window 2 (else 1)."""
+    return fixed_plan(graph, baselines.default_decisions, method="default", budget_bytes=budget_bytes,
+                      hardware=hardware, world_size=world_size, precision=precision, micro_batches=micro_batches,
+                      version=version)

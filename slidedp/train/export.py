@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from slidedp.checkpoint import (
+from slidedp.run.checkpoint import (
     HF_DIR, MANIFEST, CheckpointError, hf_skeleton, read_engine_meta, read_master_weights, save_hf, verify_checkpoint,
 )
 

@@ -4,7 +4,7 @@ The run's folder (`output_dir`):
 
     config.json                    the resolved config of the run
     metrics.jsonl                  one record per step (see metrics.py)
-    checkpoints/step-00000024/     the engine's state (slidedp/checkpoint.py), plus this job's
+    checkpoints/step-00000024/     the engine's state (slidedp/run/checkpoint.py), plus this job's
                                    `trainer_state.json` (step, schedule, data position, config)
                                    and the tokenizer in `hf/`: `slidedp export` needs nothing else
     tensorboard/                   when the tensorboard package is installed
@@ -83,7 +83,7 @@ def load_model_and_tokenizer(cfg: TrainConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slidedp.train.shapes import PRESETS, preset_config
-    from slidedp.weights import checkpoint_shapes
+    from slidedp.run.weights import checkpoint_shapes
 
     folder = None
     if cfg.model == "smollm2":
@@ -162,7 +162,7 @@ def validation_loss(engine, val, rows: int) -> float:
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of the complete checkpoints (those with a manifest), by increasing step."""
-    from slidedp.checkpoint import MANIFEST
+    from slidedp.run.checkpoint import MANIFEST
 
     root = Path(output_dir) / CHECKPOINTS
     found = []
@@ -179,7 +179,7 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict, tokenizer,
                         keep_last: int) -> Path:
     """The engine's state plus the trainer state and the tokenizer, atomically; prune old ones."""
-    from slidedp.checkpoint import HF_DIR, atomic_checkpoint, remove_stale_temps, write_engine_state
+    from slidedp.run.checkpoint import HF_DIR, atomic_checkpoint, remove_stale_temps, write_engine_state
 
     root = output_dir / CHECKPOINTS
     remove_stale_temps(root)
@@ -196,7 +196,7 @@ def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict
 
 
 def read_trainer_state(folder: Path) -> dict:
-    from slidedp.checkpoint import CheckpointError, read_checkpoint_json
+    from slidedp.run.checkpoint import CheckpointError, read_checkpoint_json
 
     state = read_checkpoint_json(folder, TRAINER_STATE, fmt=TRAINER_FORMAT, what="trainer state",
                                  missing="it was not written by `slidedp train` and cannot be resumed by it")
@@ -267,8 +267,8 @@ def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
 
 def run(cfg: TrainConfig) -> dict:
     """Train as the config says; returns a summary (losses, steps, last checkpoint)."""
-    import slidedp
-    from slidedp.checkpoint import ENGINE_JSON, verify_checkpoint
+    from slidedp import api
+    from slidedp.run.checkpoint import ENGINE_JSON, verify_checkpoint
 
     cfg.validate()
     out = Path(cfg.output_dir)
@@ -315,18 +315,18 @@ def run(cfg: TrainConfig) -> dict:
          f"({'packed' if cfg.packing else 'padded'})")
     _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.budget}"
          f"{', reusing the checkpoint plan' if plan else ''}")
-    optimizer = slidedp.AdamW(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+    optimizer = api.AdamW(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                               weight_decay=cfg.weight_decay, no_decay_groups=cfg.no_decay_groups)
     kwargs = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=cfg.world_size, device=device.type,
                   precision=precision, micro_batches=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm or None,
                   optimizer=optimizer, weights=weights_of(cfg, model))
     try:
-        engine = slidedp.compile(model, cfg.budget, plan=plan, **kwargs)
+        engine = api.compile(model, cfg.budget, plan=plan, **kwargs)
     except ValueError as exc:
         if plan is None or "plan was made for another workload" not in str(exc):
             raise
         _log(f"[slidedp] the checkpoint's plan does not fit ({exc}): solving a new one")
-        engine = slidedp.compile(model, cfg.budget, **kwargs)
+        engine = api.compile(model, cfg.budget, **kwargs)
     _log(engine.plan.summary())
     with engine:
         return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state)
@@ -334,7 +334,7 @@ def run(cfg: TrainConfig) -> dict:
 
 def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
                 resume_from: Path | None, trainer_state: dict | None) -> dict:
-    from slidedp.checkpoint import read_engine_state
+    from slidedp.run.checkpoint import read_engine_state
     from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
     from slidedp.train.metrics import (MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step,
                                        peak_flops_per_s)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from slidedp.backend import cpu_adamw
-from slidedp.backend.cpu_adamw import adamw_step, bf16_bits_to_float32, float32_to_bf16_bits
+from slidedp.backend.kernels import cpu_adamw
+from slidedp.backend.kernels.cpu_adamw import adamw_step, bf16_bits_to_float32, float32_to_bf16_bits
 
 N = 40_009  # spans several 16 Ki-element blocks plus a ragged tail
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slidedp.backend.embedding_grads import EmbeddingGrads
+from slidedp.backend.runtime.embedding_grads import EmbeddingGrads
 
 
 def forward(weight, ids, **kwargs):

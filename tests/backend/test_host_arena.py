@@ -2,7 +2,7 @@
 
 import torch
 
-from slidedp.backend.saved_activations import HostArena
+from slidedp.backend.runtime.saved_activations import HostArena
 
 
 def test_arena_hands_out_aligned_views_and_refuses_what_does_not_fit():

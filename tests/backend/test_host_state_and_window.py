@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from slidedp.backend.host_state import PAGE_BYTES, HostState
-from slidedp.backend.weight_window import schedule_window
+from slidedp.backend.state.host_state import PAGE_BYTES, HostState
+from slidedp.backend.lowering.weight_window import schedule_window
+from slidedp.scheduler.problem.lanes import window_loads
 from slidedp.ir.build import build_layer_graph
 from tests.models import make_model
 
@@ -71,7 +72,7 @@ def _replay(sequence, window, sched):
 @pytest.mark.parametrize("window", [1, 2, 3, 6])
 def test_window_schedule_is_valid_and_reuses_resident_blocks(n_blocks, window):
     sequence = list(range(n_blocks)) + list(range(n_blocks - 1, -1, -1))
-    sched = schedule_window(n_blocks, window)
+    sched = schedule_window(n_blocks, window, window_loads(n_blocks, window))
     n_loads = _replay(sequence, window, sched)
     # Belady on forward-then-backward: the last min(window, n) blocks are not loaded again.
     assert n_loads == 2 * n_blocks - min(window, n_blocks)
@@ -79,4 +80,6 @@ def test_window_schedule_is_valid_and_reuses_resident_blocks(n_blocks, window):
 
 def test_window_must_be_positive():
     with pytest.raises(ValueError, match="window"):
-        schedule_window(2, 0)
+        schedule_window(2, 0, ())
+    with pytest.raises(ValueError, match="no window load"):
+        schedule_window(2, 1, window_loads(2, 1)[:-1])  # a plan whose loads miss a block's reload

@@ -12,10 +12,12 @@ from slidedp.costmodel.hardware import PRESETS
 from slidedp.scheduler.decisions import (
     FORWARD_ORDER, KEEP, OFFLOAD, RECOMPUTE, RESIDENT, Decisions, LayerChoice, SolverOptions,
 )
+from slidedp.scheduler.plan import LayerDecision, Schedule
+from slidedp.scheduler.problem.lanes import window_loads
 from slidedp.scheduler.solve import fixed_plan
 
-from slidedp.backend.program import BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, lower
-from slidedp.backend.simulate import ProgramError, simulate
+from slidedp.backend.lowering.program import BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, lower
+from slidedp.backend.lowering.verify import ProgramError, simulate
 from slidedp.ir.build import build_layer_graph
 from tests.models import make_model
 
@@ -27,10 +29,10 @@ def graph():
 
 
 def lowered(graph, window=2, policies=("recompute", "keep", "offload"), chunks=2):
-    blocks = graph.blocks
-    return lower(graph, window=window, micro_batches=2,
-                 activation={b.id: p for b, p in zip(blocks, policies)},
-                 chunks={layer.id: chunks for layer in graph.layers})
+    policy = {b.id: p for b, p in zip(graph.blocks, policies)}
+    decisions = tuple(LayerDecision(layer.id, layer.name, layer.kind, layer.numel, chunks,
+                                    policy.get(layer.id, "resident")) for layer in graph.layers)
+    return lower(graph, Schedule(window, decisions, window_loads(len(graph.blocks), window)), micro_batches=2)
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 4])

@@ -10,7 +10,7 @@ import torch
 
 import slidedp
 from slidedp.cli import main
-from slidedp.costmodel import calibrate as cal
+from slidedp.profiler import calibrate as cal
 from slidedp.costmodel.hardware import PRESETS, Hardware
 from slidedp.costmodel.ops import transfer_time_s
 from slidedp.scheduler.plan import Plan
@@ -174,7 +174,7 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
 
 def test_device_adamw_bandwidth_runs_the_device_state_update():
     """The measurement behind gpu_memory_bytes_per_s (CUDA calibrations), here on the CPU: the same
-    kernel sequence as backend/device_state.py, its bytes over its time."""
+    kernel sequence as backend/state/device_state.py, its bytes over its time."""
     rate = cal.measure_device_adamw_bytes_per_s(torch.device("cpu"), 1 << 20, repeats=2)
     assert 1e7 <= rate <= 1e13
 

@@ -9,7 +9,7 @@ import torch
 import slidedp
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
-from slidedp.preflight import host_state_bytes
+from slidedp.run.preflight import host_state_bytes
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.solve import solve_plan
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, random_batch, train_side_by_side

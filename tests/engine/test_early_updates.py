@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import slidedp
-from slidedp.backend import cpu_adamw
+from slidedp.backend.kernels import cpu_adamw
 from slidedp.costmodel.hardware import PRESETS
-from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Problem, SolverOptions
-from slidedp.scheduler import baselines
-from slidedp.scheduler.early import best_early, early_order, landing_order
-from slidedp.scheduler.simulate import simulate
+from slidedp.scheduler.search import baselines
+from slidedp.scheduler.search.early_order import best_early, early_order, landing_order
+from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.solve import solve_plan
 from tests.engine.test_exactness import BATCH, LR, SEQ, WD, train_side_by_side
 from tests.models import VOCAB, make_model
@@ -34,7 +34,7 @@ def early_plan(model, landed_first: int | None = None, **kw):
     load = [i for i in range(n) if i not in plan.device_state]
     m = len(load) if landed_first is None else landed_first
     first = [i for i in landing_order(n) if i in load][:m]
-    return dataclasses.replace(plan, early_order=tuple(first) + tuple(i for i in load if i not in first))
+    return plan.replace(early_order=tuple(first) + tuple(i for i in load if i not in first))
 
 
 def compiled(model, plan, max_grad_norm=None, **kw):

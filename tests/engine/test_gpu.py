@@ -34,7 +34,7 @@ def test_three_steps_match_gpu_resident_and_close_frees_the_device():
                       compiled_blocks=True, options=SolverOptions(device_state_blocks=1, device_state_prologue=True))
     assert plan.device_state == (0, 1)
     policies = iter(["recompute", "keep", "offload"])
-    plan = dataclasses.replace(plan, decisions=tuple(
+    plan = plan.replace(decisions=tuple(
         dataclasses.replace(d, activation=next(policies)) if d.kind == "block" else d for d in plan.decisions))
     engine = slidedp.compile(model, 2**30, batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16",
                              optimizer=slidedp.AdamW(lr=LR), max_grad_norm=CLIP, plan=plan)

@@ -22,7 +22,7 @@ def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None, c
     fields = dict(decisions=decisions, window=window)
     if loss_chunk_tokens is not None and "loss_chunk_tokens" in {f.name for f in dataclasses.fields(plan)}:
         fields["loss_chunk_tokens"] = loss_chunk_tokens
-    return dataclasses.replace(plan, **fields)
+    return plan.replace(**fields)
 
 
 @pytest.mark.parametrize("family, tied, activations, chunks, window", [

@@ -135,6 +135,6 @@ def test_checkpoint_round_trip(tmp_path, monkeypatch):
 def test_a_plan_streaming_a_layer_twice_is_refused():
     model = make_model("llama")
     plan = streamed_plan(model, 2, device_blocks=1)  # block 1's state on the device
-    for bad in [dataclasses.replace(plan, streamed_updates=(1,)), dataclasses.replace(plan, streamed_updates=(99,))]:
+    for bad in [plan.replace(streamed_updates=(1,)), plan.replace(streamed_updates=(99,))]:
         with pytest.raises(ValueError, match="streamed_updates"):
             compiled(model, bad)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import slidedp
-from slidedp.backend import cpu_adamw
+from slidedp.backend.kernels import cpu_adamw
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
 from tests.models import VOCAB, make_model
 
@@ -58,7 +58,7 @@ def test_updates_follow_the_plans_update_order(monkeypatch, order):
     n = len(plan.decisions)
     blocks = tuple(range(1, n - 1))
     want = (0, n - 1) + blocks if order == "head_first" else (0,) + blocks + (n - 1,)
-    plan = dataclasses.replace(plan, update_order=want)
+    plan = plan.replace(update_order=want)
     engine = slidedp.compile(model, "1GiB", optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP,
                              plan=plan, **kwargs)
     spans = [(engine.host.layers[i].master.data_ptr(),
@@ -82,6 +82,6 @@ def test_a_plan_whose_update_order_misses_a_layer_is_refused():
     model = make_model("llama")
     kwargs = dict(batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32")
     plan = slidedp.plan(model, "1GiB", **kwargs)
-    plan = dataclasses.replace(plan, update_order=plan.update_order[:-1])
+    plan = plan.replace(update_order=plan.update_order[:-1])
     with pytest.raises(ValueError, match="update_order"):
         slidedp.compile(model, "1GiB", plan=plan, **kwargs)

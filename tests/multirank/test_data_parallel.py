@@ -15,7 +15,7 @@ import slidedp
 from slidedp import WorkerError
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
-from slidedp.scheduler import baselines
+from slidedp.scheduler.search import baselines
 from slidedp.scheduler.solve import fixed_plan
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, reference_loss
 from tests.models import VOCAB, PlainBlock, PlainLM, make_model
@@ -185,6 +185,6 @@ def test_streamed_updates_on_every_rank_match_torch_adamw(route):
     model = make_model("llama", tied=True)
     ref = copy.deepcopy(model).eval()
     plan = routed_plan(model, 2, route)
-    plan = dataclasses.replace(plan, streamed_updates=plan.update_order[:3])
+    plan = plan.replace(streamed_updates=plan.update_order[:3])
     with compile_ranks(model, 2, plan) as engine:
         train_against_reference(engine, ref, world_size=2, steps=3)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slidedp.checkpoint import read_master_weights
+from slidedp.run.checkpoint import read_master_weights
 from slidedp.train.job import list_checkpoints, run
 from tests.train.conftest import tiny_jsonl, tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
 from tests.train.test_job import config

@@ -17,8 +17,8 @@ from pathlib import Path
 
 
 def install() -> None:
-    import slidedp.checkpoint as ckpt
-    import slidedp.engine as engine_mod
+    import slidedp.run.checkpoint as ckpt
+    import slidedp.run.engine as engine_mod
     import slidedp.train.job as job
 
     signal_at = int(os.environ.get("SLIDEDP_FAULT_SIGNAL_AT_STEP", "0"))

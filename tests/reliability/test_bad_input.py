@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from slidedp.checkpoint import CheckpointError, verify_checkpoint
+from slidedp.run.checkpoint import CheckpointError, verify_checkpoint
 from slidedp.cli import main
 from slidedp.train.config import load_config
 from slidedp.train.job import list_checkpoints, run

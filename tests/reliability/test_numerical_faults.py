@@ -109,7 +109,7 @@ def poisoned_job(monkeypatch, bad_steps):
         return model, tok
 
     monkeypatch.setattr(job, "load_model_and_tokenizer", load)
-    original_step = slidedp.engine.Engine.step
+    original_step = slidedp.run.engine.Engine.step
     calls = {"n": 0}
 
     def step(self, *args, **kwargs):
@@ -117,7 +117,7 @@ def poisoned_job(monkeypatch, bad_steps):
         switch["on"] = calls["n"] in bad_steps
         return original_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(slidedp.engine.Engine, "step", step)
+    monkeypatch.setattr(slidedp.run.engine.Engine, "step", step)
 
 
 def test_job_logs_a_skip_and_goes_on(monkeypatch, rel_model_dir, rel_data, tmp_path, capsys):

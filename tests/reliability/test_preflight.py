@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import slidedp
-from slidedp import preflight
+from slidedp.run import preflight
 from slidedp.cli import main
 from slidedp.errors import InsufficientMemoryError, SlidedpError
 from tests.models import make_model

@@ -22,7 +22,7 @@ SCANNED = [REPO / "slidedp", REPO / "tests" / "train", REPO / "tests" / "reliabi
 FORBIDDEN_MODULES = {"dill", "cloudpickle", "joblib", "shelve", "marshal", "_pickle", "cPickle"}
 #: pickle.loads of bytes that never touched the disk, with the reason.
 PICKLE_FROM_BYTES_ALLOWED = {
-    "slidedp/backend/workers.py": "the job skeleton, sent by the parent process through a pipe",
+    "slidedp/backend/runtime/workers.py": "the job skeleton, sent by the parent process through a pipe",
 }
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from slidedp.checkpoint import read_master_weights, verify_checkpoint
+from slidedp.run.checkpoint import read_master_weights, verify_checkpoint
 from slidedp.train.config import load_config
 from slidedp.train.job import list_checkpoints, run, stop_on_signals
 from tests.reliability.conftest import REPO, overrides, start_train, subprocess_env

@@ -11,7 +11,10 @@ from collections import defaultdict
 
 import pytest
 
-from slidedp.scheduler.plan import SCHEMA_VERSION, LayerDecision, MemoryPoint, Plan, TimelineEvent, Workload
+from slidedp.scheduler.plan import (
+    SCHEMA_VERSION, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
+)
+from slidedp.scheduler.problem.lanes import window_loads
 
 MiB = 2**20
 
@@ -121,13 +124,16 @@ def synthetic_plan(world_size: int = 2, blocks: int = 6, chunks: int = 2, timeli
                                                   "matmul_flops_per_s": 750e12, "h2d_bytes_per_s": 50e9,
                                                   "d2h_bytes_per_s": 50e9, "cpu_adamw_params_per_s": 6e9,
                                                   "gpu_p2p_bytes_per_s": 450e9},
-        solver={"method": "cp-sat", "status": "FEASIBLE", "relative_gap": 0.031, "wall_s": 2.4, "seed": 0},
-        window=2, decisions=decisions, predicted=predicted,
-        memory={"resident_params_bytes": 110 * MiB, "weight_slots_bytes": 27 * MiB,
-                "boundary_stash_bytes": 192 * MiB, "block_activation_bytes": peak - 329 * MiB},
-        peak_device_bytes=peak,
-        notes=("synthetic timeline for the report tests", "blocks 4 and 5 keep their activations"),
-        timeline=events, memory_timeline=points,
+        schedule=Schedule(window=2, decisions=decisions, window_loads=window_loads(blocks, 2)),
+        explanation=Explanation(
+            solver={"method": "cp-sat", "status": "FEASIBLE", "relative_gap": 0.031, "wall_s": 2.4, "seed": 0,
+                    "chosen_by": "cp-sat"},
+            predicted=predicted,
+            memory={"resident_params_bytes": 110 * MiB, "weight_slots_bytes": 27 * MiB,
+                    "boundary_stash_bytes": 192 * MiB, "block_activation_bytes": peak - 329 * MiB},
+            peak_device_bytes=peak,
+            notes=("synthetic timeline for the report tests", "blocks 4 and 5 keep their activations"),
+            timeline=events, memory_timeline=points),
     )
 
 

@@ -3,12 +3,11 @@
 import json
 import random
 from collections import defaultdict
-from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 
-from slidedp.report.chrome_trace import TICKS_PER_US, chrome_trace
+from slidedp.report.chrome_trace import TICKS_PER_US, chrome_trace, to_chrome_trace
 from slidedp.report.tracks import LANES, assign_tracks
 from slidedp.scheduler.plan import TimelineEvent
 
@@ -45,7 +44,7 @@ def metadata(trace, name):
 def test_trace_has_a_process_per_rank_lane_tracks_and_counters(make_plan, tmp_path):
     plan = make_plan(world_size=3)
     path = tmp_path / "trace.json"
-    plan.to_chrome_trace(path)
+    to_chrome_trace(plan, path)
     trace = json.loads(path.read_text())
 
     processes = metadata(trace, "process_name")
@@ -85,7 +84,7 @@ def test_partial_overlaps_go_to_sub_tracks_nesting_and_touching_stay(make_plan):
         TimelineEvent(0, "compute", "fwd L1", 1, 0, 0.000, 0.004),
         TimelineEvent(0, "compute", "fwd L1 attn", 1, 0, 0.001, 0.002),  # nested
     )
-    plan = replace(make_plan(world_size=1), timeline=events, memory_timeline=())
+    plan = make_plan(world_size=1).replace(timeline=events, memory_timeline=())
     trace = chrome_trace(plan)
     tid = {e["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert tid["a"] == tid["c"] == 2 and tid["b"] != 2
@@ -115,7 +114,7 @@ def test_no_track_ever_has_a_partial_overlap(make_plan, seed):
     rng = random.Random(seed)
     world_size = rng.randint(1, 4)
     events = random_timeline(rng, world_size, rng.randint(0, 80))
-    plan = replace(make_plan(world_size=world_size, blocks=2, chunks=1, timeline=False), timeline=events)
+    plan = make_plan(world_size=world_size, blocks=2, chunks=1, timeline=False).replace(timeline=events)
     trace = json.loads(json.dumps(chrome_trace(plan)))
     for track, intervals in slices_by_track(trace).items():
         assert partial_overlaps(intervals) == [], track
@@ -132,7 +131,7 @@ def test_no_track_ever_has_a_partial_overlap(make_plan, seed):
     assert chrome_trace(plan) == chrome_trace(plan)
     shuffled = list(events)
     rng.shuffle(shuffled)
-    again = chrome_trace(replace(plan, timeline=tuple(shuffled)))
+    again = chrome_trace(plan.replace(timeline=tuple(shuffled)))
 
     def placed(t):
         return sorted((e["name"], e["pid"], e["tid"], e["ts"], e["dur"]) for e in t["traceEvents"] if e["ph"] == "X")

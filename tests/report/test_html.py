@@ -7,11 +7,11 @@ import shutil
 import subprocess
 import struct
 import zlib
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from slidedp.report import to_chrome_trace, to_html
 from slidedp.report.html import group_decisions, nice_step, render_html, time_axis
 from slidedp.scheduler.plan import TimelineEvent
 
@@ -29,7 +29,7 @@ def external_references(html: str) -> list[str]:
 def test_report_has_svgs_and_no_external_resources(make_plan, tmp_path):
     plan = make_plan(world_size=2)
     path = tmp_path / "report.html"
-    plan.to_html(path)
+    to_html(plan, path)
     html = path.read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>")
     assert external_references(html) == []
@@ -78,7 +78,7 @@ def test_plan_without_timeline_renders_with_a_clear_message(make_plan):
 def test_names_are_escaped_and_sub_tracks_are_drawn(make_plan):
     events = (TimelineEvent(0, "h2d", "<script>x</script>", 1, 0, 0.0, 0.002),
               TimelineEvent(0, "h2d", "h2d L2", 2, 0, 0.001, 0.003))
-    html = render_html(replace(make_plan(world_size=1), timeline=events))
+    html = render_html(make_plan(world_size=1).replace(timeline=events))
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert ">H2D (2)<" in html
     assert 'row-label">collective<' not in html  # one rank and no collective: the lane is left out
@@ -90,8 +90,8 @@ def test_solved_plan_of_a_real_model_renders(tmp_path):
     from tests.models import make_model
 
     plan = slidedp.plan(make_model("llama"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu")
-    plan.to_html(tmp_path / "r.html")
-    plan.to_chrome_trace(tmp_path / "t.json")
+    to_html(plan, tmp_path / "r.html")
+    to_chrome_trace(plan, tmp_path / "t.json")
     html = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert plan.timeline, "the solver predicts a timeline"
     assert "no predicted timeline" not in html and "<svg" in html
@@ -118,7 +118,7 @@ def png_size_and_colours(path: Path) -> tuple[int, int, int]:
 def test_report_renders_in_headless_chromium(make_plan, tmp_path):
     """Offline render to a PNG. SLIDEDP_REPORT_SCREENSHOT=docs/report_example.png keeps the screenshot."""
     html = tmp_path / "report.html"
-    make_plan(world_size=2).to_html(html)
+    to_html(make_plan(world_size=2), html)
     png = tmp_path / "report.png"
     subprocess.run([
         str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -74,7 +74,7 @@ def test_meta_model_plans_without_allocating_and_larger_budget_is_never_slower()
 def test_default_plan_is_the_fixed_baseline_and_refuses_too_small_a_budget():
     from slidedp.costmodel.hardware import PRESETS
     from slidedp.ir.build import build_layer_graph
-    from slidedp.scheduler.plan import default_plan
+    from slidedp.scheduler.solve import default_plan
 
     graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.float32)
     kwargs = dict(hardware=PRESETS["cpu"], world_size=1, precision="fp32", micro_batches=1, version="0")

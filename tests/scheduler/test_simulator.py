@@ -8,14 +8,14 @@ import pytest
 
 from slidedp.costmodel import ops
 from slidedp.costmodel.hardware import PRESETS
-from slidedp.scheduler import baselines
-from slidedp.scheduler.closed_form import evaluate as closed_form
-from slidedp.scheduler.costs import ProblemCosts
-from slidedp.scheduler.cpsat import pinned
-from slidedp.scheduler.early import early_order
+from slidedp.scheduler.search import baselines
+from slidedp.scheduler.oracles.closed_form import evaluate as closed_form
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.search.cpsat import pinned
+from slidedp.scheduler.search.early_order import early_order
 from slidedp.scheduler.decisions import KEEP, OFFLOAD, Decisions, LayerChoice, Problem, SolverOptions
-from slidedp.scheduler.program import GPU_LANES, build_program, window_loads
-from slidedp.scheduler.simulate import condition, simulate
+from slidedp.scheduler.problem.lanes import GPU_LANES, build_program, window_loads
+from slidedp.scheduler.oracles.timeline import condition, simulate
 from tests.scheduler.graphs import synthetic_graph
 
 GiB = 2**30
@@ -210,7 +210,7 @@ def test_best_streamed_count_is_found_and_never_slower():
     """On a CPU-bound problem the search over the streamed prefix (8 host layers: its coarse sweep
     tries every k) finds the best k of a brute force, k > 0; a fixed k is taken as given; nothing
     is streamed unless the problem allows it."""
-    from slidedp.scheduler.streamed import best_streamed, candidates
+    from slidedp.scheduler.search.streamed_prefix import best_streamed, candidates
 
     graph = synthetic_graph(6, block_scale=(1.0, 0.5, 2.0, 1.0, 1.5, 1.0))
     hw = replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=0.3e9)  # a slow CPU: the updates bound the step
@@ -257,7 +257,7 @@ def test_streamed_updates_get_room_from_a_narrower_window():
     """When the chosen decisions leave no room for the streamed updates' slots, the search tries a
     weight window one slot narrower: streaming there beats not streaming (a CPU-bound step)."""
     from slidedp.costmodel.memory import streamed_update_bytes
-    from slidedp.scheduler.streamed import best_streamed
+    from slidedp.scheduler.search.streamed_prefix import best_streamed
 
     graph = synthetic_graph(6, block_numel=256 << 20)  # a weight slot: 512 MiB in bf16
     hw = replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=0.3e9)  # a slow CPU: the updates bound the step

@@ -8,13 +8,13 @@ import torch
 import slidedp
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
-from slidedp.scheduler import baselines, cpsat
-from slidedp.scheduler.brute_force import all_decisions, brute_force
-from slidedp.scheduler.costs import ProblemCosts
+from slidedp.scheduler.search import baselines, cpsat
+from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
+from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Problem, SolverOptions
-from slidedp.scheduler.footprint import evaluate
-from slidedp.scheduler.program import build_program
-from slidedp.scheduler.simulate import simulate
+from slidedp.scheduler.problem.footprint import evaluate
+from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.solve import solve, solve_plan
 from tests.models import make_model
 from tests.scheduler.graphs import synthetic_graph

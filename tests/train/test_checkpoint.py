@@ -1,4 +1,4 @@
-"""Engine.save_checkpoint / load_checkpoint / evaluate / export_hf and slidedp/checkpoint.py (CPU)."""
+"""Engine.save_checkpoint / load_checkpoint / evaluate / export_hf and slidedp/run/checkpoint.py (CPU)."""
 
 import copy
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import slidedp
-from slidedp import checkpoint as ckpt
-from slidedp.checkpoint import CheckpointError
+from slidedp.run import checkpoint as ckpt
+from slidedp.run.checkpoint import CheckpointError
 from tests.models import VOCAB, make_model
 
 SEQ, BATCH = 16, 2

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from slidedp.checkpoint import CheckpointError, read_master_weights
+from slidedp.run.checkpoint import CheckpointError, read_master_weights
 from slidedp.cli import main
 from slidedp.train.config import load_config
 from slidedp.train.job import list_checkpoints, run

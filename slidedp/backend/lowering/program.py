@@ -1,0 +1,182 @@
+"""The Program: one pass over the weights as ordered operations on streams, with events.
+
+`lower(graph, schedule)` turns a plan's schedule (window, activation policy and chunks per layer) into
+a flat list of `Op`s in issue order. Each op runs on one stream, waits for events recorded by
+earlier ops and may record one event; `alloc`/`free` ops describe the device buffers and their
+sizes (from the IR's cost figures), so a simulator can check the program without running it
+(`slidedp.backend.lowering.verify`) and the executor can run it (`slidedp.backend.runtime.executor`).
+
+Streams: "compute", "h2d", "d2h". Event ids are small integers, unique in a program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slidedp.backend.lowering.weight_window import schedule_window
+from slidedp.costmodel import memory as mem
+from slidedp.costmodel.memory import DTYPE_BYTES
+from slidedp.ir.graph import BLOCK, LayerGraph
+from slidedp.scheduler.plan import Schedule
+
+# op kinds
+PROLOGUE, FWD, EPILOGUE, BWD, PROLOGUE_BWD = "prologue", "fwd", "epilogue", "bwd", "prologue_bwd"
+H2D_WEIGHTS, D2H_GRAD, ALLOC, FREE = "h2d_weights", "d2h_grad", "alloc", "free"
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    stream: str
+    kind: str
+    layer_id: int = -1
+    block: int = -1  # block index (0..N-1) for block ops
+    slot: int = -1  # weight slot read or written
+    chunks: tuple[tuple[int, int], ...] = ()  # element ranges moved by a copy
+    policy: str = ""  # fwd/bwd: recompute | keep | offload
+    waits: tuple[int, ...] = ()
+    record: int | None = None
+    buffer: str = ""  # alloc/free: buffer name
+    nbytes: int = 0  # alloc: size
+
+    def text(self) -> str:
+        what = {
+            ALLOC: f"alloc {self.buffer} {self.nbytes:,} B",
+            FREE: f"free {self.buffer}",
+        }.get(self.kind, f"{self.kind} L{self.layer_id}" + (f" slot{self.slot}" if self.slot >= 0 else ""))
+        if self.policy:
+            what += f" [{self.policy}]"
+        if self.chunks and len(self.chunks) > 1:
+            what += f" x{len(self.chunks)} chunks"
+        waits = f" wait{list(self.waits)}" if self.waits else ""
+        rec = f" -> e{self.record}" if self.record is not None else ""
+        return f"{self.index:>5} {self.stream:<8} {what}{waits}{rec}"
+
+
+@dataclass(frozen=True)
+class Program:
+    ops: tuple[Op, ...]
+    n_slots: int
+    persistent_bytes: int  # resident weights and gradients, weight slots, gradient accumulators and staging
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def text(self) -> str:
+        return "\n".join(op.text() for op in self.ops)
+
+
+def chunk_bounds(numel: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
+    if numel == 0:
+        return ((0, 0),)
+    chunks = max(1, min(chunks, numel))
+    size = -(-numel // chunks)
+    return tuple((lo, min(lo + size, numel)) for lo in range(0, numel, size))
+
+
+class _Builder:
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.next_event = 0
+
+    def event(self) -> int:
+        self.next_event += 1
+        return self.next_event - 1
+
+    def add(self, stream: str, kind: str, record: bool = False, **kw) -> Op:
+        op = Op(index=len(self.ops), stream=stream, kind=kind, record=self.event() if record else None, **kw)
+        self.ops.append(op)
+        return op
+
+
+def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Program:
+    """The ops of one pass of `micro_batches` micro-batches under `schedule`; see the executor for
+    their semantics.
+
+    Buffer sizes come from the same costmodel.memory functions as the scheduler's footprint
+    (scheduler/problem/footprint.py), so the simulated peak of a lowered plan stays within its prediction.
+    `schedule.loss_chunk_tokens` (0: the whole micro-batch) bounds the epilogue's logits. The blocks of
+    `schedule.device_state` keep their optimizer state on the device: their weight "loads" and gradient
+    "copies" stay within the device (the same ops, on the same streams), their state is persistent;
+    streamed updates (`schedule.streamed_updates`) add their slots, also persistent.
+    """
+    window, loss_chunk_tokens, device_state = schedule.window, schedule.loss_chunk_tokens, schedule.device_state
+    activation = {d.layer_id: d.activation for d in schedule.decisions if d.kind == BLOCK}
+    chunks = {d.layer_id: d.chunks for d in schedule.decisions}
+    streamed = bool(schedule.streamed_updates)
+    c = DTYPE_BYTES[graph.compute_dtype]
+    blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
+    unknown = {activation.get(layer.id, "recompute") for layer in blocks} - {"recompute", "keep", "offload"}
+    if unknown:
+        raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
+    n = len(blocks)
+    sched = schedule_window(n, window, schedule.window_loads)
+    b = _Builder()
+    epi = graph.epilogue
+    max_block = max(layer.numel for layer in blocks)
+    persistent = (sum(mem.resident_layer_bytes(graph.prologue.numel + epi.numel, c))
+                  + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
+                  + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
+                         for layer in graph.layers if layer.id not in device_state), default=0)  # cast in place there
+                  + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state)
+                  + (mem.streamed_update_bytes(c) if streamed else 0))
+    tokens = graph.batch_size * graph.seq_len
+    epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
+                                                loss_chunk_tokens or tokens)
+
+    b.add("compute", PROLOGUE, layer_id=graph.prologue.id)
+    slot_ready: list[int | None] = [None] * window
+    slot_free: list[int | None] = [None] * window
+    pending = list(sched.loads)
+
+    def issue_loads(after_position: int) -> None:
+        while pending and pending[0].issue_after <= after_position:
+            load = pending.pop(0)
+            layer = blocks[load.block]
+            waits = (slot_free[load.slot],) if slot_free[load.slot] is not None else ()
+            op = b.add("h2d", H2D_WEIGHTS, record=True, layer_id=layer.id, block=load.block, slot=load.slot,
+                       chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)), waits=waits)
+            slot_ready[load.slot] = op.record
+
+    issue_loads(-1)
+    grad_events: dict[int, int] = {}
+    for position, k in enumerate(sched.sequence):
+        layer = blocks[k]
+        slot = sched.slot_of[position]
+        policy = activation.get(layer.id, "recompute")
+        waits = (slot_ready[slot],)
+        costs = layer.costs
+        if position < n:
+            keep_bytes = (costs.boundary_activation_bytes if policy == "recompute"
+                          else costs.saved_activation_bytes if policy == "keep" else costs.boundary_activation_bytes)
+            b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=keep_bytes * micro_batches)
+            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=costs.peak_workspace_bytes)
+            op = b.add("compute", FWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
+            b.add("compute", FREE, buffer=f"work[{k}]")
+            if position == n - 1:
+                b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
+                b.add("compute", ALLOC, buffer="epilogue", nbytes=epilogue_bytes)
+                head = b.add("compute", EPILOGUE, record=True, layer_id=epi.id)
+                b.add("compute", FREE, buffer="epilogue")
+                # the epilogue's own gradient is whole after its op (a tied head's is the prologue's)
+                d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=epi.id, waits=(head.record,),
+                            chunks=chunk_bounds(epi.numel, chunks.get(epi.id, 1)))
+                grad_events[epi.id] = d2h.record
+        else:
+            work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
+                    + (costs.saved_activation_bytes if policy == "recompute" else 0))
+            b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
+            op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
+            b.add("compute", FREE, buffer=f"work[{k}]")
+            b.add("compute", FREE, buffer=f"act[{k}]")
+            d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(op.record,),
+                        chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
+            grad_events[layer.id] = d2h.record
+        slot_free[slot] = op.record
+        issue_loads(position)
+    last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=graph.prologue.id)
+    b.add("compute", FREE, buffer="grad_hidden")
+    d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=graph.prologue.id, waits=(last.record,),
+                chunks=chunk_bounds(graph.prologue.numel, chunks.get(graph.prologue.id, 1)))
+    grad_events[graph.prologue.id] = d2h.record
+    return Program(ops=tuple(b.ops), n_slots=window, persistent_bytes=persistent,
+                   notes=(f"{sched.n_loads} weight loads for {n} blocks with window {window}",))

@@ -1,0 +1,292 @@
+"""How one rank moves a layer: its weights up, its gradient down, as the plan routes them.
+
+Chunk c of a layer (the plan's `chunks`) is owned by rank `owners[c]`: that rank's CPU threads
+update it, whatever the route. Per layer group the plan picks
+
+- delivery `replicated`: every rank copies every chunk from the host (H2D);
+  `sharded`: the owner copies the chunk, then broadcasts it to the other GPUs;
+- reduction `gpu`: the chunk's gradient is summed onto its owner's GPU (reduce), and only the owner
+  copies it to the host;
+  `cpu`: every rank copies its whole gradient down, chunk by chunk, through staging buffers of its
+  own, and adds it into the host gradient in rank order (a per-layer turn counter in the shared
+  state), so the sum is the same in every run.
+
+With one rank both routes are a plain copy. Gradients of a later pass (gradient accumulation over
+several passes) are staged and added on the host. Host-side adds run on one reducer thread per
+rank, so the device streams never wait for another rank. The norm of the whole gradient is the sum
+over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
+there (one pass, GPU reduction or one rank), else on the host once every contribution has landed.
+
+Layers whose update is streamed through the device (`streamed`) take the routes; with one rank
+their next load waits for that update on the device, anything else that reads or writes their host
+arrays on the host; with several, everything waits for every rank's mark (step_flags.py).
+
+Layers whose optimizer state lives on the device (`device_state`: every rank keeps the same copy)
+take neither route: the weights are copied into the slot from the device's own master, the gradient
+is summed over the ranks on the devices (all-reduce) into the device's buffer, and rank 0 alone
+counts it in the norm.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from slidedp.backend.lowering.program import chunk_bounds
+from slidedp.backend.state.step_flags import StepFlags
+from slidedp.backend.runtime.streams import Streams
+
+
+class Routes:
+    def __init__(self, *, plan, host, streams: Streams, rank: int = 0, world_size: int = 1, comm=None,
+                 flags: StepFlags | None = None, staging_slots: int = 4):
+        self.rank, self.world_size, self.comm, self.flags = rank, world_size, comm, flags
+        self.host, self.streams = host, streams
+        self.delivery = {d.layer_id: d.delivery for d in plan.decisions}
+        # one rank in its own process (flags) follows the plan's route; in the engine's process, a copy
+        self.reduction = {d.layer_id: d.reduction if flags is not None else "gpu" for d in plan.decisions}
+        self.chunks = {d.layer_id: chunk_bounds(d.numel, d.chunks) for d in plan.decisions}
+        self.owners = {d.layer_id: tuple(d.owners[c] if c < len(d.owners) else c % world_size
+                                          for c in range(len(self.chunks[d.layer_id])))
+                       for d in plan.decisions}
+        self.rounds = 0  # update rounds started, the same on every rank
+        self.wait_s = 0.0  # time spent in wait_updated (reset by the rank each step)
+        self.passes = 0  # passes run, the same on every rank (tickets of the CPU reduction)
+        # Set by the rank: blocks until this rank's own update of a layer is done (one-rank path).
+        self.wait_local_update: Callable[[int], None] = lambda layer_id: None
+        self._first = True
+        self._device_sumsq: dict[int, torch.Tensor] = {}
+        self._guards: list = []
+        self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-reduce")
+        self._pending: list[Future] = []
+        self._grad_dtype, self._staging_slots = host.layers[0].grad.dtype, staging_slots
+        self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
+        self._free: queue.Queue[int] = queue.Queue()
+        self.device_state = None  # backend.state.device_state.DeviceState, set by the rank when the plan has one
+        self.streamed = None  # backend.runtime.streamed_updates.StreamedUpdates, likewise
+        self.early = None  # backend.runtime.early_updates.EarlyRound of this step, told when each gradient lands
+        self._last = True
+
+    def owned(self, layer_id: int) -> list[tuple[int, int]]:
+        return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
+
+    # -- the step boundary ----------------------------------------------------------------------
+    def _streamed_here(self, layer_id: int) -> bool:
+        """The layer's update is streamed through this process's device alone (one rank): its events
+        say when it is done (with several ranks, every rank's mark does)."""
+        return self.flags is None and self.streamed is not None and layer_id in self.streamed
+
+    def wait_updated(self, layer_id: int) -> None:
+        """Until every rank has finished the last started update of the layer."""
+        if self.device_state is not None and layer_id in self.device_state:
+            return  # updated on the device, in stream order
+        t0 = time.perf_counter()
+        if self._streamed_here(layer_id):
+            self.streamed.wait(layer_id)
+        elif self.flags is None:
+            self.wait_local_update(layer_id)
+        else:
+            self.flags.wait_updated(layer_id, self.rounds)
+        self.wait_s += time.perf_counter() - t0
+
+    def begin_pass(self, first: bool, last: bool = True) -> None:
+        self._first, self._last = first, last
+        if first:
+            self._device_sumsq = {}
+
+    # -- weights up -----------------------------------------------------------------------------
+    def load(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
+        if self.device_state is not None and layer_id in self.device_state:
+            self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
+            self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
+            return
+        if self._streamed_here(layer_id):
+            self.streams.wait("h2d", self.streamed.ready.get(layer_id))  # its last update, on the device
+        else:
+            self.wait_updated(layer_id)
+        sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"
+        for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
+            if not sharded or owner == self.rank:
+                self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
+            if sharded:
+                with self.streams.on("h2d"):
+                    self.comm.broadcast_(dst[lo:hi], owner)
+
+    # -- gradients down -------------------------------------------------------------------------
+    def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
+        """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the
+        D2H stream) into the host gradient, by the layer's reduction route."""
+        if self.device_state is not None and layer_id in self.device_state:
+            self._device_gradient(layer_id, acc, local_sumsq)
+            return
+        target = self.host.layers[layer_id].grad
+        chunks = self.chunks[layer_id]
+        if self.reduction[layer_id] == "cpu":
+            ticket = self.passes * self.world_size + self.rank
+            overwrite = self._first and self.rank == 0
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                self._stage(chunk, acc, lambda staged, lo, hi, last=last: self._add_in_turn(
+                    layer_id, target[lo:hi], staged, ticket, overwrite, last))
+            return
+        owned = self.owned(layer_id)
+        if self.world_size > 1:
+            with self.streams.on("d2h"):
+                for (lo, hi), owner in zip(chunks, self.owners[layer_id]):
+                    self.comm.reduce_(acc[lo:hi], owner)
+                local_sumsq = sum(torch.dot(acc[lo:hi], acc[lo:hi]) for lo, hi in owned) if owned else None
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        if self._first:
+            self.wait_updated(layer_id)  # the last update still reads this gradient
+            for lo, hi in owned:
+                self._copy_down(target[lo:hi], acc[lo:hi])
+            self._guards.append(self.streams.record("d2h"))
+            self._landing(layer_id, self._guards[-1], [])
+            return
+        first_task = len(self._pending)
+        for chunk in owned:
+            self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
+        self._landing(layer_id, None, self._pending[first_task:])
+
+    def _landing(self, layer_id: int, event, tasks: list[Future]) -> None:
+        """Tell this step's early updates how to wait for the layer's whole gradient on the host
+        (one rank: the last pass's copy or host-side adds are all there is)."""
+        if self.early is None or not self._last:
+            return
+
+        def wait() -> None:
+            if event is not None:
+                event.synchronize()
+            for task in tasks:
+                task.result()
+
+        self.early.land(layer_id, wait)
+
+    def _device_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
+        """The gradient of a layer whose state lives on the device: summed over the ranks there, into
+        its buffer (cast on the D2H stream like the host's copy), added to it in a later pass."""
+        target = self.device_state.layers[layer_id].grad
+        if self.world_size > 1:
+            with self.streams.on("d2h"):
+                self.comm.all_reduce_(acc)
+                local_sumsq = torch.dot(acc, acc)
+                if acc.is_cuda:
+                    acc.record_stream(self.streams.d2h)
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        if self._first:
+            self.streams.wait("d2h", self.device_state.ready.get(layer_id))  # the last update read it
+            self.streams.copy("d2h", target, acc)
+        else:
+            with self.streams.on("d2h"):
+                target.add_(acc.to(target.dtype))
+                if acc.is_cuda:
+                    acc.record_stream(self.streams.d2h)  # not reused before this add has run
+        self._guards.append(self.streams.record("d2h"))
+
+    def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """On the D2H stream, cast there when the host gradient is bf16."""
+        if dst.dtype != src.dtype:
+            with self.streams.on("d2h"):
+                src = src.to(dst.dtype)
+        self.streams.copy("d2h", dst, src)
+
+    def _stage(self, chunk: tuple[int, int], acc: torch.Tensor, add) -> None:
+        """Copy one chunk of `acc` into a free staging buffer; the reducer thread then runs
+        `add(staged, lo, hi)` once the copy has landed, and frees the buffer."""
+        lo, hi = chunk
+        slot = self._take_slot()
+        staged = self._staging[slot][: hi - lo]
+        self._copy_down(staged, acc[lo:hi])
+        event = self.streams.record("d2h")
+
+        def task() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                add(staged, lo, hi)
+            finally:
+                self._free.put(slot)
+
+        self._pending.append(self._reducer.submit(task))
+
+    def _take_slot(self) -> int:
+        """A free staging buffer (chunk-sized, pinned on CUDA), allocated on first use."""
+        if not self._staging:
+            biggest = max(hi - lo for chunks in self.chunks.values() for lo, hi in chunks)
+            self._staging = [torch.empty(biggest, dtype=self._grad_dtype, pin_memory=self.streams.cuda)
+                             for _ in range(self._staging_slots)]
+            for i in range(self._staging_slots):
+                self._free.put(i)
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                self._raise_if_failed()
+
+    def _add_in_turn(self, layer_id, target, staged, ticket, overwrite, last) -> None:
+        """CPU reduction: add (or, for the first contribution of a step, copy) in rank order."""
+        self.flags.wait_turn(layer_id, ticket)
+        if overwrite:
+            self.wait_updated(layer_id)
+            target.copy_(staged)
+        else:
+            target.add_(staged)
+        if last:
+            self.flags.advance(layer_id, ticket)
+
+    def _raise_if_failed(self) -> None:
+        for f in self._pending:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        if self.flags is not None:
+            self.flags.on_wait()
+
+    def end_pass(self) -> None:
+        self.passes += 1
+
+    def finish(self, n_passes: int) -> torch.Tensor:
+        """After the last pass: wait until this rank's contributions are on the host, then (with
+        several ranks, after a barrier) this rank's share of the gradient's sum of squares (fp64)."""
+        for event in self._guards:
+            if event is not None:
+                event.synchronize()
+        self._guards = []
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+        if self.comm is not None:
+            self.comm.barrier()
+        device, host = [], 0.0
+        for layer_id in self.chunks:
+            on_device = self.device_state is not None and layer_id in self.device_state
+            if on_device and self.rank > 0:  # every rank holds the same summed gradient: counted once
+                continue
+            if n_passes == 1 and layer_id in self._device_sumsq:
+                device.append(self._device_sumsq[layer_id].float())
+            elif on_device:
+                grad = self.device_state.layers[layer_id].grad
+                device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+            else:
+                grad = self.host.layers[layer_id].grad
+                host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))
+        total = torch.tensor(host, dtype=torch.float64)
+        if device:
+            total += torch.stack(device).double().sum().cpu()
+        return total
+
+    def close(self) -> None:
+        self._reducer.shutdown(wait=True)
+        self._staging = []
+
+
+def _sumsq(t: torch.Tensor, piece: int = 1 << 24) -> float:
+    """Sum of squares of a host tensor, in fp32 pieces summed in fp64 (no full-size temporary)."""
+    return sum(float(torch.linalg.vector_norm(t[i : i + piece], dtype=torch.float32)) ** 2
+               for i in range(0, t.numel(), piece))

@@ -1,0 +1,120 @@
+"""The optimizer state of the layers the plan keeps on the device (`plan.device_state`: leading
+blocks, maybe the prologue, and the epilogue once every block is there).
+
+For these layers the device holds the fp32 master weights, both AdamW moments and the step's
+gradient (in the host gradient's dtype). A step then moves nothing of them over PCIe: the weight
+"load" into a slot is a copy within the device that casts the master to the compute dtype (round
+to nearest even, as the CPU optimizer writes the host's delivery copy), the gradient stays there,
+and once the step's norm is known (rank.py) AdamW runs on the device's update stream, layer by
+layer in the order the next forward needs them, beside that forward: each layer's next load and
+next gradient copy wait for its update by an event (`ready`).
+
+The host state keeps the master weights of these layers (and their delivery copy) as the place
+`state_dict`, exports and the model's parameters read: `store_to_host` copies them down (the engine's
+`sync_host`), `load_from_host` up (at the start, and after a checkpoint was loaded into the host).
+With several ranks the host keeps their moments too, for checkpoints; an engine's own rank does not
+("lean" layers, host_state.py): checkpoints read and write the moments here (`moments`).
+
+AdamW is `torch._fused_adamw_` (the kernel of `torch.optim.AdamW(fused=True)`, on CUDA and on the
+CPU) on pieces of `piece_numel` parameters, each with its gradient taken to fp32 and multiplied by
+the clip coefficient first, as the CPU optimizer does (backend/kernels/cpu_adamw.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slidedp.backend.state.host_state import HostState
+from slidedp.optim import AdamW
+
+
+@dataclass
+class DeviceLayer:
+    master: torch.Tensor  # fp32; what the slots copy, cast to the compute dtype
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor  # this step's gradient, in the host gradient's dtype
+
+
+class DeviceState:
+    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24):
+        self.host, self.device, self.piece_numel = host, device, piece_numel
+        self.layers: dict[int, DeviceLayer] = {}
+        self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last update, recorded where it ran
+        for layer_id in layer_ids:
+            arrays = host.layers[layer_id]
+            n = arrays.layout.numel
+            master = torch.empty(n, dtype=torch.float32, device=device)
+            self.layers[layer_id] = DeviceLayer(master, torch.zeros_like(master), torch.zeros_like(master),
+                                                torch.empty(n, dtype=arrays.grad.dtype, device=device))
+        self.load_from_host()
+
+    def __contains__(self, layer_id: int) -> bool:
+        return layer_id in self.layers
+
+    def _pairs(self, d: DeviceLayer, arrays):
+        """(device, host) tensors kept in both places: the master, and the moments unless lean."""
+        pairs = [(d.master, arrays.master)]
+        if arrays.exp_avg.numel():
+            pairs += [(d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
+        return pairs
+
+    def wait_updates(self) -> None:
+        """The current stream waits (on the device) until every started update has run."""
+        for event in self.ready.values():
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
+    def moments(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's exp_avg and exp_avg_sq on the device (what checkpoints of lean layers use)."""
+        self.wait_updates()
+        d = self.layers[layer_id]
+        return d.exp_avg, d.exp_avg_sq
+
+    def load_from_host(self) -> None:
+        """The host's master weights (and moments, unless lean) onto the device (synchronous)."""
+        self._synchronize()
+        for layer_id, d in self.layers.items():
+            for dst, src in self._pairs(d, self.host.layers[layer_id]):
+                dst.copy_(src)
+        self._synchronize()
+
+    def store_to_host(self) -> None:
+        """The device's master weights (and moments, unless lean) into the host state, and its delivery
+        copy (synchronous)."""
+        self._synchronize()
+        for layer_id, d in self.layers.items():
+            arrays = self.host.layers[layer_id]
+            for src, dst in self._pairs(d, arrays):
+                dst.copy_(src)
+            if arrays.delivery is not None:
+                arrays.delivery.copy_(arrays.master)  # round to nearest even, as the CPU optimizer writes it
+
+    def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float) -> None:
+        """AdamW of one layer on the current stream; `segments` are its (start, end, decay) runs."""
+        d = self.layers[layer_id]
+        # a fill on the device: a tensor from a host scalar would wait for the stream's earlier work
+        steps = [torch.full((), float(step), dtype=torch.float32, device=self.device)]
+        for start, end, decay in segments:
+            for lo in range(start, end, self.piece_numel):
+                hi = min(lo + self.piece_numel, end)
+                adamw_piece_(d.master[lo:hi], d.exp_avg[lo:hi], d.exp_avg_sq[lo:hi], d.grad[lo:hi], steps, opt,
+                             decay=decay, clip=clip)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def adamw_piece_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                 steps: list[torch.Tensor], opt: AdamW, *, decay: bool = True, clip: float = 1.0) -> None:
+    """AdamW of one piece in place: its gradient to fp32 times `clip`, then the fused kernel
+    (`steps`: [the 1-based step as a float tensor on the device]). What `slidedp calibrate` times."""
+    g = grad.float()
+    if clip != 1.0:
+        g.mul_(clip)
+    torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], steps, lr=opt.lr, beta1=opt.betas[0],
+                        beta2=opt.betas[1], weight_decay=opt.weight_decay if decay else 0.0, eps=opt.eps,
+                        amsgrad=False, maximize=False)

@@ -1,0 +1,225 @@
+"""The authoritative host state: fp32 master weights, AdamW moments, the delivery copy, gradients.
+
+One anonymous shared-memory file (`memfd_create`) holds every array, page-aligned, per layer:
+
+    master fp32 [n] | exp_avg fp32 [n] | exp_avg_sq fp32 [n] | delivery bf16 [n] | grad [n]
+    [ | spare master fp32 [n] | spare exp_avg fp32 [n] | spare exp_avg_sq fp32 [n] ]
+
+followed by a small control region of int64 counters (`StepFlags`, backend/state/step_flags.py) through
+which ranks in other processes signal each other. `delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
+fp32 precision, where H2D reads `master`). `grad` receives the gradient from the device (bf16 or
+fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
+copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
+pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
+
+Layers whose optimizer state lives on the device of a one-rank engine (backend/state/device_state.py)
+keep only their master and delivery copy here ("lean"): their moments and gradient never leave the
+device, and checkpoints read and write them there.
+
+Layers updated during the backward (backend/runtime/early_updates.py) have a spare copy of master and
+moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
+gradient is known to be finite; until then the current arrays are untouched, so a step can still be
+taken back without a byte copied.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slidedp.ir.graph import LayerGraph
+
+PAGE_BYTES = 4096
+
+
+def _align(n: int, to: int = PAGE_BYTES) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    offset_bytes: int
+    numel: int
+    dtype: str  # "float32" | "bfloat16" | "int64"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * {"float32": 4, "bfloat16": 2, "int64": 8}[self.dtype]
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one layer's arrays sit in the shared file, and where each parameter sits in them."""
+
+    layer_id: int
+    numel: int
+    param_offsets: tuple[tuple[str, int, int, tuple[int, ...]], ...]  # (name, start, numel, shape)
+    master: ArraySpec
+    exp_avg: ArraySpec
+    exp_avg_sq: ArraySpec
+    delivery: ArraySpec | None
+    grad: ArraySpec
+    spare: tuple[ArraySpec, ArraySpec, ArraySpec] | None = None  # master, exp_avg, exp_avg_sq
+
+
+def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
+                spare_layers=(), lean_layers=()) -> tuple[list[LayerLayout], int, int]:
+    """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
+    in `spare_layers`; without moments and gradient for the `lean_layers`, whose optimizer state
+    lives on the device of the engine's own process), then `control_ints` int64 counters; returns
+    (layouts, control region offset in bytes, total bytes)."""
+    spare_layers, lean_layers = set(spare_layers), set(lean_layers)
+    layouts, cursor = [], 0
+
+    def take(numel: int, dtype: str) -> ArraySpec:
+        nonlocal cursor
+        spec = ArraySpec(cursor, numel, dtype)
+        cursor = _align(cursor + spec.nbytes)
+        return spec
+
+    for layer in graph.layers:
+        offsets, start = [], 0
+        for p in layer.params:
+            offsets.append((p.name, start, p.numel, p.shape))
+            start += p.numel
+        n = layer.numel
+        lean = layer.id in lean_layers
+        layouts.append(
+            LayerLayout(
+                layer_id=layer.id,
+                numel=n,
+                param_offsets=tuple(offsets),
+                master=take(n, "float32"),
+                exp_avg=take(0 if lean else n, "float32"),
+                exp_avg_sq=take(0 if lean else n, "float32"),
+                delivery=take(n, "bfloat16") if delivery_bf16 else None,
+                grad=take(0 if lean else n, grad_dtype),
+                spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
+            )
+        )
+    control = take(control_ints, "int64").offset_bytes
+    return layouts, control, max(cursor, PAGE_BYTES)
+
+
+class LayerArrays:
+    """Torch and numpy views of one layer's arrays (zero-copy over the shared file)."""
+
+    def __init__(self, buf: memoryview, layout: LayerLayout):
+        self.layout = layout
+
+        def tensor(spec: ArraySpec | None):
+            if spec is None or spec.numel == 0:
+                return None if spec is None else torch.empty(0, dtype=getattr(torch, spec.dtype))
+            return torch.frombuffer(
+                buf, dtype=getattr(torch, spec.dtype), count=spec.numel, offset=spec.offset_bytes
+            )
+
+        self.master = tensor(layout.master)
+        self.exp_avg = tensor(layout.exp_avg)
+        self.exp_avg_sq = tensor(layout.exp_avg_sq)
+        self.delivery = tensor(layout.delivery)
+        self.grad = tensor(layout.grad)
+        self.spare = None if layout.spare is None else tuple(tensor(spec) for spec in layout.spare)
+
+    def swap_spare(self) -> None:
+        """The spare master and moments (written by an out-of-place update) become current."""
+        current = (self.master, self.exp_avg, self.exp_avg_sq)
+        self.master, self.exp_avg, self.exp_avg_sq = self.spare
+        self.spare = current
+
+    @property
+    def source(self) -> torch.Tensor:
+        """What H2D copies read: the bf16 delivery copy, or the fp32 master."""
+        return self.delivery if self.delivery is not None else self.master
+
+    def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: flat[start : start + numel].view(shape)
+            for name, start, numel, shape in self.layout.param_offsets
+        }
+
+
+class HostState:
+    """All layers' arrays in one shared, registrable memory file.
+
+    `HostState(graph, ...)` creates the file; `HostState.attach(handle)` maps the same file in
+    another process of the same host (`handle()` says where it is: /proc/<pid>/fd/<fd>).
+    """
+
+    def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
+                 spare_layers=(), lean_layers=(), _attach: tuple | None = None):
+        if _attach is None:
+            self.layouts, self.control_offset, self.nbytes = plan_layout(
+                graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints,
+                spare_layers=spare_layers, lean_layers=lean_layers)
+            self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
+        else:
+            path, self.layouts, self.control_offset, self.nbytes = _attach
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.control_ints = control_ints
+        try:
+            if _attach is None:
+                os.ftruncate(self.fd, self.nbytes)
+            self._mmap = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._buf = memoryview(self._mmap)
+        self.layers = [LayerArrays(self._buf, layout) for layout in self.layouts]
+        self.step = 0  # AdamW steps taken (bias correction)
+        self._registered_ptr: int | None = None
+
+    def handle(self) -> tuple:
+        """What `HostState.attach` needs in another process (plain data)."""
+        return (f"/proc/{os.getpid()}/fd/{self.fd}", self.layouts, self.control_offset, self.nbytes,
+                self.control_ints)
+
+    @classmethod
+    def attach(cls, handle: tuple) -> "HostState":
+        path, layouts, control_offset, nbytes, control_ints = handle
+        return cls(None, delivery_bf16=False, grad_dtype="", control_ints=control_ints,
+                   _attach=(path, layouts, control_offset, nbytes))
+
+    def control(self) -> np.ndarray:
+        """The int64 counters of the control region (shared with every process that maps the file)."""
+        return np.frombuffer(self._buf, dtype=np.int64, count=self.control_ints, offset=self.control_offset)
+
+    @property
+    def base_ptr(self) -> int:
+        return torch.frombuffer(self._buf, dtype=torch.uint8, count=1).data_ptr()
+
+    def pin(self) -> None:
+        """Register the whole file with CUDA so H2D/D2H copies are DMA (cudaHostRegister)."""
+        if self._registered_ptr is not None or not torch.cuda.is_available():
+            return
+        ptr = self.base_ptr
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with error {int(err)}")
+        self._registered_ptr = ptr
+
+    def close(self) -> None:
+        """Unregister (if pinned), then unmap and close. Safe to call twice."""
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        if getattr(self, "_mmap", None) is None:
+            return
+        self.layers = []
+        try:
+            self._buf.release()
+            self._mmap.close()
+        except BufferError:
+            pass  # a tensor view is still alive somewhere; the mapping goes with it
+        self._mmap = None
+        os.close(self.fd)
+
+    def numpy(self, tensor: torch.Tensor) -> np.ndarray:
+        """A numpy view (bf16 as uint16 bit patterns) for the Numba optimizer."""
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()

@@ -1,0 +1,632 @@
+"""Measure the running machine into a `Hardware` profile (`slidedp calibrate`).
+
+One function per measurement: each warms up, times a few repeats and keeps the median. The pure
+helpers at the top turn those timings into the profile's fields (rates, the transfer-efficiency
+curve, AdamW by threads) and are what the tests check exactly, on synthetic timings.
+
+On CUDA: bf16 matmuls and a bf16 transformer block on GPU 0, pinned-host <-> GPU copies timed with
+CUDA events, the CPU AdamW alone and while copies run both ways, GPU-to-GPU copies when a second
+GPU is visible. Without CUDA (or `device="cpu"`) the CPU "device" is measured the way the CPU
+backend runs: compute on the host in fp32, and "H2D"/"D2H" are memcpy between two host tensors,
+run in order (so both directions "at once" share one copy engine: the cores).
+
+`torch.cuda` is only touched inside functions, and only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from slidedp.costmodel.hardware import Hardware
+from slidedp.costmodel.ops import transfer_efficiency
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+Progress = Callable[[str], None]
+
+# -- pure helpers: timings -> profile fields ------------------------------------------------------
+
+
+def median_s(times_s: Sequence[float]) -> float:
+    """Median of repeated timings [s]; refuses empty or non-positive timings."""
+    if not times_s or any(not t > 0 for t in times_s):
+        raise ValueError(f"timings must be positive seconds, got {list(times_s)!r}")
+    return float(statistics.median(times_s))
+
+
+def transfer_profile(samples: Sequence[tuple[int, float]]) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """From (bytes, seconds per copy) samples: the large-copy rate [bytes/s] and the efficiency curve.
+
+    rate(s) = s / t(s); the large-copy rate R = max_s rate(s); the curve is (s, rate(s) / R) by
+    increasing s, so fractions lie in (0, 1] and `R * transfer_efficiency(s, curve)` gives back the
+    measured rate at every measured size (ops.transfer_time_s reproduces each measurement).
+    """
+    points = sorted((int(nbytes), float(seconds)) for nbytes, seconds in samples)
+    if not points or any(b <= 0 or not t > 0 for b, t in points):
+        raise ValueError(f"transfer samples must be (bytes > 0, seconds > 0) pairs, got {list(samples)!r}")
+    if any(a[0] == b[0] for a, b in zip(points, points[1:])):
+        raise ValueError(f"transfer samples repeat a size: {[b for b, _ in points]}")
+    rates = [(b, b / t) for b, t in points]
+    peak = max(r for _, r in rates)
+    return peak, tuple((b, min(1.0, r / peak)) for b, r in rates)
+
+
+def large_copy_rate(nbytes: int, seconds: float, curve: tuple[tuple[int, float], ...]) -> float:
+    """Bandwidth [bytes/s] that, through the efficiency curve, predicts this copy's time.
+
+    B = nbytes / seconds / eff(nbytes): ops.transfer_time_s(nbytes, B, curve) == seconds.
+    """
+    if nbytes <= 0 or not seconds > 0:
+        raise ValueError(f"need bytes > 0 and seconds > 0, got {nbytes}, {seconds}")
+    return nbytes / seconds / transfer_efficiency(nbytes, curve)
+
+
+def thread_counts(max_threads: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below max_threads, then max_threads itself."""
+    if max_threads < 1:
+        raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+    counts = [1 << k for k in range(max_threads.bit_length()) if 1 << k < max_threads]
+    return tuple(counts + [max_threads])
+
+
+def adamw_rates(numel: int, samples: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(threads, seconds per update of `numel` parameters) -> (threads, params/s) by increasing threads."""
+    if numel <= 0 or not samples or any(t < 1 or not s > 0 for t, s in samples):
+        raise ValueError(f"need numel > 0 and (threads >= 1, seconds > 0) samples, got {numel}, {list(samples)!r}")
+    return tuple((int(t), numel / s) for t, s in sorted(samples))
+
+
+def fraction_kept(rate: float, reference: float) -> float:
+    """Fraction of a reference rate kept under contention: min(1, rate / reference) (noise stays <= 1)."""
+    if not rate > 0 or not reference > 0:
+        raise ValueError(f"rates must be positive, got {rate}, {reference}")
+    return min(1.0, rate / reference)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in binary units for the progress lines: 65536 -> '64 KiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+# -- what to measure at which size -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """A Qwen3 decoder layer's shape and the tokens it runs on (batch_size x seq_len)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    seq_len: int
+    batch_size: int = 1
+
+
+QWEN3_4B_BLOCK = BlockShape(2560, 9728, 32, 8, 128, 4096)  # DESIGN.md §5: 7.8 ms fwd+bwd on an H200
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes and repeats of one calibration (full or quick, CUDA or CPU)."""
+
+    matmul_n: int
+    block: BlockShape
+    transfer_bytes: tuple[int, ...]  # increasing; the last is the "large copy"
+    host_copy_bytes: int
+    adamw_numel: int
+    p2p_bytes: int
+    repeats: int
+
+
+def default_sizes(cuda: bool, quick: bool) -> Sizes:
+    """Sizes for the device and mode: full ones as DESIGN.md §5 measured them, quick ones small."""
+    sweep = tuple(64 * KiB * 4**k for k in range(8))  # 64 KiB, 256 KiB, ..., 1 GiB
+    if cuda and not quick:
+        return Sizes(8192, QWEN3_4B_BLOCK, sweep, GiB, 2**27, GiB, 5)
+    if cuda:  # matmul and block take milliseconds on a GPU: smaller ones would only misreport them
+        return Sizes(8192, QWEN3_4B_BLOCK, sweep[:6], 256 * MiB, 2**24, 256 * MiB, 3)
+    if not quick:
+        return Sizes(1024, BlockShape(512, 1536, 8, 4, 64, 512), sweep, GiB, 2**27, 0, 5)
+    # matmul of milliseconds even here: a shorter one is at the mercy of a single preempted thread
+    return Sizes(768, BlockShape(128, 384, 4, 2, 32, 128), sweep[:5], 128 * MiB, 2**22, 0, 3)
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def _time_s(fn: Callable[[], None], cuda: bool, *, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn()`: CUDA events on the current stream on CUDA, else wall clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return median_s(times)
+
+
+# -- measurements ----------------------------------------------------------------------------------
+
+
+def measure_matmul_flops_per_s(device: torch.device, n: int, *, repeats: int) -> float:
+    """Dense matmul rate [FLOP/s]: n x n @ n x n (2 n^3 FLOPs), bf16 on CUDA, fp32 on the CPU."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = _time_s(lambda: torch.mm(a, b, out=out), cuda, repeats=max(repeats, 5), warmup=2)
+    return 2.0 * n**3 / seconds
+
+
+def qwen3_block_config(shape: BlockShape, num_hidden_layers: int = 1):
+    """A Qwen3Config of the given block shape (one layer unless told), SDPA attention."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                       num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+                       head_dim=shape.head_dim, num_hidden_layers=num_hidden_layers, vocab_size=128,
+                       max_position_embeddings=shape.seq_len, attn_implementation="sdpa")
+
+
+def count_block_flops(shape: BlockShape, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOPs of one forward + backward (input and parameter gradients) of a Qwen3 decoder layer
+    (the sum of `count_block_flops_fwd_bwd`)."""
+    return sum(count_block_flops_fwd_bwd(shape, dtype))
+
+
+def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """FLOPs of one forward and of one backward (input and parameter gradients) of a Qwen3 decoder layer.
+
+    Counted as slidedp.ir counts a block's flops_fwd + flops_bwd: FlopCounterMode with the IR's
+    extra formulas, on fake CPU tensors (no memory, any shape), forward and backward under separate
+    counters; so the IR's FLOPs divided by the rate measured with this count predict the block's
+    time. No mask, as the executor runs a block without padding: SDPA is causal and counts half
+    of the query-key pairs (slidedp.ir.export_trace.EXTRA_FLOP_FORMULAS).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS
+
+    with torch.device("meta"):
+        layer = Qwen3DecoderLayer(qwen3_block_config(shape), layer_idx=0)
+    tokens = (shape.batch_size, shape.seq_len)
+    with FakeTensorMode():
+        params = {name: torch.empty(p.shape, dtype=dtype, requires_grad=True) for name, p in layer.named_parameters()}
+        hidden = torch.empty(*tokens, shape.hidden_size, dtype=dtype, requires_grad=True)
+        rotary = (torch.empty(*tokens, shape.head_dim, dtype=dtype), torch.empty(*tokens, shape.head_dim, dtype=dtype))
+        with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as fwd_counter:
+            out = torch.func.functional_call(layer, params, (hidden,),
+                                             dict(attention_mask=None, position_embeddings=rotary))
+            out = out[0] if isinstance(out, tuple) else out
+        with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd_counter:
+            torch.autograd.grad(out, [hidden, *params.values()], torch.ones_like(out))
+    return float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
+
+
+def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
+    """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
+    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
+
+    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
+    without autograd, then forward and backward, each through `torch.compile` (compiled before the
+    timing)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from slidedp.backend.runtime.executor import run_block
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = qwen3_block_config(shape)
+    with torch.device(device):
+        layer = Qwen3DecoderLayer(config, layer_idx=0).to(dtype)
+        rotary = Qwen3RotaryEmbedding(config)
+        hidden = torch.randn(shape.batch_size, shape.seq_len, shape.hidden_size, dtype=dtype, requires_grad=True)
+        positions = torch.arange(shape.seq_len)[None].expand(shape.batch_size, -1)
+        grad_out = torch.randn_like(hidden)
+    with torch.no_grad():
+        cos, sin = rotary(hidden, positions)
+    inputs = [hidden, *layer.parameters()]
+    params = dict(layer.named_parameters())
+    kwargs = dict(attention_mask=None, position_embeddings=(cos, sin))
+    block = torch.compile(run_block, dynamic=False) if compiled else run_block
+
+    def step():
+        if compiled:
+            with torch.no_grad():
+                block(layer, params, (hidden,), kwargs)
+        out = block(layer, params, (hidden,), kwargs)
+        torch.autograd.grad(out[0] if isinstance(out, tuple) else out, inputs, grad_out)
+
+    if compiled:
+        step()  # compile outside the timing
+    return _time_s(step, cuda, repeats=repeats)
+
+
+def attention_flops_fwd_bwd(shape: BlockShape) -> tuple[int, int]:
+    """FLOPs of the block's causal attention, forward and backward, as slidedp.ir counts them."""
+    from slidedp.ir.export_trace import attention_flops
+
+    q = (shape.batch_size, shape.num_attention_heads, shape.seq_len, shape.head_dim)
+    kv = (shape.batch_size, shape.num_key_value_heads, shape.seq_len, shape.head_dim)
+    return attention_flops(q, kv, kv, True, backward=False), attention_flops(q, kv, kv, True, backward=True)
+
+
+def measure_attention_s(device: torch.device, shape: BlockShape, *, repeats: int) -> tuple[float, float]:
+    """Seconds of the block's causal SDPA (grouped-query heads) forward alone, and of forward +
+    backward (gradients of query, key and value); bf16 on CUDA, fp32 on the CPU."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    b, s, d = shape.batch_size, shape.seq_len, shape.head_dim
+    q = torch.randn(b, shape.num_attention_heads, s, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, shape.num_key_value_heads, s, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        forward_s = _time_s(forward, cuda, repeats=repeats)
+    return forward_s, _time_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), cuda, repeats=repeats)
+
+
+class CopyBuffers:
+    """The four buffers of the copy measurements, `nbytes` each.
+
+    CUDA: pinned host source and destination, device source and destination. CPU: four host
+    tensors (the CPU backend's "device" memory is host memory).
+    """
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.cuda = device.type == "cuda"
+        self.nbytes = nbytes
+        pin = self.cuda
+        self.host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).fill_(1)
+        self.host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).fill_(2)
+        self.dev_src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(3)
+        self.dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(4)
+
+    def h2d(self, offset: int = 0, nbytes: int | None = None) -> None:
+        n = self.nbytes if nbytes is None else nbytes
+        self.dev_dst[offset:offset + n].copy_(self.host_src[offset:offset + n], non_blocking=self.cuda)
+
+    def d2h(self, offset: int = 0, nbytes: int | None = None) -> None:
+        n = self.nbytes if nbytes is None else nbytes
+        self.host_dst[offset:offset + n].copy_(self.dev_src[offset:offset + n], non_blocking=self.cuda)
+
+
+def measure_h2d_by_size(buffers: CopyBuffers, sizes: Sequence[int], *, repeats: int,
+                        max_copies: int = 64) -> list[tuple[int, float]]:
+    """(bytes, seconds per copy) of H2D copies of each size.
+
+    A repeat is k = min(max_copies, buffer // size) copies back to back over successive disjoint
+    slices (cold data on the CPU, as streamed weights are), timed together and divided by k.
+    """
+    samples = []
+    for size in sizes:
+        if size > buffers.nbytes:
+            raise ValueError(f"transfer size {size} exceeds the {buffers.nbytes}-byte buffers")
+        k = max(1, min(max_copies, buffers.nbytes // size))
+
+        def batch(size=size, k=k):
+            for i in range(k):
+                buffers.h2d(i * size, size)
+
+        samples.append((size, _time_s(batch, buffers.cuda, repeats=repeats) / k))
+    return samples
+
+
+def measure_d2h_s(buffers: CopyBuffers, *, repeats: int) -> float:
+    """Seconds of one D2H copy of the whole buffer (pinned destination on CUDA)."""
+    return _time_s(buffers.d2h, buffers.cuda, repeats=repeats)
+
+
+def measure_duplex_s(buffers: CopyBuffers, *, repeats: int) -> float:
+    """Seconds to move the whole buffer both ways: an H2D and a D2H copy at once [s].
+
+    CUDA: the two copies on two streams, started together; timed until both end. CPU: the two
+    memcpy one after the other, as the CPU backend runs its copy "streams" in order.
+    """
+    if not buffers.cuda:
+        return _time_s(lambda: (buffers.h2d(), buffers.d2h()), False, repeats=repeats)
+    current, up, down = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        for stream, copy in ((up, buffers.h2d), (down, buffers.d2h)):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                copy()
+        current.wait_stream(up)
+        current.wait_stream(down)
+
+    return _time_s(both, True, repeats=repeats)
+
+
+def measure_host_dram_bytes_per_s(nbytes: int, *, repeats: int) -> float:
+    """Host memory bandwidth [bytes/s]: torch copy_ of `nbytes` on all cores, counting read + write (2 x nbytes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.zeros_like(src)
+        seconds = _time_s(lambda: dst.copy_(src), False, repeats=repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * src.numel() * 4 / seconds
+
+
+class AdamwState:
+    """Flat AdamW state of `numel` parameters as the bf16 path keeps it: fp32 param and moments,
+    bf16 gradient in, bf16 weights out (bfloat16 as uint16 bit patterns)."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self.param = np.full(numel, 0.02, dtype=np.float32)
+        self.grad = np.full(numel, 0x3C23, dtype=np.uint16)  # bf16 bits of about 0.01
+        self.exp_avg = np.zeros(numel, dtype=np.float32)
+        self.exp_avg_sq = np.zeros(numel, dtype=np.float32)
+        self.out_bf16 = np.empty(numel, dtype=np.uint16)
+
+    def step(self, num_threads: int) -> None:
+        from slidedp.backend.kernels.cpu_adamw import adamw_step
+
+        adamw_step(self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.out_bf16, lr=1e-4, beta1=0.9,
+                   beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, num_threads=num_threads)
+
+
+def measure_adamw_s(state: AdamwState, threads: Sequence[int], *, repeats: int) -> list[tuple[int, float]]:
+    """(threads, seconds) of slidedp's CPU AdamW (`backend.kernels.cpu_adamw.adamw_step`, bf16 grad in and
+    bf16 weights out) over the whole state, for each thread count."""
+    torch_threads = torch.get_num_threads()  # Numba's OpenMP pool may share torch's setting
+    try:
+        return [(t, _time_s(lambda t=t: state.step(t), False, repeats=repeats)) for t in threads]
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuffers, *, alone_s: float,
+                              copy_s: float, repeats: int) -> tuple[float, bool]:
+    """Seconds of the CPU AdamW (as `measure_adamw_s`) while H2D and D2H copies run at once (CUDA).
+
+    Enough large copies are queued on two streams to outlast the AdamW repeats (sized from the
+    uncontended AdamW time and one duplex copy time); returns the median seconds and whether the
+    copies were indeed still running when the last repeat ended.
+    """
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    copies = min(256, math.ceil(3 * (repeats + 1) * alone_s / copy_s) + 2)  # stay clear of CUDA's queue limit
+    torch.cuda.synchronize()
+    for stream, copy in ((up, buffers.h2d), (down, buffers.d2h)):
+        with torch.cuda.stream(stream):
+            for _ in range(copies):
+                copy()
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    done[0].record(up)
+    done[1].record(down)
+    torch_threads = torch.get_num_threads()
+    try:
+        seconds = _time_s(lambda: state.step(threads), False, repeats=repeats)
+    finally:
+        torch.set_num_threads(torch_threads)
+    overlapped = not (done[0].query() or done[1].query())
+    torch.cuda.synchronize()
+    return seconds, overlapped
+
+
+def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeats: int) -> float:
+    """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/state/device_state.py's
+    `adamw_piece_` on a bf16 gradient with clipping), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per
+    parameter over the time."""
+    from slidedp.backend.state.device_state import adamw_piece_
+    from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM
+    from slidedp.optim import AdamW
+
+    master = torch.zeros(numel, dtype=torch.float32, device=device)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=device)
+    steps, opt = [torch.tensor(1.0, device=device)], AdamW()
+    seconds = _time_s(lambda: adamw_piece_(master, exp_avg, exp_avg_sq, grad, steps, opt, clip=0.5),
+                      device.type == "cuda", repeats=repeats)
+    return numel * DEVICE_ADAMW_BYTES_PER_PARAM / seconds
+
+
+def measure_gpu_p2p_bytes_per_s(nbytes: int, *, repeats: int) -> float | None:
+    """GPU 0 -> GPU 1 copy bandwidth [bytes/s]; 0.0 without peer access, None with fewer than 2 GPUs."""
+    if torch.cuda.device_count() < 2:
+        return None
+    if not (torch.cuda.can_device_access_peer(0, 1) and torch.cuda.can_device_access_peer(1, 0)):
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(5)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+
+    return nbytes / _time_s(copy, False, repeats=repeats)
+
+
+def host_memory_bytes() -> int:
+    """Physical host memory [bytes] (the CPU "device" memory)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# -- the profile ---------------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto": CUDA when available, else the CPU; "cuda" without CUDA is an error."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available (use --device cpu or auto)")
+    return torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+
+
+def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress | None = None,
+              model_shape: BlockShape | dict | None = None) -> Hardware:
+    """Measure the running machine into a Hardware profile.
+
+    device: "auto" (CUDA if present), "cuda" (GPU 0) or "cpu" (the CPU backend's host "device").
+    quick: small sizes and fewer repeats (seconds instead of a minute or two; rougher figures).
+    progress: called with one line per measurement, as it is made (e.g. `print`); None is silent.
+    model_shape: the transformer block whose fwd+bwd gives block_efficiency (a BlockShape or its
+    fields as a dict); default a Qwen3-4B block at 4096 tokens on CUDA, a tiny one on the CPU.
+    """
+    say = progress or (lambda line: None)
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    sizes = default_sizes(cuda, quick)
+    shape = sizes.block if model_shape is None else (
+        model_shape if isinstance(model_shape, BlockShape) else BlockShape(**model_shape))
+    reps = sizes.repeats
+    if cuda:
+        torch.cuda.set_device(dev)
+        say(f"calibrating {torch.cuda.get_device_name(dev)} ({'quick' if quick else 'full'}); "
+            f"{os.cpu_count()} CPU cores")
+    else:
+        say(f"calibrating the CPU device ({'quick' if quick else 'full'}); {os.cpu_count()} CPU cores, "
+            f"torch uses {torch.get_num_threads()} threads")
+
+    matmul = measure_matmul_flops_per_s(dev, sizes.matmul_n, repeats=reps)
+    say(f"matmul          {sizes.matmul_n}^3 {'bf16' if cuda else 'fp32'}: {matmul / 1e12:.4g} TFLOP/s")
+
+    flops_fwd, flops_bwd = count_block_flops_fwd_bwd(shape, torch.bfloat16 if cuda else torch.float32)
+    attention_fwd, attention_bwd = attention_flops_fwd_bwd(shape)
+    attention = 0.0  # the CPU's attention is no faster than the rest of its block: one rate
+    if cuda:  # on sequences 4x the block's: the rate long sequences reach, where attention matters
+        long = BlockShape(**{**shape.__dict__, "seq_len": 4 * shape.seq_len})
+        long_fwd, long_bwd = attention_flops_fwd_bwd(long)
+        attention = (long_fwd + long_bwd) / measure_attention_s(dev, long, repeats=reps)[1]
+        say(f"attention       causal SDPA forward + backward, {long.batch_size}x{long.seq_len} tokens: "
+            f"{attention / 1e12:.4g} TFLOP/s, attention_flops_per_s")
+        torch.cuda.empty_cache()
+
+    def rest_efficiency(seconds: float, forwards: int) -> float:
+        """Efficiency of the block's FLOPs but attention's, in `seconds` less attention's time."""
+        flops = forwards * flops_fwd + flops_bwd
+        if not attention:
+            return flops / seconds / matmul
+        att = forwards * attention_fwd + attention_bwd
+        return (flops - att) / max(seconds - att / attention, 0.1 * seconds) / matmul
+
+    flops = flops_fwd + flops_bwd
+    block_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps)
+    efficiency = rest_efficiency(block_s, 1)
+    say(f"block fwd+bwd   Qwen3 hidden {shape.hidden_size}, {shape.batch_size}x{shape.seq_len} tokens: "
+        f"{block_s * 1e3:.4g} ms for {flops / 1e12:.4g} TFLOP = {flops / block_s / 1e12:.4g} TFLOP/s, "
+        f"block_efficiency {efficiency:.3f}" + (" (of the FLOPs but attention's)" if attention else ""))
+    compiled_efficiency = 0.0  # the CPU backend does not compile blocks by default (api.compile)
+    if cuda:
+        torch.cuda.empty_cache()
+        recompute_flops = 2 * flops_fwd + flops_bwd
+        compiled_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps, compiled=True)
+        compiled_efficiency = rest_efficiency(compiled_s, 2)
+        say(f"compiled block  forward, recompute + backward (torch.compile): {compiled_s * 1e3:.4g} ms for "
+            f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
+            f"compiled_block_efficiency {compiled_efficiency:.3f}")
+        torch.cuda.empty_cache()
+
+    buffers = CopyBuffers(dev, sizes.transfer_bytes[-1])
+    h2d, curve = transfer_profile(measure_h2d_by_size(buffers, sizes.transfer_bytes, repeats=reps))
+    say("H2D by size     " + ", ".join(f"{format_bytes(b)} {f * h2d / 1e9:.3g}" for b, f in curve)
+        + f" GB/s; large-copy rate {h2d / 1e9:.4g} GB/s" + ("" if cuda else " (host memcpy)"))
+    big = buffers.nbytes
+    d2h = large_copy_rate(big, measure_d2h_s(buffers, repeats=reps), curve)
+    say(f"D2H             {format_bytes(big)}: {d2h / 1e9:.4g} GB/s")
+    duplex_s = measure_duplex_s(buffers, repeats=reps)
+    duplex = 2 * large_copy_rate(big, duplex_s, curve)  # two copies of `big` in duplex_s
+    say(f"H2D + D2H       {format_bytes(big)} each {'at once' if cuda else 'in order (CPU backend)'}: "
+        f"{duplex / 1e9:.4g} GB/s total")
+
+    if not cuda:
+        buffers = None  # only the CUDA contention measurement below needs them again
+
+    host_dram = measure_host_dram_bytes_per_s(sizes.host_copy_bytes, repeats=reps)
+    say(f"host DRAM       copy of {format_bytes(sizes.host_copy_bytes)} on {os.cpu_count()} threads: "
+        f"{host_dram / 1e9:.4g} GB/s (read + write)")
+
+    from slidedp.backend.kernels.cpu_adamw import get_num_threads
+
+    state = AdamwState(sizes.adamw_numel)
+    state.step(1)  # compile (or load the cache) outside the timings
+    by_threads = adamw_rates(state.numel, measure_adamw_s(
+        state, thread_counts(min(os.cpu_count() or 1, get_num_threads())), repeats=reps))
+    best_threads, best = max(by_threads, key=lambda point: point[1])
+    say("CPU AdamW       " + ", ".join(f"{t} threads {r / 1e9:.3g}" for t, r in by_threads)
+        + f" G params/s ({state.numel / 1e6:g} M params, bf16 grad in, bf16 weights out)")
+
+    if cuda:
+        contended_s, overlapped = measure_adamw_contended_s(
+            state, best_threads, buffers, alone_s=state.numel / best, copy_s=duplex_s, repeats=reps)
+        contended = fraction_kept(state.numel / contended_s, best)
+        say(f"AdamW + copies  {best_threads} threads while H2D and D2H run: {state.numel / contended_s / 1e9:.3g} "
+            f"G params/s, fraction {contended:.3f}"
+            + ("" if overlapped else " (note: the copies ended before the AdamW did; fraction may be high)"))
+    else:
+        contended = 1.0
+        say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
+    del buffers, state
+
+    device_adamw = 0.0  # the CPU device keeps the optimizer state on the host (scheduler: never on the "device")
+    if cuda:
+        device_adamw = measure_device_adamw_bytes_per_s(dev, sizes.adamw_numel, repeats=reps)
+        say(f"device AdamW    {sizes.adamw_numel / 1e6:g} M params (bf16 grad, fp32 state): "
+            f"{device_adamw / 1e9:.4g} GB/s of device memory, gpu_memory_bytes_per_s")
+        torch.cuda.empty_cache()
+
+    p2p = None
+    if cuda:
+        torch.cuda.empty_cache()
+        p2p = measure_gpu_p2p_bytes_per_s(sizes.p2p_bytes, repeats=reps)
+    if p2p is None:
+        say("GPU-to-GPU      one device visible: 0.0")
+    elif p2p == 0.0:
+        say("GPU-to-GPU      no peer access between GPU 0 and 1: 0.0")
+    else:
+        say(f"GPU-to-GPU      GPU 0 -> 1, {format_bytes(sizes.p2p_bytes)}: {p2p / 1e9:.4g} GB/s")
+    say("root complex    gpus_per_root_complex left at 1: the PCIe topology is not measured")
+
+    if cuda:
+        props = torch.cuda.get_device_properties(dev)
+        name, memory = f"calibrated:{props.name}", int(props.total_memory)
+    else:
+        name, memory = "calibrated:cpu", host_memory_bytes()
+    say(f"memory          {format_bytes(memory)} on the {'GPU' if cuda else 'host'}")
+    return Hardware(
+        name=name, gpu_memory_bytes=memory, matmul_flops_per_s=matmul, block_efficiency=efficiency,
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, host_dram_bytes_per_s=host_dram,
+        cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
+        gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
+        compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
+        attention_flops_per_s=attention,
+    )

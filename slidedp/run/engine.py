@@ -1,0 +1,281 @@
+"""The Engine: one synchronous optimizer step on a global batch, over one rank or several."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slidedp.backend.state.host_state import HostState
+from slidedp.backend.runtime.rank import Rank
+from slidedp.backend.runtime.workers import WorkerPool
+from slidedp.ir.graph import LayerGraph
+from slidedp.optim import AdamW
+from slidedp.scheduler.plan import Plan
+
+log = logging.getLogger("slidedp")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int  # optimizer steps taken so far
+    loss: float
+    grad_norm: float
+    clip_coef: float
+    skipped: bool  # non-finite gradient: nothing was updated
+    tokens: int  # tokens that carried a label in this step
+    wait_s: float = 0.0  # waiting for the previous step's CPU update before this step's pass could finish it
+    pass_s: float = 0.0  # from the call to the whole gradient's norm on the host (forward + backward)
+
+
+class Engine:
+    """Created by `slidedp.compile`; owns the host state and the ranks that train on it.
+
+    `runner` is the local rank (`backend.runtime.rank.Rank`, one process) or the pool of worker processes
+    (`backend.runtime.workers.WorkerPool`, one per rank); both take a step on the global batch.
+    """
+
+    def __init__(self, *, model: nn.Module, graph: LayerGraph, plan: Plan, host: HostState,
+                 runner: "Rank | WorkerPool", optimizer: AdamW, max_grad_norm: float | None,
+                 device: torch.device, precision: str):
+        self.model = model
+        self.graph = graph
+        self.plan = plan
+        self.host = host
+        self.runner = runner
+        self.executor = runner.executor if isinstance(runner, Rank) else None  # the local rank's
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.device = device
+        self.precision = precision
+        self.skipped_steps = 0
+        self.last_step: StepInfo | None = None
+        self._closed = False
+
+    @property
+    def updates(self):
+        """The CPU updates of every rank: `.flush()` waits for them, `.last_duration_s` timed the last round."""
+        return self.runner
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> float:
+        """One optimizer step on the global batch; returns the token-weighted mean loss."""
+        self._check_open()
+        result, tokens = self._run(input_ids, labels, attention_mask, self.optimizer)
+        if result.skipped:
+            self.skipped_steps += 1
+            log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far",
+                        result.grad_norm, self.skipped_steps)
+        self.last_step = StepInfo(self.host.step, result.loss, result.grad_norm, result.clip_coef, result.skipped,
+                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s)
+        return result.loss
+
+    def _run(self, input_ids, labels, attention_mask, optimizer: AdamW | None):
+        input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)
+        tokens = int((labels[:, 1:] != -100).sum())
+        if tokens == 0:
+            raise ValueError("every label in the batch is -100 (or sequences are 1 token): nothing to "
+                             + ("train on" if optimizer is not None else "evaluate"))
+        w = self.plan.workload
+        result = self.runner.step(input_ids, labels, attention_mask, tokens, batch_size=w.batch_size,
+                                  micro_batches=w.micro_batches, optimizer=optimizer,
+                                  max_grad_norm=self.max_grad_norm)
+        return result, tokens
+
+    def reload(self) -> None:
+        """The host state was rewritten (a checkpoint loaded): ranks reload their device copies."""
+        self.runner.reload(self.host.step)
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def _validate(self, input_ids, labels, attention_mask):
+        w = self.plan.workload
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2:
+            raise TypeError(f"input_ids must be a 2-D integer tensor [rows, seq_len], got {input_ids.dtype} "
+                            f"of shape {tuple(input_ids.shape)}")
+        rows, seq = input_ids.shape
+        if seq != w.seq_len:
+            raise ValueError(f"input_ids has sequence length {seq}, but the engine was compiled for seq_len={w.seq_len}")
+        unit = w.batch_size * w.world_size
+        if rows == 0 or rows % unit:
+            raise ValueError(f"input_ids has {rows} rows; it must be a positive multiple of "
+                             f"batch_size x world_size = {w.batch_size} x {w.world_size} = {unit}")
+        vocab = self.graph.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids has token ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
+        input_ids = input_ids.long()
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask must be a tensor of shape {tuple(input_ids.shape)}")
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("attention_mask must contain only 0 and 1")
+            attention_mask = attention_mask.long()
+        if labels is None:
+            labels = input_ids.clone()
+            if attention_mask is not None:
+                labels[attention_mask == 0] = -100
+        else:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, "
+                                 f"got {getattr(labels, 'shape', type(labels).__name__)}")
+            labels = labels.long()
+            bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
+            if bool(bad.any()):
+                raise ValueError(f"labels must be -100 or token ids in [0, {vocab}); found {int(labels[bad][0])}")
+        return input_ids, labels, attention_mask
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
+        self._check_open()
+        self.runner.sync_host()
+        out = {}
+        for layer in self.graph.layers:
+            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            for p in layer.params:
+                value = views[p.name].clone()
+                for name in (p.name, *p.aliases):
+                    out[name] = value
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if not p.requires_grad and name not in out:
+                out[name] = p.detach().float().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        """Free device buffers, worker processes and the host state; the model keeps copies of the
+        trained weights."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.runner.close()
+        finally:
+            for p in self.model.parameters():
+                if p.requires_grad and p.device.type == "cpu":
+                    p.data = p.data.clone()
+            self.executor = None
+            self.host.close()
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.device)
+                # cuBLAS keeps a workspace per stream that ran a matmul (32 MiB each on Hopper), in the
+                # caching allocator: the engine's streams' would stay allocated after close()
+                clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear_workspaces is not None:
+                    clear_workspaces()
+                torch.cuda.empty_cache()
+                _empty_host_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this slidedp engine is closed")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # -- evaluation, checkpoints, export (slidedp/run/checkpoint.py) -----------------------------------
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> float:
+        """Token-weighted mean loss of the current weights on the rows given; nothing is updated.
+
+        Runs the same streamed passes as `step` (the same numerics, on the same device), and
+        discards the gradients. Any number of rows: the last micro-batch is filled up with rows
+        that carry no label.
+        """
+        self._check_open()
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 0:
+            unit = self.plan.workload.batch_size * self.plan.workload.world_size
+            pad = -input_ids.shape[0] % unit
+            if pad:
+                if labels is None:
+                    labels = input_ids.clone()
+                    if attention_mask is not None:
+                        labels[attention_mask == 0] = -100
+                input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)])
+                labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), -100)])
+                if attention_mask is not None:
+                    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(pad, attention_mask.shape[1])])
+        result, _ = self._run(input_ids, labels, attention_mask, optimizer=None)
+        return result.loss
+
+    def save_checkpoint(self, dir) -> None:
+        """Master weights, AdamW moments and step, RNG, plan and model config into the folder `dir`,
+        atomically (safetensors and JSON, with a sha256 manifest; see slidedp/run/checkpoint.py)."""
+        from slidedp.run.checkpoint import atomic_checkpoint, write_engine_state
+
+        self._check_open()
+        self.runner.sync_host()
+        if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
+            with atomic_checkpoint(dir) as writer:
+                write_engine_state(self, writer)
+        self._barrier()
+
+    def load_checkpoint(self, dir) -> None:
+        """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
+        have the same parameters. The optimizer settings stay those given to `compile`."""
+        from slidedp.run.checkpoint import read_engine_meta, read_engine_state
+
+        self._check_open()
+        rank = self._launched_rank()
+        if rank in (None, 0):  # under torchrun rank 0 reads into the shared state, the others follow
+            read_engine_state(self, dir)
+        self._barrier()
+        if rank not in (None, 0):
+            meta = read_engine_meta(dir)
+            self.host.step = int(meta["step"])
+            self.skipped_steps = int(meta.get("skipped_steps", 0))
+            self.reload()
+
+    def _launched_rank(self) -> int | None:
+        """This process's rank when every rank is a process of its own (torchrun), else None."""
+        return self.runner.rank if isinstance(self.runner, Rank) and self.runner.comm is not None else None
+
+    def _barrier(self) -> None:
+        if self._launched_rank() is not None:
+            self.runner.comm.barrier()
+
+    def export_hf(self, dir) -> None:
+        """A `save_pretrained` folder of the model with the fp32 master weights (Hugging Face models)."""
+        from slidedp.run.checkpoint import save_hf
+
+        self._check_open()
+        self.runner.sync_host()
+        weights: dict[str, torch.Tensor] = {}
+        for layer in self.graph.layers:
+            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            for p in layer.params:
+                for name in (p.name, *p.aliases):
+                    weights[name] = views[p.name]
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            weights.setdefault(name, p.detach().float().cpu())
+        save_hf(self.model, weights, dir)
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned host blocks that torch's caching host allocator keeps (staging buffers) back."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
+
+
+def update_order(plan: Plan, graph: LayerGraph) -> list[int]:
+    """The plan's update order (every layer once), or prologue, blocks, epilogue for a plan without one."""
+    default = [graph.prologue.id] + [b.id for b in graph.blocks] + [graph.epilogue.id]
+    order = list(plan.update_order) or default
+    if sorted(order) != sorted(default):
+        raise ValueError(f"the plan's update_order {order} is not a permutation of the layer ids {default}")
+    return order

@@ -1,0 +1,205 @@
+"""Preflight: before `compile` allocates anything, check that the memory it needs is there.
+
+What compile allocates:
+
+- host RAM: the host state (fp32 master weights, both AdamW moments, the bf16 delivery copy and
+  the gradient of every layer, page-aligned: `backend.state.host_state.plan_layout`), pinned on CUDA by
+  registration (the same bytes, nothing more); on the CPU the "device" buffers of the plan (weight
+  window, activations, loss chunks: `plan.peak_device_bytes`) are host RAM too;
+- /dev/shm: whatever is placed there (`shm_bytes`; the single-process host state is an anonymous
+  `memfd`, which /dev/shm's size does not limit, so compile passes 0);
+- device memory: the plan's peak (`plan.peak_device_bytes`, at most the budget) against what
+  `torch.cuda.mem_get_info` reports free.
+
+Available figures: host RAM is `MemAvailable` of /proc/meminfo, lowered to what the cgroup (v2 or
+v1) still allows when the process runs under a memory limit (a container), since that limit, not
+the machine's RAM, is what the kernel's OOM killer enforces; /dev/shm is `os.statvfs` free space.
+A figure that cannot be read is not checked. The check refuses with the numbers
+(`InsufficientMemoryError`) rather than letting the kernel kill the process later.
+
+Everything here is a small pure function, except `available_memory`, which reads the machine;
+tests pass their own figures (or monkeypatch `available_memory`). `SLIDEDP_SKIP_PREFLIGHT=1`
+switches the check off (e.g. with swap, where "available" understates what works).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from slidedp.budget import format_bytes
+from slidedp.errors import InsufficientMemoryError
+
+#: Host RAM left for everything else of the process (the model's Python objects, the tokenizer,
+#: data, libraries) on top of what compile allocates.
+HOST_HEADROOM_BYTES = 256 << 20
+_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class Available:
+    """Free memory, in bytes; None: unknown (not checked)."""
+
+    host_bytes: int | None = None
+    shm_bytes: int | None = None
+    device_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What compile will allocate, in bytes."""
+
+    host_state_bytes: int  # master + moments + delivery + gradients (shared or not)
+    host_other_bytes: int = 0  # other host buffers (CPU "device" buffers, pinned staging)
+    shm_bytes: int = 0  # bytes placed in /dev/shm
+    device_bytes: int = 0  # device memory (CUDA)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_state_bytes + self.host_other_bytes
+
+
+def meminfo_available_bytes(text: str) -> int | None:
+    """`MemAvailable` (bytes) from the text of /proc/meminfo; None if absent."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            return int(parts[1]) * (1024 if len(parts) > 2 and parts[2].lower() == "kb" else 1)
+    return None
+
+
+def cgroup_available_bytes(limit_text: str | None, usage_text: str | None) -> int | None:
+    """What a cgroup memory limit still allows (limit - usage), from the texts of its files
+    (v2: memory.max, memory.current; v1: memory.limit_in_bytes, memory.usage_in_bytes); None
+    when there is no limit ("max" or a huge number) or the figures are unreadable."""
+    if limit_text is None or usage_text is None:
+        return None
+    limit_text = limit_text.strip()
+    if limit_text == "max":
+        return None
+    try:
+        limit, usage = int(limit_text), int(usage_text.strip())
+    except ValueError:
+        return None
+    if limit >= _UNLIMITED:
+        return None
+    return max(0, limit - usage)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable, lowered to the cgroup's remaining allowance where there is a limit."""
+    text = _read("/proc/meminfo")
+    figures = [meminfo_available_bytes(text) if text else None]
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        figures.append(cgroup_available_bytes(_read(limit), _read(usage)))
+    known = [f for f in figures if f is not None]
+    return min(known) if known else None
+
+
+def shm_available_bytes(path: str = "/dev/shm") -> int | None:
+    """Free bytes of the /dev/shm file system (None if there is none)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def device_available_bytes(device) -> int | None:
+    """Free memory of a CUDA device (torch.cuda.mem_get_info); None for other devices."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def available_memory(device) -> Available:
+    """The machine's free host RAM, /dev/shm and device memory now."""
+    return Available(host_bytes=host_available_bytes(), shm_bytes=shm_available_bytes(),
+                     device_bytes=device_available_bytes(device))
+
+
+def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_layers=(), lean_layers=()) -> int:
+    """Bytes of the host state `compile` makes for `graph` (bf16: with the delivery copy and bf16
+    gradients; fp32: fp32 gradients, no delivery copy; a spare master and moments for the layers
+    updated early)."""
+    from slidedp.backend.state.host_state import plan_layout
+
+    bf16 = precision == "bf16"
+    return plan_layout(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
+                       control_ints=control_ints, spare_layers=spare_layers, lean_layers=lean_layers)[2]
+
+
+def offloaded_activation_bytes(graph, plan) -> int:
+    """Host memory (pinned) that the plan's offloaded activations take per rank in a pass: for every
+    offloading block, what it saves per micro-batch times the micro-batches."""
+    policy = plan.activation_policy()
+    return plan.workload.micro_batches * sum(layer.costs.saved_activation_bytes for layer in graph.layers
+                                             if policy.get(layer.id) == "offload")
+
+
+def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
+                  lean_layers=()) -> Needs:
+    """What `compile` allocates for this graph and plan on this device: one host state (shared by
+    the ranks), and the plan's device peak per rank (host RAM when the ranks are CPU processes)."""
+    import torch
+
+    device_bytes = int(plan.peak_device_bytes or 0)
+    on_cpu = torch.device(device).type == "cpu"
+    return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints,
+                                                   spare_layers=plan.early_order, lean_layers=lean_layers),
+                 host_other_bytes=((device_bytes if on_cpu else 0) + offloaded_activation_bytes(graph, plan)) * world_size,
+                 device_bytes=0 if on_cpu else device_bytes)
+
+
+def check_memory(needs: Needs, available: Available, *, headroom_bytes: int = HOST_HEADROOM_BYTES) -> None:
+    """Refuse (InsufficientMemoryError, with the numbers) when a need exceeds what is available."""
+    if available.host_bytes is not None and needs.host_bytes + headroom_bytes > available.host_bytes:
+        raise InsufficientMemoryError(
+            f"not enough host RAM: this model needs {format_bytes(needs.host_bytes)} "
+            f"({needs.host_bytes} bytes: host state {format_bytes(needs.host_state_bytes)} for the fp32 master "
+            f"weights, both AdamW moments and the gradients, plus {format_bytes(needs.host_other_bytes)} of "
+            f"other buffers) and {format_bytes(headroom_bytes)} of headroom, but only "
+            f"{format_bytes(available.host_bytes)} ({available.host_bytes} bytes) is available "
+            "(MemAvailable, or the cgroup limit); free memory or use a machine with more RAM "
+            "(SLIDEDP_SKIP_PREFLIGHT=1 skips this check)",
+            resource="host RAM", needed_bytes=needs.host_bytes + headroom_bytes,
+            available_bytes=available.host_bytes)
+    if available.shm_bytes is not None and needs.shm_bytes > available.shm_bytes:
+        raise InsufficientMemoryError(
+            f"not enough shared memory: {format_bytes(needs.shm_bytes)} ({needs.shm_bytes} bytes) would be "
+            f"placed in /dev/shm, which has {format_bytes(available.shm_bytes)} ({available.shm_bytes} bytes) "
+            "free; enlarge it (e.g. docker --shm-size) (SLIDEDP_SKIP_PREFLIGHT=1 skips this check)",
+            resource="/dev/shm", needed_bytes=needs.shm_bytes, available_bytes=available.shm_bytes)
+    if available.device_bytes is not None and needs.device_bytes > available.device_bytes:
+        raise InsufficientMemoryError(
+            f"not enough free device memory: the plan's peak is {format_bytes(needs.device_bytes)} "
+            f"({needs.device_bytes} bytes) but the GPU has {format_bytes(available.device_bytes)} "
+            f"({available.device_bytes} bytes) free; give a smaller budget or free the GPU "
+            "(SLIDEDP_SKIP_PREFLIGHT=1 skips this check)",
+            resource="device memory", needed_bytes=needs.device_bytes, available_bytes=available.device_bytes)
+
+
+def check_compile(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
+                  lean_layers=(), available: Available | None = None) -> Needs:
+    """The preflight of `compile`: what it will allocate against what the machine has free (the
+    device figure is that of `device`, the device the caller will use; every GPU of a host with
+    several ranks is assumed alike)."""
+    needs = compile_needs(graph, plan, device, precision=precision, world_size=world_size,
+                          control_ints=control_ints, lean_layers=lean_layers)
+    if os.environ.get("SLIDEDP_SKIP_PREFLIGHT", "") not in ("", "0"):
+        return needs
+    check_memory(needs, available if available is not None else available_memory(device))
+    return needs

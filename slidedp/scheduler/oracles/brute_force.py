@@ -1,0 +1,42 @@
+"""Brute force: every combination of the options, each simulated. For small graphs only; the
+tests check that CP-SAT's optimum equals this one's."""
+
+from __future__ import annotations
+
+from itertools import product
+
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.decisions import GROUPS, RESIDENT, Decisions, LayerChoice
+from slidedp.scheduler.problem.footprint import evaluate
+from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.oracles.timeline import simulate
+
+
+def all_decisions(costs: ProblemCosts):
+    """Every Decisions the options allow: windows x orders x routes per group x chunks per layer
+    x activation per block."""
+    W = costs.problem.world_size
+    blocks = sorted(costs.blocks)
+    for window in costs.windows():
+        for order in costs.options.update_orders:
+            for routes in product(costs.routes, repeat=len(GROUPS)):
+                route_of = [routes[0]] + [routes[1]] * len(blocks) + [routes[2]]
+                for mults in product(costs.options.chunk_multiples, repeat=costs.n_layers):
+                    for acts in product(costs.options.activations, repeat=len(blocks)):
+                        act_of = [RESIDENT] + list(acts) + [RESIDENT]
+                        yield Decisions(window, order, tuple(
+                            LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1])
+                            for i in range(costs.n_layers)))
+
+
+def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions] | None:
+    """The fastest decisions within the budget (ties: the first enumerated), or None."""
+    best = None
+    for d in all_decisions(costs):
+        keys = build_program(costs.n_blocks, d.window, False).compute_keys
+        if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
+            continue
+        t = simulate(costs, d).makespan
+        if best is None or t < best[0]:
+            best = (t, d)
+    return best

@@ -1,0 +1,268 @@
+"""Every duration and buffer the scheduler uses, computed once per problem, in integer ticks.
+
+This is the one place where seconds become integers (`TimeScale`): the simulator and the CP-SAT
+model both read the tick counts below, so the solver's objective and the simulated step time of
+the same decisions are the same integer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from itertools import product
+
+from slidedp.costmodel import memory as mem
+from slidedp.costmodel import ops
+from slidedp.costmodel.memory import DTYPE_BYTES
+from slidedp.scheduler.decisions import (
+    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions, Problem, SolverOptions,
+)
+
+
+@dataclass(frozen=True)
+class TimeScale:
+    """Integer time: one tick is `tick_s` seconds, a power of ten chosen so that the serial sum of
+    every operation of a step is between 10^6 and 10^7 ticks (resolution about 10^-6 of a step)."""
+
+    tick_s: float
+
+    @classmethod
+    def for_total(cls, total_s: float) -> "TimeScale":
+        if total_s <= 0:
+            return cls(1e-9)
+        return cls(10.0 ** (math.floor(math.log10(total_s)) - 6))
+
+    def ticks(self, seconds: float) -> int:
+        return int(round(seconds / self.tick_s))
+
+    def seconds(self, ticks: int) -> float:
+        return ticks * self.tick_s
+
+
+@dataclass(frozen=True)
+class TransferOption:
+    """One way to move a layer: chunk count and routes, with its per-piece costs in ticks."""
+
+    chunks: int
+    delivery: str
+    reduction: str
+    owned: int  # chunks each rank owns (updates, and copies when sharded) = chunks / W
+    load_pieces: int  # pieces a rank copies up per load: chunks (replicated) or owned (sharded)
+    fwd_piece: int  # one piece, forward phase, H2D alone
+    fwd_piece_duplex: int  # the same while activations are offloaded (both directions busy)
+    bwd_piece: int  # one piece, backward phase (gradients going down at the same time)
+    grad_pieces: int  # pieces a rank copies down: chunks (cpu reduction) or owned (gpu)
+    grad_piece: int
+    update_piece: int  # one chunk on one rank's CPU lane: AdamW (+ the sum of W copies, cpu route)
+    all_gather: int  # per load, sharded only
+    reduce_scatter: int  # per gradient, gpu reduction only
+    staging_bytes: int  # device staging of the gradient (costmodel.memory.grad_staging_bytes)
+    piece_bytes: int  # bytes of one chunk in the compute dtype
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.chunks, self.delivery, self.reduction)
+
+    def update_lane_ticks(self) -> int:
+        """A rank's CPU lane time for the whole layer: owned * update_piece."""
+        return self.owned * self.update_piece
+
+    def load_schedule(self, piece: int) -> int:
+        """C = max over the pieces i a rank loads of (j_i + 1) * update_piece + (pieces - i) * piece,
+        where piece i is the j_i-th chunk its owner updates (j = i // W when every rank loads every
+        chunk, j = i when a rank loads only the chunks it owns): the earliest end of the load
+        counted from the start of the layer's update, if the link were free (see cpsat.py)."""
+        world_size = self.chunks // self.owned
+        best = 0
+        for i in range(self.load_pieces):
+            j = i // world_size if self.delivery == REPLICATED else i
+            best = max(best, (j + 1) * self.update_piece + (self.load_pieces - i) * piece)
+        return best
+
+
+@dataclass(frozen=True)
+class BlockTicks:
+    fwd: int
+    bwd: dict  # activation -> ticks (recompute adds the forward)
+    offload: int  # saved activations of every micro-batch, device to host
+    reload: int  # and back before the backward
+    saved_bytes: int  # per micro-batch
+    workspace_bytes: int  # forward's working set
+    param_grads_bytes: int  # autograd's parameter gradients during the backward (compute dtype)
+
+
+class ProblemCosts:
+    """Costs of one problem under one set of solver options (immutable once built)."""
+
+    def __init__(self, problem: Problem, options: SolverOptions | None = None):
+        self.problem = problem
+        self.options = options or SolverOptions()
+        self.cache: dict = {}  # derived structures (memory terms per window), filled on first use
+        g, hw, W, m = problem.graph, problem.hardware, problem.world_size, problem.micro_batches
+        self.elem = DTYPE_BYTES[g.compute_dtype]
+        self.n_layers = len(g.layers)
+        self.n_blocks = self.n_layers - 2
+        self.first_block, self.last_block = 1, self.n_layers - 2
+        self.epilogue_id = self.n_layers - 1
+        if any(layer.kind != "block" for layer in g.layers[1:-1]) or self.n_blocks < 1:
+            raise ValueError("the layer graph must be prologue, one or more blocks, epilogue")
+        self.scale = TimeScale.for_total(self._serial_seconds())
+        t = self.scale.ticks
+        curve = hw.transfer_efficiency
+        h2d_alone = ops.h2d_bytes_per_s(hw, W, duplex=False)
+        h2d_duplex = ops.h2d_bytes_per_s(hw, W, duplex=True)
+        d2h_duplex = ops.d2h_bytes_per_s(hw, W, duplex=True)
+
+        self.routes = [(REPLICATED, CPU)]
+        if W > 1 and hw.gpu_p2p_bytes_per_s > 0:
+            self.routes = [(d, r) for d, r in product(self.options.deliveries, self.options.reductions)]
+        elif self.options.forces_route:
+            why = "world_size is 1" if W == 1 else f"the GPUs of {hw.name} have no peer-to-peer (gpu_p2p_bytes_per_s 0)"
+            raise ValueError(
+                f"deliveries {self.options.deliveries} and reductions {self.options.reductions} leave out the "
+                f"replicated delivery or the CPU reduction, but {why}: only (replicated, cpu) can be planned")
+        # the baselines' route: (replicated, cpu) unless the options force another
+        self.default_route = (REPLICATED, CPU) if (REPLICATED, CPU) in self.routes else self.routes[0]
+        self.layer_options: list[tuple[TransferOption, ...]] = []
+        for layer in g.layers:
+            numel, opts = layer.numel, []
+            on_device = layer.id in problem.device_state  # copies within the device, update there
+            for mult, (delivery, reduction) in product(self.options.chunk_multiples, self.routes):
+                k = mult * W
+                piece_bytes = numel * self.elem / k
+                owned = k // W
+                load_pieces = k if delivery == REPLICATED else owned
+                grad_pieces = k if reduction == CPU else owned
+                update = ops.cpu_update_time_s(numel / k, hw, lanes=W)
+                if reduction == CPU:
+                    update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=W)
+                option = TransferOption(
+                    chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
+                    fwd_piece=t(ops.transfer_time_s(piece_bytes, h2d_alone, curve)),
+                    fwd_piece_duplex=t(ops.transfer_time_s(piece_bytes, h2d_duplex, curve)),
+                    bwd_piece=t(ops.transfer_time_s(piece_bytes, h2d_duplex, curve)),
+                    grad_pieces=grad_pieces,
+                    grad_piece=t(ops.transfer_time_s(piece_bytes, d2h_duplex, curve)),
+                    update_piece=t(update),
+                    all_gather=t(ops.all_gather_time_s(numel * self.elem, W, hw)) if delivery == SHARDED else 0,
+                    reduce_scatter=(t(ops.reduce_scatter_time_s(numel * self.elem, W, hw))
+                                    if reduction == GPU else 0),
+                    staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
+                    piece_bytes=int(math.ceil(piece_bytes)),
+                )
+                if on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
+                    all_reduce = ops.all_reduce_time_s(numel * 4, W, hw) / grad_pieces
+                    option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=t(all_reduce),
+                                     update_piece=0, all_gather=0, reduce_scatter=0, staging_bytes=0)
+                opts.append(option)
+            self.layer_options.append(tuple(opts))
+        self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
+
+        self.blocks: dict[int, BlockTicks] = {}
+        for layer in g.blocks:
+            c = layer.costs
+            bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False, compiled=problem.compiled_blocks))
+            # compiled: every policy's forward and backward at the compiled rate (executor.py)
+            compiled = problem.compiled_blocks
+            self.blocks[layer.id] = BlockTicks(
+                fwd=t(ops.block_forward_time_s(c, hw, m, compiled=compiled)),
+                bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True, compiled=compiled)),
+                     KEEP: bwd_plain,
+                     OFFLOAD: bwd_plain},
+                offload=t(ops.offload_time_s(c.saved_activation_bytes, m, d2h_duplex, curve)),
+                reload=t(ops.offload_time_s(c.saved_activation_bytes, m, h2d_duplex, curve)),
+                saved_bytes=c.saved_activation_bytes,
+                workspace_bytes=c.peak_workspace_bytes,
+                param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
+            )
+        pro, epi = g.prologue.costs, g.epilogue.costs
+        # The device's AdamW of the layers whose state lives there runs at the step boundary on a stream
+        # of its own, in forward order, beside the next forward (backend/runtime/rank.py); the forward reaches
+        # each such layer after the forward of the layers before it, and is delayed (at its start) by
+        # the most any update, with those before it, runs past that: max_k (sum_{j<=k} U_j - F_<k).
+        on_device = [layer for layer in g.layers if layer.id in problem.device_state]
+        self.device_state_bytes = sum(mem.device_state_bytes(layer.numel, self.elem) for layer in on_device)
+        prologue_fwd = t(ops.forward_time_s(pro, hw, m))
+        forward_before, elapsed = {g.prologue.id: 0}, prologue_fwd
+        for b in g.blocks:
+            forward_before[b.id], elapsed = elapsed, elapsed + self.blocks[b.id].fwd
+        forward_before[g.epilogue.id] = elapsed
+        updated, self.device_update = 0, 0
+        for layer in on_device:
+            updated += t(ops.device_update_time_s(layer.numel, hw))
+            self.device_update = max(self.device_update, updated - forward_before[layer.id])
+        self.prologue_fwd = prologue_fwd + self.device_update
+        # Streamed updates (decisions.streamed): per host layer and chunk count, per chunk (the owner's
+        # part, backend.lowering.program.chunk_bounds) its pieces' (up, down) ticks; up: H2D, down: the device's
+        # AdamW of the piece, then D2H (both directions busy: duplex rates, the W ranks sharing links).
+        self.streamed_pieces: dict[tuple[int, int], tuple[tuple[tuple[int, int], ...], ...]] = {}
+        self.streamed_update_bytes = mem.streamed_update_bytes(self.elem)
+        for layer in g.layers:
+            if layer.id in problem.device_state or not layer.numel:
+                continue
+            for k in {o.chunks for o in self.layer_options[layer.id]}:
+                size = -(-layer.numel // k)
+                chunks = []
+                for lo in range(0, layer.numel, size):
+                    pieces = []
+                    for a in range(lo, min(lo + size, layer.numel), mem.STREAMED_PIECE_NUMEL):
+                        n = min(mem.STREAMED_PIECE_NUMEL, lo + size - a, layer.numel - a)
+                        up, down = ops.streamed_update_bytes(n, self.elem)
+                        pieces.append((t(ops.transfer_time_s(up, h2d_duplex, curve)),
+                                       t(ops.device_update_time_s(n, hw) + ops.transfer_time_s(down, d2h_duplex, curve))))
+                    chunks.append(tuple(pieces))
+                self.streamed_pieces[(layer.id, k)] = tuple(chunks)
+        self.streamed_layers = frozenset(i for i, _ in self.streamed_pieces)
+        self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
+        self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
+
+        # Memory constants (bytes per rank).
+        resident_numel = g.prologue.numel + g.epilogue.numel
+        self.resident_params_bytes, self.resident_grads_bytes = mem.resident_layer_bytes(resident_numel,
+                                                                                        self.elem)
+        self.max_block_numel = max(layer.numel for layer in g.blocks)
+        self.grad_accumulators_bytes = mem.grad_accumulators_bytes(self.max_block_numel)
+        self.boundary_bytes = max([layer.costs.boundary_activation_bytes for layer in g.layers])
+        self.epilogue_working_bytes = mem.epilogue_working_bytes(
+            g.batch_size * g.seq_len, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def host_offload_bytes(self, d: Decisions) -> int:
+        """Host memory the offloaded activations of `d` take: sum over offloading blocks of m * saved."""
+        m = self.problem.micro_batches
+        return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
+
+    def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
+        """The device peak within the budget and the offloaded activations within host memory."""
+        limit = self.problem.host_offload_bytes
+        return peak_bytes <= budget_bytes and (limit is None or self.host_offload_bytes(d) <= limit)
+
+    def windows(self) -> tuple[int, ...]:
+        """Window sizes worth trying: the options, capped at the number of blocks."""
+        return tuple(sorted({min(w, self.n_blocks) for w in self.options.windows}))
+
+    def option(self, layer_id: int, chunks: int, delivery: str, reduction: str) -> TransferOption:
+        try:
+            return self._option_index[(layer_id, chunks, delivery, reduction)]
+        except KeyError:
+            raise ValueError(f"layer {layer_id}: no option chunks={chunks}, {delivery}, {reduction} among "
+                             f"{[o.key for o in self.layer_options[layer_id]]}") from None
+
+    def owner(self, update_position: int, chunk: int) -> int:
+        """Rank whose CPU threads update a chunk: (position in update order + chunk) mod W."""
+        return (update_position + chunk) % self.problem.world_size
+
+    def weight_slots_bytes(self, window: int) -> int:
+        return mem.weight_slots_bytes(self.max_block_numel, self.elem, window)
+
+    def _serial_seconds(self) -> float:
+        """Every operation of a recompute-all step, one after another (for the time scale only)."""
+        g, hw, m = self.problem.graph, self.problem.hardware, self.problem.micro_batches
+        total = 0.0
+        for layer in g.layers:
+            total += ops.forward_time_s(layer.costs, hw, m) * 2 + ops.backward_time_s(
+                layer.costs, hw, m, recompute=False)
+            nbytes = layer.numel * self.elem
+            total += 2 * nbytes / hw.h2d_bytes_per_s + nbytes / hw.d2h_bytes_per_s
+            total += ops.cpu_update_time_s(layer.numel, hw)
+        return total

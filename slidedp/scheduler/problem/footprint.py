@@ -1,0 +1,134 @@
+"""Device memory of one rank over program order: at each compute position, the bytes held.
+
+Memory depends on the decisions only, not on timing: the program fixes when each buffer is
+allocated and freed relative to the compute ops (the transfers that free a buffer are waited for
+before the compute that reuses it, see program.py). At compute position x:
+
+  mem(x) = resident weights + resident fp32 gradients + window * largest block
+           + 2 fp32 block gradient accumulators + max over layers of its gradient staging
+           + the optimizer state of the blocks that keep it on the device (costmodel.memory)
+           + the slots of streamed updates, if any (allocated once, held throughout)
+           + boundary stash(x) * m + working set(x)
+           + sum over kept blocks i with fwd_i <= x <= bwd_i of m * saved_i
+           + sum over offloaded blocks i with x in {fwd_i, fwd_i + 1, bwd_i - 1, bwd_i} of m * saved_i
+
+stash(x) counts the boundary activations alive (every block's input until its backward, plus the
+tensors in flight): 1 at the prologue, i + 1 at block i's forward, N + 2 at the epilogue, i + 2 at
+block i's backward, 2 at the prologue's backward. The working set is the block's
+peak_workspace_bytes (in the backward plus its parameter gradients in the compute dtype, and one
+micro-batch of its saved activations while it is recomputed), and the chunked loss at the
+epilogue (costmodel.memory.epilogue_working_bytes). backend/lowering/program.py allocates the same buffers
+(from the same costmodel.memory functions), so a lowered program never needs more than this.
+
+Both the simulator (evaluating it) and the CP-SAT model (as linear constraints) use `terms`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
+
+CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
+              "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
+              "working_bytes", "device_state_bytes", "streamed_update_bytes")
+
+
+@dataclass(frozen=True)
+class PositionTerms:
+    position: int
+    key: str  # the compute op at this position
+    base: tuple[tuple[str, int], ...]  # (category, bytes) that no block's activation policy changes
+    keep: tuple[tuple[int, int], ...]  # (block id, bytes) held here if that block keeps: blocks 1..keep_upto
+    offload: tuple[tuple[int, int], ...]  # ... if it offloads
+    recompute: tuple[tuple[int, int], ...]  # ... if it recomputes
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(b for _, b in self.base)
+
+    @property
+    def keep_upto(self) -> int:
+        return len(self.keep)
+
+
+def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
+    """Memory terms at every compute position (the staging maximum is added separately)."""
+    key = ("footprint.terms", window)
+    if key not in costs.cache:
+        costs.cache[key] = _terms(costs, window, compute_keys)
+    return costs.cache[key]
+
+
+def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
+    N, m = costs.n_blocks, costs.problem.micro_batches
+    static = (("resident_params_bytes", costs.resident_params_bytes),
+              ("resident_grads_bytes", costs.resident_grads_bytes),
+              ("weight_slots_bytes", costs.weight_slots_bytes(window)),
+              ("grad_accumulators_bytes", costs.grad_accumulators_bytes),
+              ("device_state_bytes", costs.device_state_bytes))
+    out = []
+    for x, key in enumerate(compute_keys):
+        if x == 0:
+            stash, work = 1, 0
+        elif x <= N:
+            stash, work = x + 1, costs.blocks[x].workspace_bytes
+        elif x == N + 1:
+            stash, work = N + 2, costs.epilogue_working_bytes
+        elif x < 2 * N + 2:
+            i = 2 * N + 2 - x
+            stash, work = i + 2, costs.blocks[i].workspace_bytes + costs.blocks[i].param_grads_bytes
+        else:
+            stash, work = 2, 0
+        keep, offload, recompute = [], [], []
+        for i, b in costs.blocks.items():
+            held = m * b.saved_bytes
+            fwd, bwd = i, 2 * N + 2 - i
+            if fwd <= x <= bwd:
+                keep.append((i, held))
+            if x in {fwd, fwd + 1, bwd - 1, bwd}:
+                offload.append((i, held))
+            if x == bwd:
+                recompute.append((i, b.saved_bytes))
+        assert [i for i, _ in keep] == list(range(1, len(keep) + 1)), "kept blocks at a position are 1..j"
+        base = static + (("boundary_stash_bytes", stash * m * costs.boundary_bytes), ("working_bytes", work))
+        out.append(PositionTerms(x, key, base, tuple(keep), tuple(offload), tuple(recompute)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    per_position: tuple[int, ...]  # device bytes at each compute position
+    peak_bytes: int
+    peak_position: int
+    breakdown: dict  # category -> bytes at the peak position (sums to peak_bytes)
+
+
+def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str, ...]) -> Footprint:
+    """mem(x) at every position for these decisions, and the breakdown of the peak."""
+    activation = {i: decisions.layers[i].activation for i in costs.blocks}
+    staging = max(costs.option(i, c.chunks, c.delivery, c.reduction).staging_bytes
+                  for i, c in enumerate(decisions.layers))
+    m = costs.problem.micro_batches
+    kept_prefix = [0]  # bytes kept by blocks 1..j (the blocks held at a position are always 1..j)
+    for i in sorted(costs.blocks):
+        kept_prefix.append(kept_prefix[-1] + (m * costs.blocks[i].saved_bytes if activation[i] == KEEP else 0))
+    totals, parts = [], []
+    for t in terms(costs, decisions.window, compute_keys):
+        part = dict.fromkeys(CATEGORIES, 0)
+        for name, b in t.base:
+            part[name] += b
+        part["grad_staging_bytes"] = staging
+        part["streamed_update_bytes"] = costs.streamed_update_bytes if decisions.streamed else 0
+        part["kept_activation_bytes"] = kept_prefix[t.keep_upto]
+        for (i, b) in t.offload:
+            if activation[i] == OFFLOAD:
+                part["offload_buffers_bytes"] += b
+        for (i, b) in t.recompute:
+            if activation[i] == RECOMPUTE:
+                part["working_bytes"] += b
+        totals.append(sum(part.values()))
+        parts.append(part)
+    peak_x = max(range(len(totals)), key=lambda x: (totals[x], -x))
+    return Footprint(tuple(totals), totals[peak_x], peak_x, parts[peak_x])

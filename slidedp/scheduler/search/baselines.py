@@ -1,0 +1,84 @@
+"""Baseline schedules: fixed rules, no search. They return `Decisions` like the solver does (and
+`solve.plan_for` turns any of them into the same Plan type); they seed the CP-SAT search as
+hints, and the solver's plan is never slower than any of them that fits.
+
+Common to all: the fewest chunks (one per rank), replicated delivery and CPU reduction (unless the
+options force another route: `ProblemCosts.default_route`), the forward update order, and the
+widest of windows 2 then 1 that fits.
+"""
+
+from __future__ import annotations
+
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.decisions import (
+    FORWARD_ORDER, KEEP, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
+)
+from slidedp.scheduler.problem.footprint import evaluate
+from slidedp.scheduler.problem.lanes import build_program
+
+
+def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple: int | None = None,
+            route: tuple[str, str] | None = None, order: str | None = None) -> Decisions:
+    """Every block with the same activation policy, every layer with the same chunks and route
+    (None: costs.default_route)."""
+    W = costs.problem.world_size
+    route = route or costs.default_route
+    k = W * (chunk_multiple or min(costs.options.chunk_multiples))
+    layers = tuple(LayerChoice(k, activation if i in costs.blocks else RESIDENT, route[0], route[1])
+                   for i in range(costs.n_layers))
+    order = order or (FORWARD_ORDER if FORWARD_ORDER in costs.options.update_orders else costs.options.update_orders[0])
+    return Decisions(min(window, costs.n_blocks), order, layers)
+
+
+def peak_bytes(costs: ProblemCosts, d: Decisions) -> int:
+    return evaluate(costs, d, build_program(costs.n_blocks, d.window, False).compute_keys).peak_bytes
+
+
+def _widest_fitting(costs: ProblemCosts, budget_bytes: int, activation: str) -> Decisions | None:
+    windows = costs.windows()
+    for window in [w for w in (2, 1) if w in windows] or list(windows):
+        d = uniform(costs, window=window, activation=activation)
+        if peak_bytes(costs, d) <= budget_bytes:
+            return d
+    return None
+
+
+def recompute_all(costs: ProblemCosts, budget_bytes: int) -> Decisions | None:
+    """Every block recomputes its forward before its backward (the least activation memory)."""
+    return _widest_fitting(costs, budget_bytes, RECOMPUTE)
+
+
+def keep_all(costs: ProblemCosts, budget_bytes: int) -> Decisions | None:
+    """Every block keeps its saved activations on the device (no recompute), where it fits."""
+    if KEEP not in costs.options.activations:
+        return None
+    return _widest_fitting(costs, budget_bytes, KEEP)
+
+
+def greedy(costs: ProblemCosts, budget_bytes: int) -> Decisions | None:
+    """From recompute-all, keep the blocks with the most recompute time saved per byte held
+    (ties: the later block, whose activations live the shortest) while the budget allows."""
+    base = recompute_all(costs, budget_bytes)
+    if base is None or KEEP not in costs.options.activations:
+        return base
+    m = costs.problem.micro_batches
+
+    def value(i: int) -> tuple[float, int]:
+        b = costs.blocks[i]
+        saved = b.bwd[RECOMPUTE] - b.bwd[KEEP]
+        return (-saved / max(1, m * b.saved_bytes), -i)
+
+    d = base
+    for i in sorted(costs.blocks, key=value):
+        trial = d.replace_layers([i], activation=KEEP)
+        if peak_bytes(costs, trial) <= budget_bytes:
+            d = trial
+    return d
+
+
+BASELINES = {"recompute-all": recompute_all, "keep-all": keep_all, "greedy": greedy}
+
+
+def default_decisions(costs: ProblemCosts, budget_bytes: int) -> Decisions | None:
+    """The fixed default schedule (`plan.default_plan`): one chunk per rank, every block recomputed."""
+    return recompute_all(costs, budget_bytes)

@@ -1,0 +1,66 @@
+"""Early updates in the plan: which host layers the CPU updates during the backward, in which order.
+
+The gradients land in the order last block, ..., first block, prologue, epilogue (the executor
+sends the resident layers' gradients after the prologue's backward, the head's tied use included);
+the next step loads them in its update order (prologue, blocks, epilogue). The CPU takes the first
+m layers as they land, then the rest in the order the next step loads them (the simulator's note [early updates] lays that out in steady
+state): m = all keeps the CPU busy through the backward but makes the next forward wait for the
+prologue's update; a smaller m lets the forward start sooner. The best m is found by simulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.decisions import Decisions
+from slidedp.scheduler.oracles.timeline import Simulation, simulate
+
+
+def landing_order(n_layers: int) -> tuple[int, ...]:
+    """Layer ids in the order their gradients reach the host within a pass."""
+    return tuple(range(n_layers - 2, -1, -1)) + (n_layers - 1,)
+
+
+def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[int, ...]:
+    """The first `landed_first` host layers in landing order, then the others in the order the next
+    step loads them (d's update order); layers with their state on the device, or whose update is
+    streamed through it (d.streamed), are not in it."""
+    host = set(range(costs.n_layers)) - set(costs.problem.device_state) - set(d.streamed)
+    first = [i for i in landing_order(costs.n_layers) if i in host][:landed_first]
+    return tuple(first) + tuple(i for i in d.order(costs.n_layers) if i in host and i not in first)
+
+
+def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
+    """Host bytes of the spare fp32 master and moments of every host layer the CPU updates."""
+    g = costs.problem.graph
+    skip = set(costs.problem.device_state) | set(d.streamed)
+    return sum(12 * layer.numel for layer in g.layers if layer.id not in skip)
+
+
+def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
+    """`d` with its best early order (None: early updates not allowed, or no host layer)."""
+    limit = costs.problem.early_host_bytes
+    n = costs.n_layers - len(costs.problem.device_state) - len(d.streamed)
+    if limit is None or n == 0 or spare_bytes(costs, d) > limit:
+        return None
+    tried: dict[int, tuple[Decisions, Simulation]] = {}
+
+    def at(m: int):
+        if m not in tried:
+            e = replace(d, early_order=early_order(costs, d, m))
+            tried[m] = e, simulate(costs, e, all_ranks=False)
+        return tried[m][1].makespan
+
+    # the makespan is about unimodal in m: a coarse sweep, then the neighbours of the best
+    for m in sorted({round(n * k / 8) for k in range(9)}):
+        at(m)
+    step = max(1, n // 8)
+    while step > 1:
+        best = min(tried, key=lambda m: (tried[m][1].makespan, m))
+        step = max(1, step // 2)
+        for m in (best - step, best + step):
+            if 0 <= m <= n:
+                at(m)
+    best = min(tried, key=lambda m: (tried[m][1].makespan, m))
+    return tried[best]

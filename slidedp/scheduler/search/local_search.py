@@ -1,0 +1,73 @@
+"""Local search over whole-group moves, each judged by the simulator: a strong starting point for
+CP-SAT on large models, where the exact search has little time. Deterministic (steepest descent,
+ties to the first move listed)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
+from slidedp.scheduler.problem.footprint import evaluate
+from slidedp.scheduler.oracles import closed_form
+from slidedp.scheduler.problem.lanes import build_program
+
+
+def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
+    """Makespan in ticks (closed_form: the simulator's number), or infinity if `d` does not fit."""
+    keys = build_program(costs.n_blocks, d.window, False).compute_keys
+    if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
+        return float("inf")
+    return closed_form.evaluate(costs, d).makespan
+
+
+def moves(costs: ProblemCosts, d: Decisions):
+    """Neighbours of `d`: another window; the other update order; another route, or another chunk
+    count, for a whole group (prologue, blocks, epilogue); every block to one policy; one more block
+    kept or offloaded (the latest recomputed one); one fewer (the earliest)."""
+    blocks = sorted(costs.blocks)
+    groups = {"prologue": [0], "blocks": blocks, "epilogue": [costs.epilogue_id]}
+    W = costs.problem.world_size
+    for w in costs.windows():
+        if w != d.window:
+            yield replace(d, window=w)
+    for o in costs.options.update_orders:
+        if o != d.update_order:
+            yield replace(d, update_order=o)
+    for ids in groups.values():
+        current = d.layers[ids[0]]
+        for delivery, reduction in costs.routes:
+            if (delivery, reduction) != (current.delivery, current.reduction):
+                yield d.replace_layers(ids, delivery=delivery, reduction=reduction)
+        for mult in costs.options.chunk_multiples:
+            if mult * W != current.chunks or any(d.layers[i].chunks != current.chunks for i in ids):
+                yield d.replace_layers(ids, chunks=mult * W)
+    for a in costs.options.activations:
+        if any(d.layers[i].activation != a for i in blocks):
+            yield d.replace_layers(blocks, activation=a)
+    recomputed = [i for i in blocks if d.layers[i].activation == RECOMPUTE]
+    for a in (KEEP, OFFLOAD):
+        if a not in costs.options.activations:
+            continue
+        if recomputed:
+            yield d.replace_layers([recomputed[-1]], activation=a)
+        held = [i for i in blocks if d.layers[i].activation == a]
+        if held:
+            yield d.replace_layers([held[0]], activation=RECOMPUTE)
+
+
+def improve(costs: ProblemCosts, start: Decisions, budget_bytes: int, *, max_evaluations: int = 200) -> Decisions:
+    """Steepest descent from `start` (which must fit) until no move helps or the evaluations run out."""
+    best, best_score = start, score(costs, start, budget_bytes)
+    evaluations = 0
+    while evaluations < max_evaluations:
+        candidates = list(moves(costs, best))[: max_evaluations - evaluations]
+        evaluations += len(candidates)
+        scored = [(score(costs, d, budget_bytes), k) for k, d in enumerate(candidates)]
+        if not scored:
+            break
+        value, k = min(scored)
+        if value >= best_score:
+            break
+        best, best_score = candidates[k], value
+    return best
