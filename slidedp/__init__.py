@@ -11,13 +11,14 @@ from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402
 from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError  # noqa: E402
 from slidedp.optim import AdamW  # noqa: E402
+from slidedp.scheduler.decisions import SolverOptions  # noqa: E402
 from slidedp.scheduler.plan import Plan  # noqa: E402
 
 
 def __getattr__(name: str):
     # `compile` and `plan` bring in the solver (OR-Tools); worker processes, which only run a
     # plan, import slidedp without it.
-    if name in ("compile", "plan"):
+    if name in ("compile", "plan", "Engine"):
         from slidedp import api
 
         return getattr(api, name)
@@ -25,6 +26,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AdamW", "Budget", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "UnsupportedModelError",
-    "WorkerError", "compile", "plan", "__version__",
+    "AdamW", "Budget", "Engine", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "SolverOptions",
+    "UnsupportedModelError", "WorkerError", "compile", "plan", "__version__",
 ]

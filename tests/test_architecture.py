@@ -34,7 +34,8 @@ SUB_FLOORS = {
 
 # What other stages may import of a stage (its surface), by importer; "*": every other stage.
 SURFACES = {
-    "scheduler": {"*": ("scheduler.plan",), "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve")},
+    "scheduler": {"*": ("scheduler.plan",), "": ("scheduler.plan", "scheduler.decisions"),
+                  "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve")},
 }
 
 

@@ -66,7 +66,9 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
     assert plan["workload"]["seq_len"] == 1024
     # the device-state search's progress, one stderr line per choice tried, when there is a search
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[slidedp] plan: ")]
-    assert len(progress) == (len(plan["solver"]["device_state_tried"]) if len(plan["solver"]["device_state_tried"]) > 1 else 0)
+    tried = plan["explanation"]["solver"]["device_state_tried"]
+    assert len(progress) == (len(tried) if len(tried) > 1 else 0)
+    assert out.stat().st_size < 200_000  # the timeline is kept as rows, not one object per event
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out
     assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2

@@ -267,7 +267,7 @@ class Plan:
 
     def save(self, path: str | Path, explanation: bool = True) -> None:
         """JSON; `explanation=False` writes the schedule alone (what `compile(plan=)` needs)."""
-        Path(path).write_text(json.dumps(self.to_dict(explanation), indent=1, sort_keys=True))
+        Path(path).write_text(json.dumps(self.to_dict(explanation), indent=1))  # key order kept: identical round trips
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -289,6 +289,7 @@ class Plan:
             solver += f", {sv['wall_s']:.1f} s"
         if sv.get("chosen_by") not in (None, "cp-sat"):
             solver += f", plan from {sv['chosen_by']}"
+        decided = [f"  decided by: {what}: {how}" for what, how in sv.get("searches", {}).items()]
         order = "prologue, epilogue, blocks" if self.update_order[1:2] == (len(self.decisions) - 1,) \
             else "prologue, blocks, epilogue"
         lines = [
@@ -305,10 +306,11 @@ class Plan:
               if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
-            f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
-            f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
-            f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "
-            f"— bottleneck: {p['bottleneck']}",
+            *decided,
+            (f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
+             f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
+             f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "
+             f"— bottleneck: {p['bottleneck']}") if p else "  predicted step: not known (saved without its explanation)",
             "",
         ]
         if self.groups:

@@ -192,6 +192,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "device_state_tried": {_device_state_label(c): step_s for c, step_s in sorted(tried.items())},
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "wall_s": wall,
+        "searches": _searches(sol, tried, costs.options),
     }
     plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver=solver, explain=explain)
@@ -202,6 +203,24 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         plan = plan.replace(alternatives=plan.alternatives + (
             _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates)),))
     return plan
+
+
+def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions) -> dict[str, str]:
+    """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to it)."""
+    core = sol.chosen_by.split(" + ")[0]
+    searches = {"window, chunks, activations, routes, update owners":
+                "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"}
+    if options.device_state_blocks is not None:
+        searches["optimizer state on the device"] = "fixed by SolverOptions.device_state_blocks"
+    elif len(device_state_tried) > 1:
+        searches["optimizer state on the device"] = (f"sweep around the solver: {len(device_state_tried)} choices, "
+                                                     "each solved in full (solve._device_state_search)")
+    if sol.decisions.early_order:
+        searches["early updates"] = "simulation of the update order (search/early_order.py)"
+    if sol.decisions.streamed:
+        searches["streamed updates"] = ("fixed by SolverOptions.streamed_layers" if options.streamed_layers is not None
+                                        else "sweep by simulation (search/streamed_prefix.py)")
+    return searches
 
 
 def _streamed_alternative(tried: dict[int, float], chosen: int) -> Alternative:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import slidedp
+from slidedp.scheduler.problem.lanes import window_loads
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
 from tests.models import make_model
 
@@ -19,8 +20,9 @@ def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None, c
         dataclasses.replace(d, chunks=chunks, activation=next(policies) if d.kind == "block" else d.activation)
         for d in plan.decisions
     )
-    fields = dict(decisions=decisions, window=window)
-    if loss_chunk_tokens is not None and "loss_chunk_tokens" in {f.name for f in dataclasses.fields(plan)}:
+    n_blocks = sum(d.kind == "block" for d in decisions)
+    fields = dict(decisions=decisions, window=window, window_loads=window_loads(n_blocks, window))
+    if loss_chunk_tokens is not None:
         fields["loss_chunk_tokens"] = loss_chunk_tokens
     return plan.replace(**fields)
 
@@ -95,7 +97,8 @@ def test_a_plan_for_another_machine_is_bounded_by_its_host_memory(monkeypatch):
     """plan(host_memory=) passes that machine's host RAM to the solver as compile passes this one's:
     half of it beyond the host state and the preflight's headroom for offloaded activations, the
     rest for early updates' spare state. Without it planning is unbounded; compile refuses it."""
-    from slidedp import api, preflight
+    from slidedp import api
+    from slidedp.run import preflight
 
     seen = []
 

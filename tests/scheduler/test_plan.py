@@ -19,10 +19,40 @@ def test_plan_round_trips_and_is_reused(tmp_path):
     assert loaded == plan
     assert "predicted step" in plan.summary() and "recompute" in plan.summary()
     assert plan.predicted_step_time_s > 0 and plan.peak_device_bytes <= 2**30
+    assert loaded.summary() == plan.summary()
     engine = slidedp.compile(model, "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu", plan=path)
     assert engine.plan == plan
     engine.step(torch.randint(0, VOCAB, (2, 16)))
     engine.close()
+
+
+def test_the_schedule_alone_is_the_contract(tmp_path):
+    """A plan saved without its explanation is small, and compile runs it exactly as the whole plan."""
+    model = make_model("llama")
+    plan = slidedp.plan(model, "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    whole, schedule = tmp_path / "plan.json", tmp_path / "schedule.json"
+    plan.save(whole)
+    plan.save(schedule, explanation=False)
+    assert schedule.stat().st_size < whole.stat().st_size / 2
+    alone = Plan.load(schedule)
+    assert alone.schedule == plan.schedule and alone.timeline == () and "not known" in alone.summary()
+    batch = torch.randint(0, VOCAB, (2, 16))
+    losses = []
+    for p in (whole, schedule):
+        engine = slidedp.compile(make_model("llama"), "1GiB", batch_size=2, seq_len=16, precision="fp32",
+                                 device="cpu", plan=p)
+        losses.append([engine.step(batch) for _ in range(2)])
+        engine.close()
+    assert losses[0] == losses[1]
+
+
+def test_a_round_trip_keeps_every_field_in_order(tmp_path):
+    plan = slidedp.plan(make_model("qwen3"), "1GiB", batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    shuffled = plan.replace(memory=dict(reversed(list(plan.memory.items()))))
+    shuffled.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again == shuffled and again.summary() == shuffled.summary()
+    assert list(again.memory) == list(shuffled.memory)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -1,0 +1,167 @@
+"""The last two stages of `compile`: allocate (host state, weights) and launch (the ranks).
+
+`launch(request, graph, plan, program)` checks memory before allocating anything (preflight), makes
+the host state, writes the initial weights into it, and starts the ranks: the engine's own process
+for one rank, worker processes for several, or this process as one rank under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slidedp.backend.lowering.program import Program
+from slidedp.backend.runtime.comm import RankComm
+from slidedp.backend.runtime.rank import build_rank
+from slidedp.backend.runtime.workers import WorkerPool, job_skeleton
+from slidedp.backend.state.host_state import HostState
+from slidedp.backend.state.step_flags import StepFlags
+from slidedp.budget import Budget
+from slidedp.costmodel.hardware import Hardware
+from slidedp.ir.graph import LayerGraph
+from slidedp.optim import AdamW
+from slidedp.run.engine import Engine, update_order
+from slidedp.run.preflight import check_compile
+from slidedp.run.weights import bind_parameters, check_weights_source, fill_masters
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Request:
+    """The arguments of `compile` / `plan`, checked and resolved (the input of every stage)."""
+
+    model: nn.Module
+    budget: Budget
+    batch_size: int
+    seq_len: int
+    world_size: int
+    device: torch.device
+    precision: str  # "bf16" | "fp32"
+    optimizer: AdamW
+    max_grad_norm: float | None
+    hardware: Hardware
+    micro_batches: int
+    compile_blocks: bool | None  # None: as a given plan says
+    planning_only: bool = False
+    host_memory_bytes: int | None = None  # (plan only) RAM available on the machine planned for
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.precision]
+
+
+def in_engine_process(world_size: int) -> bool:
+    """One rank, run in the engine's own process (SLIDEDP_WORKER_PROCESSES=1 puts it in a worker,
+    which runs the multi-rank code path on a machine with one GPU; for diagnosis)."""
+    return world_size == 1 and os.environ.get("SLIDEDP_WORKER_PROCESSES", "") in ("", "0")
+
+
+def launched_rank(world_size: int) -> int | None:
+    """This process's rank when torchrun (or a similar launcher) started one process per rank."""
+    launched = os.environ.get("WORLD_SIZE")
+    if world_size == 1 or launched is None:
+        return None
+    if int(launched) != world_size:
+        raise ValueError(f"world_size={world_size}, but the launcher started WORLD_SIZE={launched} processes")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", launched)) != world_size:
+        raise ValueError("slidedp's ranks share one host's memory: run every rank on one node "
+                         f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, WORLD_SIZE={launched})")
+    return int(os.environ["RANK"])
+
+
+def connect(request: Request, rank: int) -> tuple[RankComm, torch.device]:
+    """The process group of a launched rank, and its device."""
+    dev = request.device
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+    return RankComm(rank, request.world_size, dev, init_method=None if dist.is_initialized() else "env://"), dev
+
+
+def from_rank0(comm: RankComm, obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=comm.host_group)
+    return box[0]
+
+
+def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weights=None,
+           rank: int | None = None, comm: RankComm | None = None, device: torch.device | None = None) -> Engine:
+    """Allocate the host state, load the weights and start the ranks; returns the Engine.
+    `rank`/`comm`/`device`: this process's rank under a launcher (None: the engine drives them)."""
+    model, world_size, dev = request.model, request.world_size, device or request.device
+    check_weights_source(model, graph, weights)
+    bf16 = request.precision == "bf16"
+    if dev.type == "cuda" and rank is None and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    flag_ints = StepFlags.ints_needed(world_size, len(graph.layers))
+    in_process = in_engine_process(world_size)
+    # the device state of an engine's own rank keeps its moments and gradient there alone
+    lean = plan.device_state if in_process else ()
+    host = None
+    if rank is None or rank == 0:
+        check_compile(graph, plan, dev, precision=request.precision, world_size=world_size, control_ints=flag_ints,
+                      lean_layers=lean)  # host RAM, /dev/shm, free device memory: refuse with numbers
+        host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
+                         control_ints=flag_ints, spare_layers=plan.early_order, lean_layers=lean)
+    if rank is not None:
+        handle = from_rank0(comm, host.handle() if host is not None else None)
+        host = host if comm.rank == 0 else HostState.attach(handle)
+    runner = None
+    try:
+        load_weights(model, graph, host, bf16=bf16, copy=rank in (None, 0), weights=weights)
+        if comm is not None:
+            comm.barrier()  # rank 0 has written the weights
+        model.eval()  # dropout off: recomputation must reproduce the forward exactly
+        job = dict(graph=graph, plan=plan, program=program, compute_dtype=request.compute_dtype,
+                   loss_chunk_tokens=plan.loss_chunk_tokens or None, update_order=update_order(plan, graph),
+                   compile_blocks=plan.workload.compiled_blocks)
+        if in_process or rank is not None:
+            if dev.type == "cuda":
+                host.pin()
+            flags = StepFlags(host.control(), world_size, len(graph.layers)) if comm is not None else None
+            runner = build_rank(model=model, host=host, device=dev, rank=rank or 0, world_size=world_size,
+                                comm=comm, flags=flags, **job)
+        else:
+            flags = StepFlags(host.control(), world_size, len(graph.layers))
+            skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
+            runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)
+    except BaseException:
+        if runner is not None:
+            runner.close()
+        elif comm is not None:
+            comm.close()
+        host.close()
+        raise
+    return Engine(model=model, graph=graph, plan=plan, host=host, runner=runner, optimizer=request.optimizer,
+                  max_grad_norm=request.max_grad_norm, device=dev, precision=request.precision)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True,
+                 weights=None) -> None:
+    """Write the initial weights into the host state (unless another rank did: `copy=False`): the
+    model's own, or those of `weights` (slidedp/run/weights.py); then make the model's parameters views
+    of it (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held
+    twice."""
+    masters, deliveries = {}, {}
+    for layer in graph.layers:
+        arrays = host.layers[layer.id]
+        masters.update(arrays.param_views(arrays.master))
+        if arrays.delivery is not None:
+            deliveries.update(arrays.param_views(arrays.delivery))
+    if copy:
+        if weights is None:
+            for name, master in masters.items():
+                master.copy_(model.get_parameter(name).detach().float())
+        else:
+            fill_masters(graph, masters, weights)
+        for name, delivery in deliveries.items():
+            delivery.copy_(masters[name])
+    views = {name: deliveries[name] if (bf16 and model.get_parameter(name).dtype == torch.bfloat16) else master
+             for name, master in masters.items()}
+    bind_parameters(model, graph, views)
