@@ -13,6 +13,12 @@ CUDA-event medians in one process.
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# run as a script: the repository root first (this checkout's slidedp and benchmarks package)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 from pathlib import Path

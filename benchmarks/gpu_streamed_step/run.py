@@ -10,6 +10,12 @@ The reference is plain PyTorch on the same GPU: fp32 parameters, bf16 autocast, 
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# run as a script: the repository root first (this checkout's slidedp and benchmarks package)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+
 import argparse
 import copy
 import dataclasses

@@ -12,6 +12,12 @@ same Qwen3-shaped model on the same batches; the losses and weights must agree t
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# run as a script: the repository root first (this checkout's slidedp and benchmarks package)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 import os

@@ -18,6 +18,12 @@ rate as a fraction of `--matmul-flops-per-s` (the `head_efficiency` of a hardwar
 
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+# run as a script: the repository root first (this checkout's slidedp and benchmarks package)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+
 import argparse
 import json
 import time

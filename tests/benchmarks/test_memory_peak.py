@@ -1,17 +1,12 @@
-"""benchmarks/memory_peak.py: the allocations live at an allocator trace's peak, grouped by source."""
+"""benchmarks/tools/memory_peak.py: the allocations live at an allocator trace's peak, grouped by source."""
 
-import importlib.util
 import pickle
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_peak.py"
+import benchmarks.tools.memory_peak as memory_peak
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("memory_peak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return memory_peak
 
 
 def event(action, addr, size, filename="x.py", line=1):

@@ -1,4 +1,4 @@
-"""benchmarks/multi_gpu_scaling.py on the CPU: a tiny Qwen3, ranks as CPU processes on gloo, each
+"""benchmarks/multi_gpu_scaling on the CPU: a tiny Qwen3, ranks as CPU processes on gloo, each
 point in its own child process, records collected into JSON and rendered as the README section.
 
 The default run measures every system with 2 ranks on the same global batches (about 60 s, mostly
@@ -8,7 +8,6 @@ complete the scaling table, are marked slow."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "multi_gpu_scaling.py"
+import benchmarks.multi_gpu_scaling.run as scaling
+from benchmarks.common import systems, tables
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "multi_gpu_scaling" / "run.py"
 # strong scaling at 128 tokens per step: 4 rows of 32 tokens, the same global batches for 1 and 2 ranks
-TINY = ["--shape", "tiny", "--device", "cpu", "--mode", "strong", "--strong-tokens", "128", "--steps", "1"]
+TINY = ["--shape", "tiny", "--device", "cpu", "--mode", "strong", "--strong-tokens", "128", "--steps", "1",
+        "--allow-dirty"]
 SYSTEMS = ["slidedp", "fsdp2_cpu_offload", "fsdp2_gpu"]
 ROUTE = "sharded/gpu"  # forced in slidedp's plan (the cpu-gloo hardware allows every route)
 # Step-1 losses: fp32 everywhere, bit-identical initial weights and batches; the systems differ only in
@@ -33,13 +36,7 @@ LOSS_RTOL = 1e-5
 
 
 def load_script():
-    if "multi_gpu_scaling" in sys.modules:
-        return sys.modules["multi_gpu_scaling"]
-    spec = importlib.util.spec_from_file_location("multi_gpu_scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["multi_gpu_scaling"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return scaling
 
 
 def run_script(out: Path, *extra: str, timeout_s: float = 400):
@@ -73,7 +70,8 @@ def check_record(bench, r: dict, world_size: int) -> None:
     # host memory: the summed PSS of the point's processes, every rank counted
     assert r["peak_host_bytes"] > 0 and len(r["host_pss_bytes_per_process"]) >= world_size
     assert r["peak_device_bytes"] is None  # no device memory on the CPU
-    assert "multi_gpu_scaling.py" in r["command"] and len(r["date"]) == 10 and r["git_commit"]
+    assert "multi_gpu_scaling/run.py" in r["command"] and len(r["date"]) == 10 and r["git_commit"]
+    assert isinstance(r["dirty"], bool)
     assert r["env"]["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off in every process of the run
     assert r["hardware"].startswith(f"{world_size} x ")
 
@@ -179,7 +177,7 @@ def test_failing_points_become_records(tmp_path):
     spec = bench.Spec("slidedp", ROUTE, 2, 65536)
     assert bench.preflight(spec, args, gpus=2).startswith("not enough host RAM")  # 16 B x 4.4 G params
     assert bench.preflight(spec, argparse.Namespace(**{**vars(args), "host_ram_bytes": 512 << 30}), gpus=2) is None
-    assert bench.single.error_text(bench.DoesNotFit("does not fit: 70 GiB")) == "does not fit: 70 GiB"
+    assert systems.error_text(bench.DoesNotFit("does not fit: 70 GiB")) == "does not fit: 70 GiB"
 
 
 def test_points_and_parameter_counts():
@@ -230,9 +228,9 @@ def test_readme_table_renders(two_ranks, tmp_path):
     assert bench.render_table(two_ranks[1] + records) in section and two_ranks[1][0]["command"] in section
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nbefore\n\n<!-- h200_qwen3_4b:begin -->\nother\n<!-- h200_qwen3_4b:end -->\n")
-    bench.single.update_readme(readme, "first", bench.README_BEGIN, bench.README_END)
+    tables.update_readme(readme, "first", bench.README_BEGIN, bench.README_END)
     assert readme.read_text().endswith(f"{bench.README_BEGIN}\nfirst\n{bench.README_END}\n")  # appended at the end
-    bench.single.update_readme(readme, section, bench.README_BEGIN, bench.README_END)  # replaced, the rest kept
+    tables.update_readme(readme, section, bench.README_BEGIN, bench.README_END)  # replaced, the rest kept
     text = readme.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- h200_qwen3_4b:begin -->\nother\n<!-- h200_qwen3_4b:end -->")
     assert text.count(bench.README_BEGIN) == 1 and "first" not in text and section in text
