@@ -113,7 +113,7 @@ def tree_pss_bytes(root: int) -> dict[int, int]:
 class TreeSampler(HostMemSampler):
     """HostMemSampler (the machine's used memory every 50 ms), plus the summed PSS of this process and
     every process it started: every `pss_period_s` in the background (reading smaps_rollup walks
-    the page tables of every mapping, too slow for 50 ms with a 100 GiB host state) and at each call
+    the page tables of every mapping, too slow for 50 ms with a 100 GiB host state) and on each sample()
     from another thread (the ends of the measured window)."""
 
     def __init__(self, period_s: float = 0.05, pss_period_s: float = 1.0):

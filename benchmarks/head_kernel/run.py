@@ -2,9 +2,9 @@
 
     python benchmarks/head_kernel/run.py --tokens 4096 --out head_kernel.json
 
-Qwen3-4B head (hidden 2560, vocabulary 151936, bf16), one call = loss, grad_hidden and grad_weight
+Qwen3-4B head (hidden 2560, vocabulary 151936, bf16), one evaluation = loss, grad_hidden and grad_weight
 of `--tokens` tokens (one chunk of the executor's `loss_chunk_tokens`). Systems, each timed over
-`--repeats` calls after two warm-up calls, in the same process:
+`--repeats` evaluations after two warm-up ones, in the same process:
 
   fused:    `linear_cross_entropy` (cuBLAS logits in fp32, Triton row kernel, two cuBLAS GEMMs)
   tiled:    the autograd Function's path (Triton tiled forward + Triton dlogits + two cuBLAS GEMMs)
@@ -13,7 +13,7 @@ of `--tokens` tokens (one chunk of the executor's `loss_chunk_tokens`). Systems,
 
 It also reports each against fp32 ground truth (loss, relative error of both gradients) and the
 rate as a fraction of `--matmul-flops-per-s` (the `head_efficiency` of a hardware profile:
-6 * T * V * H FLOPs per call).
+6 * T * V * H FLOPs per evaluation).
 """
 
 from __future__ import annotations
