@@ -46,7 +46,7 @@ On a machine that keeps its files, one command does it all:
 `python3 benchmarks/multi_gpu_scaling/run.py --shape 4b --mode both --reuse-plans --host-ram 500GiB --merge
 --readme` (all systems and routes, 1, 2 and 4 GPUs, records merged into results/<date>-qwen3-<shape>.json).
 
-CPU smoke (gloo, CPU processes; what tests/test_scaling_script.py runs):
+CPU smoke (gloo, CPU processes; what tests/benchmarks/test_multi_gpu_scaling.py runs):
 
     python benchmarks/multi_gpu_scaling/run.py --shape tiny --device cpu --world-sizes 1 2 --mode weak --steps 1 \\
         --out /tmp/scale.json

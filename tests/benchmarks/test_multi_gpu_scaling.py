@@ -227,12 +227,12 @@ def test_readme_table_renders(two_ranks, tmp_path):
     section = bench.render_section(two_ranks[1] + records, tmp_path / "records.json")
     assert bench.render_table(two_ranks[1] + records) in section and two_ranks[1][0]["command"] in section
     readme = tmp_path / "README.md"
-    readme.write_text("# Benchmarks\n\nbefore\n\n<!-- h200_qwen3_4b:begin -->\nother\n<!-- h200_qwen3_4b:end -->\n")
+    readme.write_text("# Benchmarks\n\nbefore\n\n<!-- single_gpu_throughput:begin -->\nother\n<!-- single_gpu_throughput:end -->\n")
     tables.update_readme(readme, "first", bench.README_BEGIN, bench.README_END)
     assert readme.read_text().endswith(f"{bench.README_BEGIN}\nfirst\n{bench.README_END}\n")  # appended at the end
     tables.update_readme(readme, section, bench.README_BEGIN, bench.README_END)  # replaced, the rest kept
     text = readme.read_text()
-    assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- h200_qwen3_4b:begin -->\nother\n<!-- h200_qwen3_4b:end -->")
+    assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- single_gpu_throughput:begin -->\nother\n<!-- single_gpu_throughput:end -->")
     assert text.count(bench.README_BEGIN) == 1 and "first" not in text and section in text
 
     json_path = tmp_path / "records.json"
