@@ -1,5 +1,5 @@
 """Forcing a route through SolverOptions: leaving out the replicated delivery or the CPU reduction
-plans only the others (benchmarks/multi_gpu_scaling.py measures each combination), and is refused
+plans only the others (benchmarks/multi_gpu_scaling/run.py measures each combination), and is refused
 where only (replicated, cpu) exists: one rank, or GPUs without peer-to-peer."""
 
 import pytest

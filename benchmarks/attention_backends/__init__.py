@@ -1,0 +1,1 @@
+"""benchmarks/attention_backends."""

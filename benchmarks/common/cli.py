@@ -1,0 +1,36 @@
+"""Command-line options that the harnesses share, with the same meaning in each."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.common.model import MAX_GRAD_NORM, SHAPES
+
+
+def grad_norm(value: str) -> float | None:
+    """--max-grad-norm: a float, or "none" (the norm is taken and recorded, nothing is clipped)."""
+    return None if value.lower() == "none" else float(value)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its training and the timing: identical in every harness."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="time from the first step (no warm-up step; for runs whose one step is long)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=grad_norm, default=MAX_GRAD_NORM,
+                   help="global gradient-norm clipping (default 1.0); 'none': no clipping")
+    p.add_argument("--precision", choices=["bf16", "fp32"], help="slidedp (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--baseline-micro-rows", type=int, default=1,
+                   help="GPU-resident and FSDP2: rows (sequences) per micro-batch")
+
+
+def add_record_args(p: argparse.ArgumentParser, readme_path: str) -> None:
+    """Where records go, the README section they render to, and the clean-tree rule."""
+    p.add_argument("--merge", action="store_true", help="keep the records in --out, replacing the points run now")
+    p.add_argument("--readme", action="store_true", help="(re)write the marked section of the study's README.md")
+    p.add_argument("--readme-path", default=readme_path)
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run on a working tree with uncommitted changes (its records say \"dirty\": true)")

@@ -1,0 +1,1 @@
+"""benchmarks/diagnose_step."""

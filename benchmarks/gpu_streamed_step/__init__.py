@@ -1,0 +1,1 @@
+"""benchmarks/gpu_streamed_step."""

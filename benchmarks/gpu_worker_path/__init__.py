@@ -1,0 +1,1 @@
+"""benchmarks/gpu_worker_path."""

@@ -1,0 +1,1 @@
+"""benchmarks/host_memory_ranks."""

@@ -1,0 +1,211 @@
+"""Rewrite the generated parts of the benchmark READMEs from the committed records: the tables of
+benchmarks/README.md (between `<!-- tables:begin -->` and `<!-- tables:end -->`) and the list of
+records of each study's README.md (between `<!-- results:begin -->` and `<!-- results:end -->`).
+
+    python benchmarks/make_readme.py          # rewrite them
+    python benchmarks/make_readme.py --check  # exit 1 if a README differs from what the records give
+
+The READMEs are never edited by hand between those markers; tests/benchmarks/test_readme.py checks
+that they match the records. Which record of a study is its current one is said here (CURRENT)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
+    sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.common.tables import gib, markdown_table, num, replace_section  # noqa: E402
+
+TABLES = ("<!-- tables:begin -->", "<!-- tables:end -->")
+RESULTS = ("<!-- results:begin -->", "<!-- results:end -->")
+
+# study: what it measures (one line). Every folder with a run.py is a study.
+STUDIES = {
+    "single_gpu_throughput": "slidedp against GPU-resident PyTorch and FSDP2 with CPU offload, same model and "
+                             "batches, one H200: tokens/s, step time measured and predicted, peak memory",
+    "multi_gpu_scaling": "slidedp's data parallelism over 1-8 GPUs of one host, per route, against FSDP2 "
+                         "(CPU offload and GPU-resident): scaling efficiency, host memory",
+    "long_context": "one 262,144-token sequence of the Qwen3-4B shape within a device budget "
+                    "(records of single_gpu_throughput's run.py and diagnose_step's)",
+    "predict_vs_measured": "the simulator's step time for the plans that ran against the measured one",
+    "diagnose_step": "where a step's time goes: overlapped and isolated steps, per-operation predictions, "
+                     "profiler tables",
+    "cpu_adamw": "the host's AdamW (numba kernel) against torch's, parameters per second",
+    "block_rate": "one decoder block's forward + backward rate, attention (SDPA) apart from the rest",
+    "block_memory": "one block's device memory, measured against what the planner charges",
+    "attention_backends": "SDPA backends (flash, cuDNN, memory-efficient) on the Qwen3-4B attention shape",
+    "head_kernel": "the fused linear + cross-entropy head against the tiled and plain ones",
+    "host_memory_ranks": "host memory of several ranks against one: the host state exists once",
+    "largest_shape": "the largest Qwen3 shape whose host state fits in the host's RAM",
+    "gpu_streamed_step": "the streamed step's correctness against PyTorch, and its first throughput readings",
+    "gpu_worker_path": "one rank through the worker-process path against in-process, on the GPU",
+}
+# the record each headline table is made from
+CURRENT = {
+    "single_gpu_throughput": "2026-12-03-every-system.json",
+    "multi_gpu_scaling": "2026-12-04-one-gpu.json",
+    "cpu_adamw": "2026-12-02-h200-host-16-threads.json",
+    "block_rate": "2026-12-04-h200.json",
+    "head_kernel": "2026-12-03-h200.json",
+    "attention_backends": "2026-12-03-h200.json",
+    "host_memory_ranks": "2026-12-03-56-blocks-min-budget.json",
+    "largest_shape": "2026-12-03-h200-host.json",
+    "block_memory": "2026-12-03-h200.json",
+}
+
+
+def load(study: str, name: str | None = None):
+    return json.loads((HERE / study / "results" / (name or CURRENT[study])).read_text())
+
+
+def table_single_gpu() -> str:
+    from benchmarks.single_gpu_throughput.run import render_table
+
+    return render_table(load("single_gpu_throughput"))
+
+
+def table_multi_gpu() -> str:
+    from benchmarks.multi_gpu_scaling.run import render_table, render_targets
+
+    records = load("multi_gpu_scaling")
+    return render_table(records) + "\n\n" + render_targets(records)
+
+
+def table_cpu_adamw() -> str:
+    rows = [[r["system"], r["threads"], f"{r['params']:,}", num(r["gparams_per_s"], ".2f"),
+             num(r.get("ratio_vs_torch_fused"), ".2f") + "x"] for r in load("cpu_adamw")]
+    return markdown_table(["implementation", "threads", "parameters", "G params/s", "vs torch fused"], rows)
+
+
+def table_block_rate() -> str:
+    d = load("block_rate")
+    rows = [[f"{r['seq']:,}", num(r["block_flops_per_s"] / 1e12, ".0f"), num(r["sdpa_fwd_bwd_flops_per_s"] / 1e12, ".0f"),
+             num(r["rest_flops_per_s"] / 1e12, ".0f"), num(r["block_fwd_bwd_s"] * 1e3, ".1f")] for r in d["rows"]]
+    return f"{d['device']}, torch {d['torch']}:\n\n" + markdown_table(
+        ["seq", "block TFLOP/s", "SDPA fwd+bwd TFLOP/s", "rest TFLOP/s", "block fwd+bwd ms"], rows)
+
+
+def table_attention() -> str:
+    d = load("attention_backends")
+    rows = [[a["backend"], a["gqa"], a.get("error") or num(a.get("fwd_bwd_ms"), ".2f"), num(a.get("tflops"), ".0f"),
+             num(a.get("grad_rel_err"), ".1e")] for a in d["attention"]]
+    return f"{d['device']}, {d['rows']} x {d['seq']:,} tokens:\n\n" + markdown_table(
+        ["backend", "GQA", "fwd+bwd ms", "TFLOP/s", "grad rel. error vs fp32"], rows)
+
+
+def table_head_kernel() -> str:
+    d = load("head_kernel")
+    rows = [[r["system"], num(r["seconds"] * 1e3, ".1f"), num(r["tflops_per_s"], ".0f"), gib(r.get("peak_extra_bytes")),
+             num(r.get("grad_hidden_rel_err"), ".1e")] for r in d["records"]]
+    return f"{d['device']}, {d['tokens']:,} tokens, hidden {d['hidden']:,}, vocab {d['vocab']:,}:\n\n" + markdown_table(
+        ["head", "ms", "TFLOP/s", "extra device GiB", "grad rel. error"], rows)
+
+
+def table_host_memory_ranks() -> str:
+    d = load("host_memory_ranks")
+    rows = [[r["world_size"], f"{r['params']:,}", gib(r["host_state_bytes"]), gib(r["pss_bytes_total"]),
+             num(r["ratio_to_first"], ".3f")] for r in d["records"]]
+    return f"{d['hardware']}:\n\n" + markdown_table(
+        ["ranks", "parameters", "host state GiB", "PSS of all processes GiB", "vs 1 rank"], rows)
+
+
+def table_largest_shape() -> str:
+    d = load("largest_shape")
+    rows = [[s["shape"], f"{s['params']:,}", gib(s["host_state_bytes"]), "yes" if s["fits"] else "no"]
+            for s in d["shapes"]]
+    return f"Host RAM available: {gib(d['available_host_bytes'])} GiB; largest: {d['largest']}.\n\n" + markdown_table(
+        ["Qwen3 shape", "parameters", "host state GiB", "fits"], rows)
+
+
+def table_block_memory() -> str:
+    rows = [[f"{r['seq']:,}", gib(r["charged_bytes"]), gib(r["peak_bytes"]), num(r["measured_over_charged"], ".2f")]
+            for r in load("block_memory")]
+    return markdown_table(["seq", "charged GiB", "measured peak GiB", "measured / charged"], rows)
+
+
+HEADLINES = [
+    ("Single GPU: every system in one run", "single_gpu_throughput", table_single_gpu),
+    ("Multi-GPU scaling", "multi_gpu_scaling", table_multi_gpu),
+    ("CPU AdamW", "cpu_adamw", table_cpu_adamw),
+    ("One block's rate", "block_rate", table_block_rate),
+    ("One block's memory", "block_memory", table_block_memory),
+    ("Attention backends", "attention_backends", table_attention),
+    ("Fused head", "head_kernel", table_head_kernel),
+    ("Host memory of several ranks", "host_memory_ranks", table_host_memory_ranks),
+    ("Largest shape", "largest_shape", table_largest_shape),
+]
+
+
+def records_of(study: str) -> list[Path]:
+    return sorted((HERE / study / "results").glob("*.json"), reverse=True)
+
+
+def record_command(path: Path) -> str | None:
+    """The command a records file names (its first record's, or its meta's), if any."""
+    try:
+        d = json.loads(path.read_text())
+    except ValueError:
+        return None
+    first = d[0] if isinstance(d, list) and d else d
+    if not isinstance(first, dict):
+        return None
+    cmd = first.get("command") or (first.get("meta") or {}).get("command")
+    return cmd[0] if isinstance(cmd, list) and cmd else cmd if isinstance(cmd, str) else None
+
+
+def tables_section() -> str:
+    lines = ["## Studies", ""]
+    rows = []
+    for study, what in STUDIES.items():
+        newest = records_of(study)
+        rows.append([f"[`{study}/`]({study}/README.md)", what,
+                     f"`{newest[0].name}`" if newest else "–", len(newest)])
+    lines.append(markdown_table(["study", "measures", "newest record", "records"], rows))
+    for title, study, fn in HEADLINES:
+        lines += ["", f"## {title}", "", f"From `{study}/results/{CURRENT[study]}`.", "", fn()]
+    return "\n".join(lines)
+
+
+def results_section(study: str) -> str:
+    lines = ["Records (newest first; `results/`):", ""]
+    for path in records_of(study):
+        cmd = record_command(path)
+        lines.append(f"* `{path.name}`" + (f": `{cmd}`" if cmd else ""))
+    return "\n".join(lines)
+
+
+def expected() -> dict[Path, str]:
+    """Every generated README as it should read, by path."""
+    out = {}
+    top = HERE / "README.md"
+    out[top] = replace_section(top.read_text(), tables_section(), *TABLES)
+    for study in STUDIES:
+        path = HERE / study / "README.md"
+        out[path] = replace_section(path.read_text(), results_section(study), *RESULTS)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="only check; exit 1 if a README is not what it should be")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in expected().items():
+        if path.read_text() != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        print("not generated from the records: " + ", ".join(str(p.relative_to(HERE)) for p in stale)
+              + " (run python benchmarks/make_readme.py)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

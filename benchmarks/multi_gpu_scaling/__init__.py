@@ -1,0 +1,1 @@
+"""benchmarks/multi_gpu_scaling."""

@@ -1,0 +1,1 @@
+"""benchmarks/predict_vs_measured."""

@@ -1,0 +1,1 @@
+"""benchmarks/single_gpu_throughput."""

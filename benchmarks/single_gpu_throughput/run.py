@@ -1,0 +1,352 @@
+"""Every system in the same run, on the same random-init model and the same batches: slidedp against
+GPU-resident PyTorch and FSDP2 with CPU offload, Qwen3-4B shape, seq 4096, one H200.
+
+    python benchmarks/single_gpu_throughput/run.py --tokens 4096 16384 32768 \
+        --systems slidedp gpu_resident fsdp2_cpu_offload --budget 40GiB --steps 3 --readme
+    python benchmarks/single_gpu_throughput/run.py --render RECORDS.json --readme  # table only
+    python benchmarks/single_gpu_throughput/run.py --solve-plans --hardware h200-sxm \
+        --tokens 4096 16384 32768 --budget 40GiB  # pre-solve slidedp's plans where OR-Tools is installed
+        # (no GPU needed; into plans/ beside --out); then
+    python benchmarks/single_gpu_throughput/run.py ... --plan 'benchmarks/single_gpu_throughput/results/plans/qwen3_4b_{tokens}.json'
+    python benchmarks/single_gpu_throughput/run.py --shape tiny --device cpu --tokens 64 --out /tmp/x.json  # CPU smoke
+
+Records go to results/<date>-qwen3-<shape>.json in this folder unless --out says otherwise; each
+holds the commit it ran on ("git_commit"), and a working tree with uncommitted changes is refused
+unless --allow-dirty (the records then say "dirty": true). The model, the systems and the
+measurement are in benchmarks/common/ (model.py, systems.py), shared with multi_gpu_scaling.
+
+The driver runs each (system, tokens) point in a fresh child process of this script (`--worker`), one
+at a time: three 4.4 B-parameter training states do not fit in host RAM together, and a point that
+crashes, runs out of memory or is killed becomes a record with an "error" and null numbers instead
+of ending the run. The JSON list is rewritten after every point, so a killed run keeps what it has.
+
+Same model, same batches. Every child builds the model on the meta device and then gives each
+parameter its initial value from its own seeded generator (seed and parameter name), on the run's
+device (CUDA on the GPU run, so 4.4 B values take well under a second): normal(0, 0.02) for
+matrices, ones for the RMSNorm weights. The values are rounded to bf16, so fp32 copies (the
+GPU-resident model, FSDP2's sharded parameters, slidedp's fp32 master) and bf16 copies (the model
+handed to slidedp) hold bit-identical initial weights in every system. The batches are uniform
+random token ids from a generator seeded per step. The rotary-embedding buffers are recomputed in
+fp32 (they are not parameters and stay fp32 in every system). Warm-up step = step 1 of training, on
+the same batch everywhere, so the first losses must agree to bf16 tolerance.
+
+Systems (AdamW lr 1e-5, betas (0.9, 0.999), eps 1e-8, weight decay 0, global gradient-norm clipping
+to 1.0, loss = token-weighted mean next-token cross-entropy over the whole step, gradient
+accumulation over micro-batches of 1 x seq rows):
+
+* slidedp: `slidedp.compile(model, budget, batch_size=1, seq_len=seq, precision="bf16",
+  micro_batches=tokens // seq, ...)`. The model is built in bf16 on the CPU: compile copies the
+  weights into its host state and then makes the model's parameters views of that state, so a bf16
+  model halves the temporary copy (8.8 GB instead of 17.6 GB for 4.4 B parameters) and loses nothing,
+  the initial weights being bf16 values. The plan is saved beside the output
+  (`plans/qwen3_<shape>_<tokens>.json` beside --out), its summary goes into the record.
+* gpu_resident: plain PyTorch, fp32 parameters on the GPU, `torch.autocast("cuda", bf16)`,
+  `torch.optim.AdamW(fused=True)` on the GPU, activation checkpointing of every block
+  (non-reentrant).
+* fsdp2_cpu_offload: one process, world size 1 (NCCL, plus gloo for CPU tensors), `fully_shard` on
+  every decoder layer and then on the root with `CPUOffloadPolicy(pin_memory=True)` and
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, `torch.optim.AdamW(fused=True)` on
+  the CPU-resident DTensor parameters (if this torch cannot, the record's "optimizer" says so and
+  names the for-loop AdamW used instead), activation checkpointing of every block.
+
+On `--device cpu` (the smoke path for tests) slidedp runs in fp32, gpu_resident is the same model
+and loop on the CPU without autocast and with plain AdamW (`fused=False`), and FSDP2 runs on a gloo
+process group with `CPUOffloadPolicy(pin_memory=False)`.
+
+Measured per point: 1 warm-up step, then `--steps` timed steps between two device synchronisations
+(slidedp's asynchronous CPU update of the warm-up step is waited for before the timed region, that of
+the last timed step inside it, so the region holds exactly `--steps` steps and updates);
+measured_step_s is their mean, tokens_per_s = tokens_per_step / measured_step_s.
+peak_device_bytes is `torch.cuda.max_memory_allocated()` from after the build to the end.
+peak_host_bytes is the process's peak resident set size (VmHWM) over the same window: the counter is
+reset after the build by writing 5 to /proc/self/clear_refs (the build's transient copies are in
+peak_host_bytes_incl_build). VmHWM counts shared memory that the process has touched: slidedp's
+host state is a memfd shared segment, and its pages count as RssShmem. Pinned buffers allocated by
+the CUDA driver (cudaHostAlloc: FSDP2's pinned parameters and gradients, torch's pinned-memory
+cache) are mapped by the driver and may not be counted in RSS at all, so host_used_bytes is also
+recorded: the peak, over the window, of the whole machine's used memory (MemTotal - MemAvailable,
+sampled every 50 ms) above its value when the child started, which counts every kind of page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parents[1]) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
+    sys.path.insert(0, str(HERE.parents[1]))
+
+from benchmarks.common import systems  # noqa: E402
+from benchmarks.common.child import run_child  # noqa: E402,F401 - part of this harness's interface
+from benchmarks.common.cli import add_model_args, add_record_args  # noqa: E402
+from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
+from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, qwen3_config)  # noqa: E402,F401
+from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
+from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
+from benchmarks.common.tables import gib as _gib, num as _num, update_readme as _update_readme  # noqa: E402
+SYSTEMS = ("slidedp", "slidedp_eager", "gpu_resident", "fsdp2_cpu_offload")
+BASELINES = ("gpu_resident", "fsdp2_cpu_offload")
+REQUIRED_KEYS = ("system", "tokens_per_step", "tokens_per_s", "peak_device_bytes", "peak_host_bytes",
+                 "measured_step_s", "predicted_step_s", "budget_bytes", "date", "command")
+README_BEGIN = "<!-- single_gpu_throughput:begin -->"
+README_END = "<!-- single_gpu_throughput:end -->"
+
+
+def worker(args, point_cls=None, sampler=None, record=None) -> int:
+    """One point in this process (a `point_cls`, default Point); its record goes to --result-file."""
+    record = base_record(args.system, args.tokens, args) if record is None else record
+    return systems.worker(args, record, point_cls=point_cls, sampler=sampler)
+
+
+# -- the driver -------------------------------------------------------------------------------------------
+
+def run_point(system: str, tokens: int, args, command: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="single_gpu_throughput_") as tmp:
+        result = Path(tmp) / "record.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--system", system, "--tokens", str(tokens),
+               "--shape", args.shape, "--device", args.device, "--budget", args.budget, "--steps", str(args.steps),
+               "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
+               "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
+               "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm)]
+        for opt in ("plan", "hardware", "precision", "seq"):
+            if getattr(args, opt):
+                cmd += ["--" + opt, str(getattr(args, opt))]
+        if args.no_warmup:
+            cmd.append("--no-warmup")
+        print(f"\n=== {system}, {tokens} tokens/step ===", file=sys.stderr, flush=True)
+        fallback = base_record(system, tokens, args)
+        fallback["command"] = command
+        return run_child(cmd, result, args.timeout_s, fallback)
+
+
+def drive(args) -> int:
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    # A SIGTERM to the driver becomes an exception, so that the running child is killed with it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    out = Path(args.out)
+    records: list[dict] = []
+    if args.merge and out.exists():
+        records = json.loads(out.read_text())
+    extra = {**commit_stamp(args.allow_dirty), **host_description()}
+    for tokens in args.tokens:
+        for system in args.systems:
+            record = run_point(system, tokens, args, command)
+            record.update({k: v for k, v in extra.items() if k not in record})
+            records = [r for r in records if (r["system"], r["tokens_per_step"]) != (system, tokens)] + [record]
+            write_records(out, records)
+            summary = record["error"] or (f"{record['tokens_per_s']:.0f} tokens/s, "
+                                          f"{record['measured_step_s']:.3f} s/step, losses {record.get('losses')}")
+            print(f"=== {system}, {tokens} tokens/step: {summary}", file=sys.stderr, flush=True)
+    print(render_table(records))
+    if args.readme:
+        update_readme(Path(args.readme_path), render_section(records, out))
+    return 0
+
+
+# -- rendering -------------------------------------------------------------------------------------------
+
+NAMES = {"slidedp": "slidedp", "slidedp_eager": "slidedp, eager blocks", "gpu_resident": "GPU-resident", "fsdp2_cpu_offload": "FSDP2 + CPU offload"}
+
+
+def steady_step_s(record: dict) -> float | None:
+    """Median of the timed steps but the last (which also waits for slidedp's final CPU update, which a
+    longer run hides behind its next step); None with fewer than three timed steps."""
+    times = record.get("step_times_s") or []
+    return statistics.median(times[:-1]) if len(times) >= 3 else None
+
+
+def render_table(records: list[dict]) -> str:
+    """Markdown table of the records: one row per (shape, tokens, system), ratios against each baseline
+    of the same shape, tokens per step and clipping (records without max_grad_norm clipped at 1.0;
+    without shape: 4b). A shape column when the records hold several shapes."""
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+
+    def clip(r):
+        return r.get("max_grad_norm", 1.0)
+
+    def shape(r):
+        return r.get("shape", "4b")
+
+    several = len({shape(r) for r in records}) > 1
+    rows = sorted(records, key=lambda r: (shape(r), r["tokens_per_step"], clip(r) is None, order.get(r["system"], 99),
+                                          r["system"], r.get("budget_bytes") or 0))
+    by_point = {(shape(r), r["tokens_per_step"], r["system"], clip(r)): r for r in records}
+    head = ["shape"] * several + ["tokens/step", "system", "budget GiB", "tokens/s"] + [
+        f"vs {NAMES[b]}" for b in BASELINES] + [
+        "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s measured / predicted", "loss step 1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        ratios = []
+        for b in BASELINES:
+            base = by_point.get((shape(r), r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
+            ratios.append(f"{tps / base:.2f}x" if tps and base else "–")
+        if r.get("error"):
+            speed = r["error"].splitlines()[0][:80]
+        else:
+            speed = _num(tps, ",.0f")
+        losses = r.get("losses") or []
+        step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
+        if steady_step_s(r) is not None:
+            step_s += f" (steady {steady_step_s(r):.3f})"
+        budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
+        name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
+        if r.get("slidedp_micro_rows", 1) > 1:
+            name += f" ({r['slidedp_micro_rows']}-row micro-batches)"
+        cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
+                                        _gib(r.get("peak_device_bytes")),
+                                        f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
+                                        _gib(r.get("host_used_bytes")),
+                                        step_s, _num(losses[0] if losses else None, ".5f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_section(records: list[dict], out_path: Path | str | None = None) -> str:
+    """The README section: title, commands, hardware, table and how it was measured."""
+    dates = sorted({r["date"] for r in records if r.get("date")})
+    commands = sorted({r["command"] for r in records if r.get("command")})
+    devices = sorted({r["device_name"] for r in records if r.get("device_name")})
+    soft = sorted({f"torch {r['torch']}, transformers {r['transformers']}" for r in records if r.get("torch")})
+    hosts = sorted({f"{r['host_cpu']}, {r['host_cores']} cores, {_gib(r.get('host_mem_bytes'))} GiB RAM"
+                    for r in records if r.get("host_cpu")})
+    commits = sorted({r["git_commit"] for r in records if r.get("git_commit")})
+    budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
+    shapes = sorted({r.get("shape", "4b") for r in records})
+    params = sorted({r["params"] for r in records if r.get("params")})
+    title = "Every system in one run, Qwen3-4B shape, one H200" if shapes == ["4b"] else \
+        f"Every system in one run, Qwen3 shapes {', '.join(shapes)}, one H200"
+    lines = [f"## {title} ({', '.join(dates) or 'not run'})", ""]
+    lines += [f"`{c}`" for c in commands]
+    rel = None
+    if out_path is not None:
+        out_path = Path(out_path)
+        with contextlib.suppress(ValueError):
+            rel = out_path.resolve().relative_to(HERE)
+    lines.append(f"(records: `{rel or (out_path.name if out_path else 'results/')}`; slidedp's plans: "
+                 "where each command's `--plans-dir` put them, by default `plans/` beside the records)")
+    lines += ["", f"Hardware: {'; '.join(devices) or '?'}; host {'; '.join(hosts) or '?'}; {'; '.join(soft)}"
+              + (f"; commit {', '.join(commits)}" if commits else "") + "."]
+    lines += [f"Model: Qwen3 shape `{', '.join(shapes)}`, {', '.join(f'{p:,}' for p in params)} parameters, "
+              f"untied, random init; slidedp budget {', '.join(_gib(b) + ' GiB' for b in budgets) or '–'}.", ""]
+    lines.append(render_table(records))
+    micro = sorted({r.get("baseline_micro_rows", 1) for r in records})
+    optimizers = sorted({f"{NAMES.get(r['system'], r['system'])}: {r['optimizer']}" for r in records
+                         if r.get("optimizer")})
+    notes = (
+        "Same model and batches in every system: each parameter is initialised from its own seeded generator "
+        "on the same device and rounded to bf16, so every system starts from bit-identical weights; the "
+        "batches are seeded per step; the warm-up step is training step 1 on the same batch, so the step-1 "
+        "losses must agree to bf16 tolerance. AdamW lr 1e-5 (weight decay 0), global clipping to 1.0, "
+        "token-weighted loss, gradient accumulation over micro-batches of "
+        f"{' / '.join(map(str, micro))} x seq rows in every system. GPU-resident: fp32 parameters, bf16 "
+        "autocast, fused AdamW on the GPU, activation checkpointing of every block. FSDP2: `fully_shard` per "
+        "block and on the root, `CPUOffloadPolicy(pin_memory=True)`, bf16 parameters / fp32 reduction, AdamW "
+        "on the CPU, activation checkpointing of every block. Optimizers as run: " + "; ".join(optimizers) + ". "
+        "Tokens/s over the timed steps after one warm-up step (slidedp's last asynchronous CPU update "
+        "included); steady: the median of the timed steps but the last. Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
+        "process's VmHWM after the build (slidedp's shared-memory host state counts); host used = the machine's "
+        "MemTotal - MemAvailable above its value when the point's process started, which also counts pinned "
+        "buffers that the CUDA driver maps outside RSS. Ratios: tokens/s over the baseline's at the same tokens "
+        "per step. Each point ran in its own process, one after the other."
+    )
+    lines += ["", textwrap.fill(notes, width=100, break_on_hyphens=False, break_long_words=False)]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, section: str, begin: str = README_BEGIN, end: str = README_END) -> None:
+    """Replace the marked section of `path` by `section` (appended, with its markers, if absent)."""
+    _update_readme(path, section, begin, end)
+
+
+# -- offline planning ---------------------------------------------------------------------------------------
+
+def solve_plans(args) -> int:
+    """Solve slidedp's plan of every --tokens point on a meta-device model (no GPU, no weights), for
+    --hardware, and save them where the benchmark saves its plans, for `--plan` on a machine without
+    OR-Tools."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    import slidedp
+
+    precision = args.precision or "bf16"
+    seq = args.seq or SHAPES[args.shape]["seq"]
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(qwen3_config(args.shape))
+    model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    # the eager system alone: its plan counts eager blocks' saved activations
+    compile_blocks = False if "slidedp" not in args.systems and "slidedp_eager" in args.systems else None
+    for tokens in args.tokens:
+        rows = args.slidedp_micro_rows
+        plan = slidedp.plan(model, args.budget, batch_size=rows, seq_len=seq, precision=precision,
+                            micro_batches=tokens // seq // rows, hardware=args.hardware or "h200-sxm",
+                            optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                            max_grad_norm=args.max_grad_norm, compile_blocks=compile_blocks,
+                            host_memory=args.host_ram)
+        path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(path)
+        print(f"{path}: predicted {plan.predicted_step_time_s:.3f} s/step\n{plan.summary()}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per step")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    add_model_args(p)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test)")
+    p.add_argument("--budget", default="40GiB", help="slidedp's device-memory budget")
+    p.add_argument("--out", help="records (default: results/<today>-qwen3-<shape>.json in this folder)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per (system, tokens) point")
+    p.add_argument("--plan", help="slidedp: reuse pre-solved plans (--solve-plans); template with {tokens} and {shape}")
+    p.add_argument("--plans-dir", help="where slidedp's plans are saved (default: plans/ beside --out)")
+    p.add_argument("--hardware", help="slidedp hardware preset or profile (default: detected)")
+    p.add_argument("--slidedp-micro-rows", type=int, default=1,
+                   help="rows (sequences) per slidedp micro-batch: batch_size of compile (default 1)")
+    add_record_args(p, readme_path=str(HERE / "README.md"))
+    p.add_argument("--render", metavar="JSON", help="only render the table of an existing records file")
+    p.add_argument("--solve-plans", action="store_true", help="only solve and save slidedp's plans (no GPU)")
+    p.add_argument("--host-ram", help="with --solve-plans: host RAM available on the machine that will run them "
+                                      "(e.g. 125GiB, the H200 host's), bounding activation offload as there")
+    # worker side (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--command", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.baseline_micro_rows < 1 or args.slidedp_micro_rows < 1 or min(args.tokens) < 1:
+        p.error("--steps, --baseline-micro-rows, --slidedp-micro-rows and --tokens must be positive")
+    if args.out is None:
+        args.out = str(HERE / "results" / f"{datetime.date.today().isoformat()}-qwen3-{args.shape}.json")
+    if args.plans_dir is None:
+        args.plans_dir = str(Path(args.out).resolve().parent / "plans")
+    if args.render:
+        records = json.loads(Path(args.render).read_text())
+        print(render_table(records))
+        if args.readme:
+            update_readme(Path(args.readme_path), render_section(records, args.render))
+        return 0
+    if args.solve_plans:
+        return solve_plans(args)
+    if args.worker:
+        args.tokens = args.tokens[0]
+        return worker(args)
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

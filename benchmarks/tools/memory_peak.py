@@ -1,0 +1,86 @@
+"""What is allocated at a step's device-memory peak, from a CUDA caching-allocator snapshot.
+
+`torch.cuda.memory._record_memory_history()` records every allocation and free with its Python
+stack; `torch.cuda.memory._dump_snapshot(path)` writes them. This replays a device's trace, finds the
+moment the allocated bytes peak, and groups what is live then by the first stack frame in slidedp
+(else transformers, else torch):
+
+    python benchmarks/tools/memory_peak.py snapshot.pickle --top 25
+
+(`benchmarks/diagnose_step/run.py --memory-snapshot` records one for a step.) Allocations made before
+recording began are not in the trace; they are reported as the difference to the allocator's own
+peak when that is given (`--allocated-peak`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pickle
+import sys
+
+PREFERRED = ("slidedp/", "transformers/", "torch/")
+
+
+def where(frames: list[dict]) -> str:
+    """The allocation's first frame in slidedp, else transformers, else torch, else the first."""
+    for marker in PREFERRED:
+        for f in frames:
+            if marker in f.get("filename", ""):
+                path = f["filename"].split(marker, 1)[1]
+                return f"{marker}{path}:{f.get('line')} ({f.get('name')})"
+    return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "(no stack)"
+
+
+def peak_of(trace: list[dict]) -> tuple[int, int, dict[int, dict]]:
+    """(peak bytes, index of the event reaching it, the allocations live then by address)."""
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    live = {}
+    for e in trace[: at + 1]:  # replay again up to the peak: what is live there
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    return peak, at, live
+
+
+def summary(snapshot: dict, top: int = 25, device: int | None = None) -> dict:
+    traces = snapshot["device_traces"]
+    device = max(range(len(traces)), key=lambda d: len(traces[d])) if device is None else device
+    peak, at, live = peak_of(traces[device])
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for e in live.values():
+        g = groups[where(e.get("frames", []))]
+        g[0] += e["size"]
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"device": device, "peak_bytes": peak, "event": at, "events": len(traces[device]),
+            "live": [{"where": k, "bytes": b, "allocations": n} for k, (b, n) in rows]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("snapshot")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--device", type=int)
+    p.add_argument("--allocated-peak", type=int, help="torch.cuda.max_memory_allocated() of the same run")
+    args = p.parse_args(argv)
+    with open(args.snapshot, "rb") as f:
+        out = summary(pickle.load(f), args.top, args.device)
+    if args.allocated_peak is not None:
+        out["not_in_trace_bytes"] = args.allocated_peak - out["peak_bytes"]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

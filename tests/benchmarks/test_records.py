@@ -1,0 +1,49 @@
+"""benchmarks/common/records.py: every record names the commit it measured; a tree with uncommitted
+changes is refused unless --allow-dirty, and its records are then marked."""
+
+import subprocess
+
+import pytest
+
+from benchmarks.common import records
+
+
+def git(repo, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "study" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "study" / "results" / "r.json").write_text("[]\n")
+    (tmp_path / "README.md").write_text("# r\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "first")
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    return tmp_path
+
+
+def test_a_clean_tree_is_stamped_with_its_commit(repo):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert records.commit_stamp() == {"git_commit": head, "dirty": False}
+    # records and READMEs that a run rewrites do not make the tree dirty
+    (repo / "benchmarks" / "study" / "results" / "r.json").write_text("[{}]\n")
+    (repo / "README.md").write_text("# changed\n")
+    assert records.commit_stamp()["dirty"] is False
+
+
+def test_a_dirty_tree_is_refused_unless_allowed_and_then_marked(repo):
+    (repo / "code.py").write_text("x = 2\n")
+    with pytest.raises(records.DirtyTreeError, match="code.py.*--allow-dirty"):
+        records.commit_stamp()
+    stamp = records.commit_stamp(allow_dirty=True)
+    assert stamp["dirty"] is True and len(stamp["git_commit"]) == 40
+    assert records.stamped({"git_commit": None, "x": 1}, stamp) == {**stamp, "x": 1}
+
+
+def test_outside_git_no_commit(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    assert records.commit_stamp() == {"git_commit": None, "dirty": False}

@@ -1,0 +1,168 @@
+"""benchmarks/single_gpu_throughput end to end on the CPU: a tiny Qwen3, each system's point in its own child
+process, records collected into JSON and rendered as the README table.
+
+The default run covers slidedp and GPU-resident PyTorch (about 20 s, mostly the children importing
+torch, transformers and slidedp); FSDP2 with CPU offload (gloo on the CPU) adds a third child, so its
+test is marked slow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks.single_gpu_throughput.run as bench_module
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "single_gpu_throughput" / "run.py"
+
+
+def load_script():
+    return bench_module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    return (tmp, *run_smoke(tmp / "records.json", "slidedp", "gpu_resident"))
+
+
+def run_smoke(out: Path, *systems: str, merge: bool = False, extra: list[str] = ()):
+    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--tokens", "64",
+           "--systems", *systems, "--steps", "1", "--timeout-s", "120", "--out", str(out), "--allow-dirty",
+           *extra]
+    proc = subprocess.run(cmd + (["--merge"] if merge else []), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def check_record(bench, r: dict) -> None:
+    assert r["error"] is None, (r["system"], r["error"], r.get("traceback"))
+    missing = [k for k in bench.REQUIRED_KEYS if k not in r]
+    assert not missing, (r["system"], missing)
+    assert r["tokens_per_step"] == 64 and r["micro_batches"] == 2 and r["device"] == "cpu"
+    assert r["measured_step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["measured_step_s"])
+    assert r["peak_host_bytes"] > 0 and r["host_used_bytes"] is not None
+    assert r["peak_device_bytes"] is None  # no device memory on the CPU
+    assert len(r["losses"]) == 2 and len(r["step_times_s"]) == 1
+    assert "single_gpu_throughput/run.py" in r["command"] and len(r["date"]) == 10
+    assert len(r["git_commit"]) == 40 and isinstance(r["dirty"], bool)
+
+
+def test_every_system_writes_a_complete_record(smoke):
+    tmp, records, _ = smoke
+    bench = load_script()
+    assert [r["system"] for r in records] == ["slidedp", "gpu_resident"]
+    for r in records:
+        check_record(bench, r)
+    slide = records[0]
+    assert slide["predicted_step_s"] > 0 and slide["budget_bytes"] == 40 * 2**30
+    assert "slidedp plan" in slide["plan_summary"]
+    assert (tmp / "plans" / "qwen3_tiny_64.json").is_file()
+    assert records[1]["predicted_step_s"] is None and records[1]["budget_bytes"] is None
+
+
+def test_two_row_micro_batches_train_the_same_step(smoke, tmp_path):
+    """--slidedp-micro-rows 2: one micro-batch of both rows (batch_size 2), the same losses."""
+    records, _ = run_smoke(tmp_path / "rows2.json", "slidedp", extra=["--slidedp-micro-rows", "2"])
+    r = records[0]
+    assert r["error"] is None and r["slidedp_micro_rows"] == 2 and "1 micro-batch(es) x 2 x" in r["plan_summary"]
+    same_training([smoke[1][0], r])
+
+
+def same_training(records: list[dict]) -> None:
+    first = [r["losses"][0] for r in records]  # step 1: same initial weights, same batch
+    assert max(first) - min(first) <= 1e-5 * abs(first[0]), first
+    second = [r["losses"][1] for r in records]  # same AdamW, clipping and loss weighting: same step 2 (fp32)
+    assert max(second) - min(second) <= 1e-4 * abs(second[0]), second
+
+
+def test_systems_train_the_same_model_on_the_same_batches(smoke):
+    same_training(smoke[1])
+
+
+@pytest.mark.slow
+def test_fsdp2_cpu_offload_on_cpu(smoke):
+    tmp, records, _ = smoke
+    bench = load_script()
+    out = tmp / "with_fsdp2.json"
+    out.write_text(json.dumps(records))
+    merged, stdout = run_smoke(out, "fsdp2_cpu_offload", merge=True)  # --merge keeps the other records
+    assert [r["system"] for r in merged] == ["slidedp", "gpu_resident", "fsdp2_cpu_offload"]
+    fsdp = merged[-1]
+    check_record(bench, fsdp)
+    assert "CPUOffloadPolicy" in fsdp["offload_policy"] and "gloo" in fsdp["process_group"]
+    assert "AdamW" in fsdp["optimizer"] and fsdp["activation_checkpointing"]
+    same_training(merged)
+    assert "| FSDP2 + CPU offload |" in stdout and "| slidedp |" in stdout
+
+
+def test_readme_table_from_records(smoke, tmp_path):
+    _, records, stdout = smoke
+    bench = load_script()
+    table = bench.render_table(records)
+    for name in ("slidedp", "GPU-resident"):
+        assert f"| {name} |" in table and f"| {name} |" in stdout
+    assert "1.00x" in table  # the baseline against itself
+    section = bench.render_section(records, tmp_path / "records.json")
+    assert table in section and records[0]["command"] in section
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nbefore\n")
+    bench.update_readme(readme, "first")
+    bench.update_readme(readme, section)  # replaces between the markers, keeps the rest
+    text = readme.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n")
+    assert text.count(bench.README_BEGIN) == 1 and text.count(bench.README_END) == 1
+    assert "first" not in text and table in text
+
+    json_path = tmp_path / "records.json"
+    json_path.write_text(json.dumps(records))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--render", str(json_path), "--readme",
+                           "--readme-path", str(readme)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "| slidedp |" in proc.stdout and readme.read_text().count(bench.README_BEGIN) == 1
+
+
+def test_ratios_only_within_a_shape():
+    bench = load_script()
+    records = [
+        {"system": "slidedp", "shape": "4b", "tokens_per_step": 4096, "tokens_per_s": 3000.0},
+        {"system": "gpu_resident", "shape": "4b", "tokens_per_step": 4096, "tokens_per_s": 6000.0},
+        {"system": "slidedp", "shape": "8b", "tokens_per_step": 4096, "tokens_per_s": 1500.0},
+    ]
+    table = bench.render_table(records)
+    rows = {tuple(line.split(" | ")[:3]): line for line in table.splitlines()[2:]}
+    assert "| 0.50x |" in rows["| 4b", "4,096", "slidedp"] and "0.25x" not in table
+    assert "x |" not in rows["| 8b", "4,096", "slidedp"]  # no 8b baseline: no ratio
+    assert "shape" not in bench.render_table(records[:2])  # one shape: no shape column
+    # steady: the median of the timed steps but the last (which waits for the final CPU update)
+    timed = {**records[0], "measured_step_s": 1.5, "step_times_s": [1.0, 1.2, 2.3]}
+    assert "| 1.500 / – (steady 1.100) |" in bench.render_table([timed])
+    assert "steady" not in bench.render_table([{**timed, "step_times_s": [1.0, 2.0]}])
+
+
+def test_failures_become_records(tmp_path):
+    bench = load_script()
+    assert bench.error_text(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "out of memory"
+    assert bench.error_text(ValueError("bad")) == "ValueError: bad"
+    records = [
+        {"system": "slidedp", "tokens_per_step": 4096, "tokens_per_s": 2000.0, "measured_step_s": 2.048,
+         "predicted_step_s": 1.9, "peak_device_bytes": 2**34, "peak_host_bytes": 2**36, "losses": [12.0]},
+        {"system": "gpu_resident", "tokens_per_step": 4096, "tokens_per_s": None, "error": "out of memory"},
+        {"system": "fsdp2_cpu_offload", "tokens_per_step": 4096, "tokens_per_s": 1000.0, "measured_step_s": 4.096},
+    ]
+    table = bench.render_table(records)
+    assert "| out of memory |" in table and "2.00x" in table
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--tokens", "64",
+                           "--systems", "gpu_resident", "--timeout-s", "0.5", "--out", str(out), "--allow-dirty"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (r,) = json.loads(out.read_text())
+    assert r["error"].startswith("timeout") and r["tokens_per_s"] is None
+    assert all(k in r for k in bench.REQUIRED_KEYS)
