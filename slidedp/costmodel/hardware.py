@@ -1,6 +1,8 @@
 """Hardware profiles: what the step-time model needs to know about a host and its GPUs.
 
-Presets use published figures; the `h200-sxm` host figures are the ones measured in DESIGN.md §5.
+`h200-sxm` is measured (docs/design.md §6.2) and fitted to whole steps; the other presets derive
+from vendor figures and typical hosts (docs/design.md §6.3). How each fit was made:
+docs/costmodel_history.md.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# H2D efficiency by transfer size, measured on an H200 host (DESIGN.md §5: 64 KiB 2.4, 1 MiB 30,
-# 4 MiB 46, 16 MiB 52, 64 MiB 54 GB/s against 55 GB/s for large copies), as (bytes, fraction of the
-# large-copy bandwidth). Other hosts scale the same curve to their own bandwidth until calibrated.
+# H2D efficiency by copy size as (bytes, fraction of the large-copy bandwidth), measured on the H200
+# host (docs/design.md §6.2: 2.4 GB/s at 64 KiB up to 54 at 64 MiB, against 55 for large copies).
+# Other hosts scale the same curve to their own bandwidth until calibrated.
 H200_TRANSFER_EFFICIENCY: tuple[tuple[int, float], ...] = (
     (64 * 2**10, 2.4 / 55), (2**20, 30 / 55), (4 * 2**20, 46 / 55), (16 * 2**20, 52 / 55),
     (64 * 2**20, 54 / 55), (2**30, 1.0),
@@ -106,38 +108,29 @@ class Hardware:
 GiB = 2**30
 
 PRESETS: dict[str, Hardware] = {
-    # Measured on the H200 host (DESIGN.md §5; benchmarks/README.md, "Predicted against measured"):
-    # a Qwen3-4B block's forward / backward kernels run at 0.494 of the matmul rate (2.5 / 5.1 ms
-    # per 4096 tokens), but the host needs at least 2.3 / 6.0 ms to issue them (Python, autograd);
-    # the fused head + loss reached 0.405 (30 ms per 4,096 tokens in the step, 27.4 ms of it the
-    # kernels of that time); the fused path since (three cuBLAS GEMMs and a row kernel) takes 15.3 ms
-    # alone (benchmarks/head_kernel.py, 1.78x faster in the same run), so 15.3 + 2.8 ms in the step:
-    # 0.67; the CPU update overlapping the next forward (weights
-    # streaming up) took 1.0-1.7 s for 4.41 G params over two runs (1.11 s at the rate alone): 0.9;
-    # re-measured beside a compute-bound forward (120 GiB, 16,384 tokens): 1.095 G params in 0.339 and
-    # 0.368 s, 0.81 and 0.75 (benchmarks/README.md, 2026-12-03, seventh session): 0.78.
-    # Device memory: about 60% of the H200's 4.8 TB/s for an optimizer kernel (an estimate).
-    # Compiled blocks (compile_blocks): the pass alone at 16,384 / 65,536 tokens, 1.25 / 4.79 s: 0.657.
-    # (Fitted as 0.565 and 0.76 when causal attention counted every query-key pair; rescaled by the
-    # FLOP ratio at 4,096-token sequences, 0.875 forward, 0.864 forward + recompute + backward.)
-    # Attention apart (benchmarks/block_rate.py, session 9): causal SDPA forward + backward runs at
-    # 419 / 600 / 552 / 533 TFLOP/s at 4,096 / 16,384 / 65,536 / 262,144-token sequences, the rest of
-    # the block at 348-412; with attention at 540 the rest's efficiencies become 0.4685 and 0.652 so
-    # that a 4,096-token block takes what the fits above gave (at 262,144 tokens attention is 93% of
-    # the block, and the single rate had predicted the long-context step 29% slow).
+    # Measured on one H200 host (docs/design.md §6.2) and fitted to measured steps (benchmarks/README.md).
     "h200-sxm": Hardware(
-        name="h200-sxm", gpu_memory_bytes=141 * 10**9, matmul_flops_per_s=786e12, block_efficiency=0.4685,
-        h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, duplex_bytes_per_s=96e9,
-        host_dram_bytes_per_s=107e9, cpu_adamw_params_per_s=3.97e9, cpu_adamw_contended_fraction=0.78,
-        cpu_cores=16, gpu_p2p_bytes_per_s=450e9,
-        host_block_fwd_s=2.3e-3, host_block_bwd_s=6.0e-3, head_efficiency=0.67,
-        compiled_block_efficiency=0.652, gpu_memory_bytes_per_s=3.0e12, attention_flops_per_s=540e12,
-        # Early updates of Qwen3-4B at 16,384 tokens, 24 GiB, 2-row micro-batches: steady steps of
-        # 1.82 s (CPU updates only) and 1.61 s (with streamed updates) are what the simulator gives
-        # their plans at 0.57 and 0.55 (benchmarks/README.md, session 8); 0.66 (2.62 of 3.97 G params/s
-        # with copies both ways, DESIGN.md §5) predicted both 14-16% short.
-        cpu_adamw_backward_fraction=0.56,
+        name="h200-sxm",
+        gpu_memory_bytes=141 * 10**9,  # [B] vendor capacity
+        matmul_flops_per_s=786e12,  # [FLOP/s] bf16 8192^3 matmul, measured
+        block_efficiency=0.4685,  # [fraction] fitted to measured Qwen3-4B block kernels, attention apart
+        h2d_bytes_per_s=55e9,  # [B/s] pinned copy, one direction, measured
+        d2h_bytes_per_s=55e9,  # [B/s] pinned copy, one direction, measured
+        duplex_bytes_per_s=96e9,  # [B/s] H2D + D2H at once, measured
+        host_dram_bytes_per_s=107e9,  # [B/s] 16-thread axpy, measured
+        cpu_adamw_params_per_s=3.97e9,  # [params/s] fused CPU AdamW on 16 threads, measured
+        cpu_adamw_contended_fraction=0.78,  # [fraction] CPU updates timed in steps beside a compute-bound forward
+        cpu_cores=16,  # the host's cores
+        gpu_p2p_bytes_per_s=450e9,  # [B/s] vendor NVLink figure, one direction (not measured)
+        host_block_fwd_s=2.3e-3,  # [s] host time to issue an eager Qwen3-4B block's forward, measured
+        host_block_bwd_s=6.0e-3,  # [s] the same for its backward, measured
+        head_efficiency=0.67,  # [fraction] fused head + loss, benchmarks/head_kernel.py and step traces
+        compiled_block_efficiency=0.652,  # [fraction] compiled passes at 16,384 / 65,536 tokens, fitted
+        gpu_memory_bytes_per_s=3.0e12,  # [B/s] estimate: about 60% of the vendor's 4.8 TB/s
+        attention_flops_per_s=540e12,  # [FLOP/s] causal SDPA fwd + bwd, benchmarks/block_rate.py
+        cpu_adamw_backward_fraction=0.56,  # [fraction] fitted to two measured runs with early updates
     ),
+    # h100-sxm, a100-sxm, rtx4090: from vendor figures and a typical host of the class (docs/design.md §6.3).
     "h100-sxm": Hardware(
         name="h100-sxm", gpu_memory_bytes=80 * GiB, matmul_flops_per_s=750e12, block_efficiency=0.6,
         h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9,
@@ -159,7 +152,7 @@ PRESETS: dict[str, Hardware] = {
         cpu_cores=16, gpu_p2p_bytes_per_s=0.0, gpus_per_root_complex=2,
         gpu_memory_bytes_per_s=0.8e12,
     ),
-    # The CPU "device" of tests and CI: compute on the host, copies are memcpy.
+    # The CPU "device" of tests and CI: compute on the host, copies are memcpy; nominal values.
     "cpu": Hardware(
         name="cpu", gpu_memory_bytes=16 * GiB, matmul_flops_per_s=50e9, block_efficiency=0.5,
         h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, duplex_bytes_per_s=5e9,

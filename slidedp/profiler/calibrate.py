@@ -115,7 +115,7 @@ class BlockShape:
     batch_size: int = 1
 
 
-QWEN3_4B_BLOCK = BlockShape(2560, 9728, 32, 8, 128, 4096)  # DESIGN.md §5: 7.8 ms fwd+bwd on an H200
+QWEN3_4B_BLOCK = BlockShape(2560, 9728, 32, 8, 128, 4096)  # docs/design.md §6.2: 7.8 ms fwd+bwd on an H200
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Sizes:
 
 
 def default_sizes(cuda: bool, quick: bool) -> Sizes:
-    """Sizes for the device and mode: full ones as DESIGN.md §5 measured them, quick ones small."""
+    """Sizes for the device and mode: full ones as docs/design.md §6.2 measured them, quick ones small."""
     sweep = tuple(64 * KiB * 4**k for k in range(8))  # 64 KiB, 256 KiB, ..., 1 GiB
     if cuda and not quick:
         return Sizes(8192, QWEN3_4B_BLOCK, sweep, GiB, 2**27, GiB, 5)
