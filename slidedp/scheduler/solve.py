@@ -18,17 +18,16 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
-from slidedp.scheduler.search import baselines, cpsat, local_search
+from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
+from slidedp.scheduler.search.found import Found, fastest
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
-from slidedp.scheduler.search.early_order import best_early
-from slidedp.scheduler.search.streamed_prefix import best_streamed
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
 )
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, window_loads
-from slidedp.scheduler.oracles.timeline import Simulation, simulate
+from slidedp.scheduler.oracles.timeline import simulate
 
 log = logging.getLogger("slidedp")
 
@@ -79,76 +78,72 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
 
     # Heuristics: the baselines that fit, the least-memory decisions (which always fit), and a
     # local search from each of the two best distinct ones.
-    candidates: list[tuple[str, Decisions, Simulation]] = []
-    for name, make in baselines.BASELINES.items():
-        d = make(costs, budget_bytes)
-        if d is not None:
-            candidates.append((f"baseline:{name}", d, simulate(costs, d, all_ranks=False)))
-    candidates.append(("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
+    candidates = [f for f in (baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES) if f]
+    candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
     starts: list[Decisions] = []
-    for _, d, _ in sorted(candidates, key=lambda c: c[2].makespan):
-        if d not in starts:
-            starts.append(d)
+    for f in sorted(candidates, key=lambda f: f.makespan):
+        if f.decisions not in starts:
+            starts.append(f.decisions)
     for k, d in enumerate(starts[:2]):
-        improved = local_search.improve(costs, d, budget_bytes, max_evaluations=costs.options.local_search_evaluations)
-        candidates.append((f"local-search-{k + 1}", improved, simulate(costs, improved, all_ranks=False)))
-    incumbent = _best(candidates)
+        candidates.append(local_search.search(costs, budget_bytes, d, name=f"local-search-{k + 1}"))
+    incumbent = fastest(candidates)
 
     # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
     # started from the best candidate of its window. Skipped when the incumbent meets the bound.
     lower = cpsat.lower_bound(costs)
     feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
     small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
-    if incumbent[2].makespan <= lower:
+    if incumbent.makespan <= lower:
         windows = []
     else:
-        windows = feasible_windows if small else [incumbent[1].window]
+        windows = feasible_windows if small else [incumbent.decisions.window]
     budget_each = 0.0
     if windows:
         budget_each = (costs.options.deterministic_time / len(windows) if small
                        else costs.options.large_deterministic_time)
-    results = []
+    results, solved = [], []
     for w in windows:
-        hint = _best([c for c in candidates if c[1].window == w])
+        hint = fastest([c for c in candidates if c.decisions.window == w])
         if hint is not None:
-            hint_d = hint[1]
-        elif baselines.peak_bytes(costs, replace(incumbent[1], window=w)) <= budget_bytes:
-            hint_d = replace(incumbent[1], window=w)
+            hint_d = hint.decisions
+        elif baselines.peak_bytes(costs, replace(incumbent.decisions, window=w)) <= budget_bytes:
+            hint_d = replace(incumbent.decisions, window=w)
         else:
             hint_d = replace(min_decisions, window=w)
-        results.append(cpsat.solve_window(costs, w, budget_bytes, hint_d, budget_each))
-    solved = [("cp-sat", r.decisions, simulate(costs, r.decisions, all_ranks=False))
-              for r in results if r.decisions is not None]
-    chosen_by, decisions, best_sim = _best(solved + candidates)
+        found, result = cpsat.search(costs, budget_bytes, hint_d, window=w, deterministic_time=budget_each)
+        results.append(result)
+        solved += [found] if found is not None else []
+    best = fastest(candidates + solved)  # a tie credits the heuristic: CP-SAT found nothing better
+    chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
     # Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
     # above models the step boundary, so its bound is not one for them: the analytical one is.
-    early = best_early(costs, decisions)
-    if early is not None and early[1].makespan < best_sim.makespan:
-        decisions, best_sim = early
+    early = early_order.search(costs, budget_bytes, decisions)
+    if early is not None and early.makespan < best_sim.makespan:
+        decisions, best_sim = early.decisions, early.simulation
         chosen_by += " + early updates"
         results = [replace(r, best_bound=None) for r in results]
         lower = cpsat.lower_bound(costs, early=True)
     # Streamed updates (if allowed): the device takes the first host layers' updates off the CPU.
-    streamed = best_streamed(costs, decisions, budget_bytes)
-    streamed_tried = streamed[2] if streamed is not None else {}
+    streamed = streamed_prefix.search(costs, budget_bytes, decisions)
+    streamed_tried = streamed.tried if streamed is not None else {}
     fixed = costs.options.streamed_layers is not None
-    if streamed is not None and (fixed or streamed[1].makespan < best_sim.makespan):
-        decisions, best_sim = streamed[:2]
+    if streamed is not None and (fixed or streamed.makespan < best_sim.makespan):
+        decisions, best_sim = streamed.decisions, streamed.simulation
         chosen_by += " + streamed updates"
         results = [replace(r, best_bound=None) for r in results]
         lower = cpsat.lower_bound(costs, streamed=True)
 
-    best = best_sim.makespan
+    best_ticks = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
     for r in results:
         if r.status == "INFEASIBLE":
             bounds.pop(r.window, None)
         elif r.best_bound is not None:
             bounds[r.window] = max(lower, r.best_bound)
-    bound = min(min(bounds.values(), default=best), best)
-    return Solution(decisions, best, bound, "OPTIMAL" if bound == best else "FEASIBLE", chosen_by,
-                    tuple((name, sim.makespan) for name, _, sim in candidates), tuple(results), lower, min_budget,
+    bound = min(min(bounds.values(), default=best_ticks), best_ticks)
+    return Solution(decisions, best_ticks, bound, "OPTIMAL" if bound == best_ticks else "FEASIBLE", chosen_by,
+                    tuple((f.by, f.makespan) for f in candidates), tuple(results), lower, min_budget,
                     budget_each * len(windows), streamed_tried)
 
 
@@ -339,13 +334,6 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
             for k in todo:
                 run((with_prologue, k))
     return done(min(results, key=lambda c: (step_s(c), c[1], c[0])))
-
-
-def _best(items):
-    """Fastest, then least memory, then the first listed (the solver before the baselines)."""
-    if not items:
-        return None
-    return min(enumerate(items), key=lambda t: (t[1][2].makespan, t[1][2].peak_bytes, t[0]))[1]
 
 
 def _largest_terms(breakdown: dict) -> str:

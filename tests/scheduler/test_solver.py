@@ -181,3 +181,26 @@ def test_offloaded_activations_stay_within_host_memory():
     peaks = sorted({peak(free, d) for d in all_decisions(free)})
     assert any(free.host_offload_bytes(sol.decisions) > 0 and sol.makespan < solve(costs_with(0), b).makespan
                for b in peaks[::7] for sol in [solve(free, b)])
+
+
+def test_a_decision_is_credited_to_cp_sat_only_when_cp_sat_beat_every_heuristic():
+    """The plan names the search whose decisions it holds; on a tie the heuristic is credited."""
+    import slidedp
+    from slidedp.scheduler.search.found import Found, fastest
+    from tests.models import make_model
+
+    sim = type("Sim", (), {"makespan": 10, "peak_bytes": 5})()
+    heuristic, solver = Found("baseline:greedy", None, sim), Found("cp-sat", None, sim)
+    assert fastest([heuristic, solver]) is heuristic
+    for budget in ("1GiB", "2MiB"):
+        plan = slidedp.plan(make_model("llama"), budget, batch_size=2, seq_len=16, precision="fp32", device="cpu")
+        sv = plan.solver
+        core = sv["chosen_by"].split(" + ")[0]
+        credited = sv["searches"]["window, chunks, activations, routes, update owners"]
+        solved = [w["objective_s"] for w in sv["windows"] if w["objective_s"] is not None]
+        if core == "cp-sat":
+            assert credited == "CP-SAT" and min(solved) < min(sv["candidates"].values())
+        else:
+            assert credited.startswith(core) and "CP-SAT found nothing better" in credited
+            assert not solved or min(sv["candidates"].values()) <= min(solved)
+        assert "decided by: window, chunks" in plan.summary()

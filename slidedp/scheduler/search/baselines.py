@@ -15,6 +15,8 @@ from slidedp.scheduler.decisions import (
 )
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.search.found import Found
 
 
 def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple: int | None = None,
@@ -82,3 +84,14 @@ BASELINES = {"recompute-all": recompute_all, "keep-all": keep_all, "greedy": gre
 def default_decisions(costs: ProblemCosts, budget_bytes: int) -> Decisions | None:
     """The fixed default schedule (`plan.default_plan`): one chunk per rank, every block recomputed."""
     return recompute_all(costs, budget_bytes)
+
+
+def strategy(name: str):
+    """The baseline rule `name` as a search strategy (it needs no starting point)."""
+    rule = BASELINES[name]
+
+    def search(costs: ProblemCosts, budget_bytes: int, start: Decisions | None = None) -> Found | None:
+        d = rule(costs, budget_bytes)
+        return None if d is None else Found(f"baseline:{name}", d, simulate(costs, d, all_ranks=False))
+
+    return search

@@ -42,6 +42,8 @@ from slidedp.scheduler.decisions import (
 )
 from slidedp.scheduler.problem.footprint import terms
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_program
+from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.search.found import Found
 
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
           cp_model.MODEL_INVALID: "MODEL_INVALID", cp_model.UNKNOWN: "UNKNOWN"}
@@ -606,3 +608,13 @@ def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 3
     d = _read_back(solver, costs, v, window, acts, orders)
     return int(round(solver.objective_value)), replace(
         d, update_order=FORWARD_ORDER if FORWARD_ORDER in orders else orders[0])
+
+
+def search(costs: ProblemCosts, budget_bytes: int, start: Decisions | None, *, window: int,
+           deterministic_time: float) -> tuple[Found | None, WindowResult]:
+    """`solve_window` as a search strategy, hinted with `start`: what it found (None: nothing within its
+    time), and its WindowResult (status, bound, statistics), which the plan reports either way."""
+    result = solve_window(costs, window, budget_bytes, start, deterministic_time)
+    if result.decisions is None:
+        return None, result
+    return Found("cp-sat", result.decisions, simulate(costs, result.decisions, all_ranks=False)), result

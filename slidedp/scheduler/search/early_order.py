@@ -15,6 +15,7 @@ from dataclasses import replace
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Decisions
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
+from slidedp.scheduler.search.found import Found
 
 
 def landing_order(n_layers: int) -> tuple[int, ...]:
@@ -64,3 +65,9 @@ def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation
                 at(m)
     best = min(tried, key=lambda m: (tried[m][1].makespan, m))
     return tried[best]
+
+
+def search(costs: ProblemCosts, budget_bytes: int, start: Decisions) -> Found | None:
+    """`start` with its best early order, as a search strategy (None: not allowed, or no host layer)."""
+    found = best_early(costs, start)
+    return None if found is None else Found("early updates", *found)

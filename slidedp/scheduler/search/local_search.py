@@ -11,6 +11,8 @@ from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.search.found import Found
 
 
 def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
@@ -71,3 +73,9 @@ def improve(costs: ProblemCosts, start: Decisions, budget_bytes: int, *, max_eva
             break
         best, best_score = candidates[k], value
     return best
+
+
+def search(costs: ProblemCosts, budget_bytes: int, start: Decisions, *, name: str = "local-search") -> Found:
+    """`improve` as a search strategy: steepest descent from `start`."""
+    d = improve(costs, start, budget_bytes, max_evaluations=costs.options.local_search_evaluations)
+    return Found(name, d, simulate(costs, d, all_ranks=False))

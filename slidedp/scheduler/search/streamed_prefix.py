@@ -18,6 +18,7 @@ from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Decisions
 from slidedp.scheduler.search.early_order import best_early
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
+from slidedp.scheduler.search.found import Found
 
 
 def candidates(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
@@ -90,3 +91,9 @@ def _best_streamed_at(costs: ProblemCosts, d: Decisions, budget_bytes: int
     e, sim = tried[best]
     tick = costs.scale.tick_s
     return e, sim, {k: at(k) * tick for k in sorted(tried) if tried[k] is not None}
+
+
+def search(costs: ProblemCosts, budget_bytes: int, start: Decisions) -> Found | None:
+    """`best_streamed` as a search strategy; `tried` holds every k that fits with its step [s]."""
+    found = best_streamed(costs, start, budget_bytes)
+    return None if found is None else Found("streamed updates", found[0], found[1], found[2])
