@@ -1,0 +1,2 @@
+"""The `slidedp train` job: config.py, sources.py and data.py (data), schedule.py, metrics.py, job.py,
+export.py, shapes.py (preset shapes), smollm2.py (the embedded default model)."""

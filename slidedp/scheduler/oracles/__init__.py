@@ -1,0 +1,2 @@
+"""What judges decisions: timeline.py (the simulator that defines a step's time), closed_form.py (the
+same number without a timeline), brute_force.py (every decision of a small problem, for tests)."""
