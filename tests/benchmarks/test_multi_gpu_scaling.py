@@ -113,8 +113,8 @@ def test_the_forced_route_is_in_the_plan(two_ranks):
     plan = load_plan(solved)
     assert plan["workload"]["world_size"] == 2 and plan["workload"]["micro_batches"] == 2
     assert not plan["workload"]["compiled_blocks"] and plan["hardware"]["name"] == "cpu-gloo"
-    assert {f"{d['delivery']}/{d['reduction']}" for d in plan["decisions"]} == {ROUTE}
-    assert any("routes forced" in note for note in plan["notes"])
+    assert {f"{d['delivery']}/{d['reduction']}" for d in plan["schedule"]["decisions"]} == {ROUTE}
+    assert any("routes forced" in note for note in plan["explanation"]["notes"])
 
 
 def same_training(records: list[dict]) -> None:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import slidedp
+import slidedp.run.launch
 from slidedp.run import preflight
 from slidedp.cli import main
 from slidedp.errors import InsufficientMemoryError, SlidedpError
@@ -71,7 +72,7 @@ def test_compile_refuses_before_allocating(monkeypatch):
     def no_allocation(*args, **kwargs):
         raise AssertionError("the host state was allocated before the preflight refused")
 
-    monkeypatch.setattr(slidedp.api, "HostState", no_allocation)
+    monkeypatch.setattr(slidedp.run.launch, "HostState", no_allocation)
     with pytest.raises(InsufficientMemoryError, match=r"not enough host RAM: this model needs .* but only "
                                                       r"64.00 MiB \(67108864 bytes\) is available"):
         slidedp.compile(make_model("llama"), "1GiB", batch_size=2, seq_len=16, device="cpu", precision="fp32")

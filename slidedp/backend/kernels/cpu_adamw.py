@@ -146,8 +146,8 @@ def _apply_num_threads(num_threads: int | None) -> None:
 # Kernel constants and scalar helpers (inlined into the kernels).
 
 _BLOCK_ELEMS = 1 << 13  # elements per prange block (~230 KB of state touched per block)
-# Blocks a thread takes at a time (dynamic scheduling): a thread slowed down by other work
-# on its core (H2D copies, other ranks) no longer holds back the whole update.
+# Blocks a thread takes at a time (dynamic scheduling), so that a thread slowed by other work on its
+# core (H2D copies, other ranks) does not hold back the whole update.
 _CHUNK_BLOCKS = 4
 _U32_SIGN_MASK = np.uint32(0x7FFFFFFF)
 _U32_INF_BITS = np.uint32(0x7F800000)
