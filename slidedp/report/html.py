@@ -116,6 +116,7 @@ def swimlanes(plan: "Plan", axis: TimeAxis) -> dict:
         groups[-1]["bottom"] = y
         y += RANK_GAP
 
+    critical = {id(e) for e in plan.explanation.critical_events()}
     rects = []
     for i, e in enumerate(plan.timeline):
         x0, x1 = axis.x(e.start_s), axis.x(e.end_s)
@@ -124,15 +125,42 @@ def swimlanes(plan: "Plan", axis: TimeAxis) -> dict:
         short = next((text for text in (e.name, e.name.partition(" ")[2]) if text and len(text) * 6.2 + 4 <= width), "")
         rects.append({
             "x": round(x0, 2), "y": row_y[(e.rank, e.lane, sub[i])], "w": round(width, 2), "h": ROW_H,
-            "kind": kind, "text": short, "thin": width < 3,
+            "kind": kind, "text": short, "thin": width < 3, "critical": id(e) in critical,
             "title": (f"{e.name} — rank {e.rank}, {lane_title(e.lane)} — {format_time(e.start_s)} → "
-                      f"{format_time(e.end_s)} ({format_time(e.end_s - e.start_s)})"),
+                      f"{format_time(e.end_s)} ({format_time(e.end_s - e.start_s)})"
+                      + (" — on the critical path" if id(e) in critical else "")),
         })
     height = y + 4
     step_s = float(plan.predicted.get("step_s", 0.0) or 0.0)
     step_marker = {"x": round(axis.x(step_s), 2), "label": f"predicted step {format_time(step_s)}"} \
         if 0 < step_s <= axis.end_s * (1 + 1e-9) else None
     return {"rows": rows, "groups": groups, "rects": rects, "height": height, "step": step_marker}
+
+
+def critical_path(plan: "Plan") -> dict | None:
+    """The chain of operations that sets the step, as runs of consecutive operations on one lane:
+    each run off the compute lane is time the compute lane waits for (it exposes that time)."""
+    events = plan.explanation.critical_events()
+    if not events:
+        return None
+    runs: list[list] = []
+    for e in events:
+        if runs and runs[-1][0].lane == e.lane and runs[-1][0].rank == e.rank:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    rows = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        rows.append({
+            "lane": lane_title(first.lane), "rank": first.rank, "count": len(run),
+            "ops": first.name if len(run) == 1 else f"{first.name} .. {last.name}",
+            "start": format_time(first.start_s), "time": format_time(last.end_s - first.start_s),
+            "exposed": first.lane != "compute",
+        })
+    lanes = [(lane_title(lane), format_time(t)) for lane, t in plan.explanation.critical_lanes_s().items()]
+    return {"count": len(events), "lanes": lanes, "runs": rows,
+            "exposed": format_time(sum(e.end_s - e.start_s for e in events if e.lane != "compute"))}
 
 
 def memory_chart(plan: "Plan", axis: TimeAxis) -> dict:
@@ -272,6 +300,7 @@ def render_html(plan: "Plan") -> str:
         width=WIDTH,
         label_w=LABEL_W,
         lanes=swimlanes(plan, axis) if plan.timeline else None,
+        critical=critical_path(plan),
         no_timeline=NO_TIMELINE.format(solver=f"{plan.solver.get('method', '?')}, {plan.solver.get('status', '?')}"),
         memory=memory_chart(plan, axis) if plan.memory_timeline else None,
         no_memory_timeline=NO_MEMORY_TIMELINE,

@@ -174,6 +174,31 @@ class Explanation:
     memory_timeline: tuple[MemoryPoint, ...] = ()
     groups: tuple[GroupPrediction, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
+    # timeline event names, in order: the chain of ops that sets the step (each starts as the one
+    # before it ends; their durations add up to the predicted step, scheduler/oracles/critical_path.py)
+    critical_path: tuple[str, ...] = ()
+
+    def critical_events(self) -> tuple[TimelineEvent, ...]:
+        """The timeline events of `critical_path`: for each name in turn, the earliest event of that
+        name starting once the one before has ended (ranks run in lockstep: the lowest rank's)."""
+        by_name: dict[str, list[TimelineEvent]] = {}
+        for e in sorted(self.timeline, key=lambda e: (e.start_s, e.rank)):
+            by_name.setdefault(e.name, []).append(e)
+        out, after_s = [], 0.0
+        for name in self.critical_path:
+            e = next((e for e in by_name.get(name, ()) if e.start_s >= after_s * (1 - 1e-9) - 1e-12), None)
+            if e is None:
+                return ()  # a path that does not fit this timeline: nothing to show
+            out.append(e)
+            after_s = e.end_s
+        return tuple(out)
+
+    def critical_lanes_s(self) -> dict[str, float]:
+        """Seconds of the critical path on each lane, in the order the path first reaches them."""
+        out: dict[str, float] = {}
+        for e in self.critical_events():
+            out[e.lane] = out.get(e.lane, 0.0) + (e.end_s - e.start_s)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Explanation":
@@ -186,6 +211,7 @@ class Explanation:
             memory_timeline=tuple(MemoryPoint(*row) for row in data.get("memory_timeline", ())),
             groups=tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])}) for g in data.get("groups", ())),
             alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
+            critical_path=tuple(data.get("critical_path", ())),
         )
 
     def to_dict(self) -> dict:
@@ -311,6 +337,7 @@ class Plan:
              f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
              f"CPU update {p['cpu_update_s'] * 1e3:.1f}; exposed beyond the bottleneck {p['exposed_s'] * 1e3:.1f}) "
              f"— bottleneck: {p['bottleneck']}") if p else "  predicted step: not known (saved without its explanation)",
+            *([_critical_line(self.explanation)] if self.explanation.critical_events() else []),
             "",
         ]
         if self.groups:
@@ -348,6 +375,15 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def _critical_line(explanation: Explanation) -> str:
+    """"critical path: N ops, compute X ms, h2d Y ms, ...": where the step's time goes along it."""
+    lanes = ", ".join(f"{lane} {_ms(s)} ms" for lane, s in explanation.critical_lanes_s().items())
+    wait_s = explanation.critical_events()[0].start_s  # early updates: a load waits for a carried-over update
+    if wait_s > 0:
+        lanes += f", waiting for the previous step's updates {_ms(wait_s)} ms"
+    return f"  critical path: {len(explanation.critical_path)} ops, {lanes}: the lanes that set the step"
 
 
 def _blocks_label(decisions, layer_ids) -> str:

@@ -412,6 +412,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         memory_timeline=memory_timeline,
         groups=groups,
         alternatives=alts,
+        critical_path=tuple(sim.events[i].name for i in sim.critical_path),
     )
     return Plan(
         schema_version=SCHEMA_VERSION,

@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 
+import networkx as nx
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from slidedp.scheduler.plan import LayerDecision, Schedule
 from slidedp.scheduler.problem.lanes import window_loads
 from slidedp.scheduler.solve import fixed_plan
 
+from slidedp.backend.lowering.graph import dependency_graph
 from slidedp.backend.lowering.program import BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, lower
 from slidedp.backend.lowering.verify import ProgramError, simulate
 from slidedp.ir.build import build_layer_graph
@@ -46,6 +48,49 @@ def test_lowered_programs_are_valid(graph, window, policies):
     assert [op.block for op in program.ops if op.kind == BWD] == list(range(n - 1, -1, -1))
     assert sum(op.kind == D2H_GRAD for op in program.ops) == len(graph.layers)
     assert "h2d_weights" in program.text()
+    deps = dependency_graph(program)
+    assert nx.is_directed_acyclic_graph(deps)
+    assert sum(why != "stream" for _, _, why in deps.edges(data="why")) == report.n_waits
+    assert all(deps.nodes[op.index]["stream"] == op.stream for op in program.ops)
+
+
+def test_the_dependency_graph_orders_streams_and_events(graph):
+    """Each op follows the previous op of its stream, and each waiter its event's recorder."""
+    program = lowered(graph, window=1)
+    deps = dependency_graph(program)
+    load = next(op for op in program.ops if op.kind == H2D_WEIGHTS)
+    fwd = next(op for op in program.ops if op.kind == FWD)
+    assert deps.edges[load.index, fwd.index]["why"] == f"event {load.record}"
+    computes = [op.index for op in program.ops if op.stream == "compute"]
+    assert all(deps.edges[a, b]["why"] == "stream" for a, b in zip(computes, computes[1:]))
+    assert not deps.has_edge(computes[0], computes[2])
+
+
+def test_simulator_refuses_a_cycle_of_waits_across_streams(graph):
+    """The first load waits for the epilogue, which (through the compute stream) waits for the
+    forwards, which wait for the loads after that one: a deadlock on a GPU, refused with the ops on
+    a cycle (each cycle passes the broken wait)."""
+    program = lowered(graph, window=1)
+    load = next(op for op in program.ops if op.kind == H2D_WEIGHTS)
+    head = next(op for op in program.ops if op.kind == EPILOGUE)
+    broken = _without(program, lambda op: op.index == load.index,
+                      lambda op: dataclasses.replace(op, waits=(head.record,)))
+    with pytest.raises(ProgramError, match="deadlock") as info:
+        simulate(broken)
+    message = str(info.value)
+    for op in (load, head):
+        assert f"op {op.index} ({op.kind} on {op.stream})" in message
+    assert f"(epilogue on compute) -> op {load.index} (h2d_weights on h2d)" in message
+    assert "(fwd on compute)" in message
+
+
+def test_simulator_refuses_an_event_recorded_twice(graph):
+    program = lowered(graph)
+    fwd = next(op for op in program.ops if op.kind == FWD)
+    free = next(op for op in program.ops if op.kind == FREE)
+    broken = _without(program, lambda op: op.index == free.index, lambda op: dataclasses.replace(op, record=fwd.record))
+    with pytest.raises(ProgramError, match=f"event {fwd.record} is recorded by ops"):
+        simulate(broken)
 
 
 def test_the_epilogues_gradient_leaves_before_the_blocks_backward(graph):
@@ -105,7 +150,7 @@ def test_simulator_catches_an_early_gradient_copy_and_leaks(graph):
     with pytest.raises(ProgramError, match="still allocated"):
         simulate(leak)
     bad_event = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=(10**6,)))
-    with pytest.raises(ProgramError, match="not recorded"):
+    with pytest.raises(ProgramError, match="not recorded by any op"):
         simulate(bad_event)
 
 

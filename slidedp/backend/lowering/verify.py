@@ -4,6 +4,9 @@ Happens-before uses vector clocks: an op inherits its stream's previous clock an
 the events it waits for. Op A happens before op B iff B's clock has reached A's position on A's
 stream. The checks, each a `ProgramError` naming the op:
 
+- every waited event is recorded by exactly one op, and the waits form no cycle (a deadlock: ops
+  on two streams each waiting for an event the other records later), read from the program's
+  dependency graph (`slidedp.backend.lowering.graph`), the cycle's ops named;
 - every waited event was recorded by an earlier op;
 - a compute op reads weight slot s only after the load of its block into s has happened;
 - a load into slot s happens only after every earlier reader of s's previous content;
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slidedp.backend.lowering.graph import dependency_graph, event_recorders, find_deadlock, unrecorded_waits
 from slidedp.backend.lowering.program import ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, Program
 
 
@@ -31,7 +35,22 @@ class SimulationReport:
     n_waits: int
 
 
+def check_dependencies(program: Program) -> None:
+    """Refuse waits on events no op records, events recorded twice, and cycles of waits."""
+    kind = {op.index: f"{op.kind} on {op.stream}" for op in program.ops}
+    for index, event in unrecorded_waits(program):
+        raise ProgramError(f"op {index} ({kind[index]}) waits for event {event}, not recorded by any op")
+    for event, recorders in event_recorders(program).items():
+        if len(recorders) > 1:
+            raise ProgramError(f"event {event} is recorded by ops {recorders}, not by one")
+    cycle = find_deadlock(dependency_graph(program))
+    if cycle:
+        chain = " -> ".join(f"op {u} ({kind[u]})" for u, _ in cycle) + f" -> op {cycle[0][0]}"
+        raise ProgramError(f"deadlock: the waits form a cycle: {chain}")
+
+
 def simulate(program: Program, *, budget_bytes: int | None = None) -> SimulationReport:
+    check_dependencies(program)
     streams = sorted({op.stream for op in program.ops})
     clock_of_stream = {s: {t: 0 for t in streams} for s in streams}
     position: dict[int, tuple[str, int]] = {}  # op index -> (stream, 1-based position on it)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, REPLICATED, RESIDENT, SHARDED, Decisions
+from slidedp.scheduler.oracles.critical_path import longest_chain
 from slidedp.scheduler.problem.footprint import Footprint, evaluate
 from slidedp.scheduler.problem.lanes import (
     COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, Op, Program, build_program,
@@ -87,6 +88,7 @@ class Simulation:
     ops: dict  # key -> OpTime, rank 0
     lane_busy: dict  # lane -> ticks, rank 0 (cpu_update: its busiest rank)
     events: tuple[Event, ...] = ()
+    critical_path: tuple[int, ...] = ()  # indices into `events`: the chain that sets the makespan (critical_path.py)
 
     @property
     def step_s(self) -> float:
@@ -274,12 +276,15 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
                           min(start[p] for p in pids), max(end[p] for p in pids), sum(dur[p] for p in pids))
     lane_busy = {lane: sum(dur[p] for p in queues.get((0, lane), ())) for lane in (COMPUTE, H2D, D2H, COLLECTIVE)}
     lane_busy[CPU_UPDATE] = max(sum(dur[p] for p in queues.get((r, CPU_UPDATE), ())) for r in range(W))
-    events = ()
+    events, critical = (), ()
     if record:
         events = tuple(Event(rank_of[p], lane_of[p], name_of[p][0].format(*name_of[p][1:]), layer_of[p],
                              chunk_of[p], start[p], end[p]) for p in range(len(dur)))
+        critical, length = longest_chain(queues.values(), deps, dur, release,
+                                         (lambda p: lane_of[p] != CPU_UPDATE) if carry is not None else (lambda p: True))
+        assert length == makespan, (length, makespan)  # the module docstring of critical_path.py
     pinned = _pinned_host(costs, d) if record else ()
-    sim = Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events)
+    sim = Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events, critical)
     return sim, update_end, cpu_end
 
 
