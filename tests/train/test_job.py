@@ -162,3 +162,20 @@ def test_resume_at_max_steps_does_nothing(run_a, tiny_model_dir, tiny_jsonl, tmp
     assert summary["steps"] == 0 and summary["start_step"] == STEPS
     assert "nothing to do" in capsys.readouterr().err
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+def test_resume_reuses_the_plan_of_a_sectioned_or_old_flat_checkpoint_config(run_a, tiny_model_dir, tiny_jsonl):
+    """trainer_state.json's config is compared on resume: sectioned now, flat in checkpoints of earlier versions."""
+    from slidedp.train.job import _reusable_plan
+
+    out, _ = run_a
+    ckpt = list_checkpoints(out)[-1][1]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert set(state["config"]) >= {"model", "optimizer", "training"}
+    flat = {k: v for section in state["config"].values() for k, v in section.items()}
+    cfg, cpu = config(tiny_model_dir, tiny_jsonl[0], out, "max_steps=6", "resume=true"), torch.device("cpu")
+    for old in (state["config"], flat):
+        assert _reusable_plan(ckpt, dict(state, config=old), cfg, cpu, "fp32") == ckpt / "plan.json"
+        changed = config(tiny_model_dir, tiny_jsonl[0], out, "batch_size=1")
+        assert _reusable_plan(ckpt, dict(state, config=old), changed, cpu, "fp32") is None
+    assert _reusable_plan(ckpt, dict(state, config={"lr": "fast"}), cfg, cpu, "fp32") is None
