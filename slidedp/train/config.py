@@ -19,7 +19,7 @@ from typing import get_type_hints
 from slidedp.budget import Budget
 
 
-def _check_positive(section, *keys: str, least: int = 1) -> None:
+def _check_at_least(section, *keys: str, least: int = 1) -> None:
     for key in keys:
         if getattr(section, key) < least:
             raise ValueError(f"config key {key!r} must be >= {least}, got {getattr(section, key)}")
@@ -55,7 +55,7 @@ class DataConfig:
     val_every: int = 0  # validation loss every this many steps (and at the end); 0: at the end only
 
     def validate(self) -> None:
-        _check_positive(self, "max_rows", "val_every", least=0)
+        _check_at_least(self, "max_rows", "val_every", least=0)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
         _check_text(self, "data")
@@ -73,9 +73,9 @@ class TrainingConfig:
     max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
 
     def validate(self) -> None:
-        _check_positive(self, "max_steps", "batch_size", "grad_accum", "seq_len")
-        _check_positive(self, "max_skipped_steps", least=0)
-        _check_positive(self, "seq_len", least=2)
+        _check_at_least(self, "max_steps", "batch_size", "grad_accum", "seq_len")
+        _check_at_least(self, "max_skipped_steps", least=0)
+        _check_at_least(self, "seq_len", least=2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +88,7 @@ class EngineConfig:
     world_size: int = 1  # data-parallel ranks
 
     def validate(self) -> None:
-        _check_positive(self, "world_size")
+        _check_at_least(self, "world_size")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"config key 'precision' must be auto, bf16 or fp32, got {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
@@ -129,7 +129,7 @@ class ScheduleConfig:
     min_lr: float = 0.0
 
     def validate(self) -> None:
-        _check_positive(self, "warmup_steps", least=0)
+        _check_at_least(self, "warmup_steps", least=0)
         if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
             raise ValueError(f"config key 'min_lr' must be a finite number >= 0, got {self.min_lr}")
         if self.lr_schedule not in ("constant", "linear", "cosine"):
@@ -147,8 +147,8 @@ class CheckpointConfig:
     overwrite: bool = False  # a fresh run may delete the checkpoints already in output_dir
 
     def validate(self) -> None:
-        _check_positive(self, "keep_last")
-        _check_positive(self, "save_every", least=0)
+        _check_at_least(self, "keep_last")
+        _check_at_least(self, "save_every", least=0)
         _check_text(self, "output_dir")
 
 
@@ -161,7 +161,7 @@ class MetricsConfig:
     tensorboard: bool = True  # TensorBoard scalars when the tensorboard package is installed
 
     def validate(self) -> None:
-        _check_positive(self, "log_every")
+        _check_at_least(self, "log_every")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +188,8 @@ class TrainConfig:
         """Sectioned: `{"optimizer": {"lr": ...}, ...}`, as `load_config` and `from_dict` read it."""
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, values: dict, where: str = "config") -> "TrainConfig":
+    @staticmethod
+    def from_dict(values: dict, where: str = "config") -> "TrainConfig":
         """A validated config from flat and/or sectioned keys (a file's mapping, `to_dict`'s output)."""
         return _build(_normalize(values, where))
 
