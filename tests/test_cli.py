@@ -13,10 +13,11 @@ def test_config_defaults_files_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("max_steps: 7\nlr: 0.001\nmodel: some/folder\n")
     cfg = load_config(str(path), ["max_steps=9", "precision=fp32"])
-    assert (cfg.max_steps, cfg.lr, cfg.model, cfg.precision) == (9, 0.001, "some/folder", "fp32")
+    assert (cfg.training.max_steps, cfg.optimizer.lr, cfg.model.model, cfg.engine.precision) == (
+        9, 0.001, "some/folder", "fp32")
     toml = tmp_path / "run.toml"
     toml.write_text('batch_size = 2\ndata = "corpus"\n')
-    assert load_config(str(toml), []).batch_size == 2
+    assert load_config(str(toml), []).training.batch_size == 2
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -44,8 +45,9 @@ def test_config_new_keys_and_data_list(tmp_path):
     path.write_text("data: [a.jsonl, folder]\nsave_every: 5\nresume: true\nlr_schedule: cosine\n"
                     "warmup_steps: 10\npacking: false\nval_fraction: 0.1\nval_every: 50\n")
     cfg = load_config(str(path), ["keep_last=3"])
-    assert (cfg.data, cfg.save_every, cfg.resume, cfg.lr_schedule, cfg.warmup_steps, cfg.packing, cfg.val_fraction,
-            cfg.val_every, cfg.keep_last) == ("a.jsonl,folder", 5, True, "cosine", 10, False, 0.1, 50, 3)
+    assert (cfg.data.data, cfg.checkpoint.save_every, cfg.checkpoint.resume, cfg.schedule.lr_schedule,
+            cfg.schedule.warmup_steps, cfg.data.packing, cfg.data.val_fraction, cfg.data.val_every,
+            cfg.checkpoint.keep_last) == ("a.jsonl,folder", 5, True, "cosine", 10, False, 0.1, 50, 3)
 
 
 def test_cli_export_errors_without_traceback(tmp_path, capsys):
@@ -122,7 +124,7 @@ def test_cli_turns_every_error_into_one_line_and_a_status(exc, code, words, monk
 
 
 def test_cli_budget_and_skip_keys_in_config(tmp_path):
-    assert load_config(None, []).max_skipped_steps == 10
-    assert load_config(None, ["max_skipped_steps=0", "budget=512MiB"]).budget == "512MiB"
+    assert load_config(None, []).training.max_skipped_steps == 10
+    assert load_config(None, ["max_skipped_steps=0", "budget=512MiB"]).engine.budget == "512MiB"
     with pytest.raises(ValueError, match="config key 'budget': cannot parse budget"):
         load_config(None, ["budget=big"])

@@ -1,104 +1,260 @@
-"""The `slidedp train` configuration: a typed schema, YAML/TOML files and `key=value` overrides."""
+"""The `slidedp train` configuration: typed sections, YAML/TOML/JSON files and `key=value` overrides.
+
+`TrainConfig` holds one frozen section a concern (`cfg.optimizer.lr`, `cfg.checkpoint.save_every`).
+Every key lives in exactly one section and its name is unique across them, so a file or an override
+may name it flat (`lr: 1e-4`, `lr=1e-4`) or in its section (`optimizer: {lr: 1e-4}`,
+`optimizer.lr=1e-4`); both load to the same config. `config.json` is written sectioned
+(`TrainConfig.to_dict`); older flat ones load as well.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import get_type_hints
 
 from slidedp.budget import Budget
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Keys of a training run. `model="smollm2"` and `data="stdlib"` make the embedded default job."""
+def _check_at_least(section, *keys: str, least: int = 1) -> None:
+    for key in keys:
+        if getattr(section, key) < least:
+            raise ValueError(f"config key {key!r} must be >= {least}, got {getattr(section, key)}")
 
-    # what to train, on what
+
+def _check_text(section, *keys: str) -> None:
+    for key in keys:
+        if not getattr(section, key).strip():
+            raise ValueError(f"config key {key!r} must not be empty")
+        if "\0" in getattr(section, key):
+            raise ValueError(f"config key {key!r} contains a NUL character")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """What to train. `model="smollm2"` makes the embedded default job."""
+
     model: str = "smollm2"  # "smollm2", a local Hugging Face folder, or a preset shape (random init)
     tokenizer: str = ""  # "": the model folder's own ("smollm2" for a preset); or a folder, or "smollm2"
+
+    def validate(self) -> None:
+        _check_text(self, "model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """On what. `data="stdlib"` makes the embedded default job."""
+
     data: str = "stdlib"  # "stdlib", or .txt/.jsonl/.parquet files and folders, comma-separated
     packing: bool = True  # pack examples into full rows; false: one example a row, padded and masked
     max_rows: int = 0  # rows of data to use, 0: all (the stdlib default job uses 16)
     val_fraction: float = 0.0  # rows held out for the validation loss
     val_every: int = 0  # validation loss every this many steps (and at the end); 0: at the end only
-    output_dir: str = "runs/default"
-    # the step
+
+    def validate(self) -> None:
+        _check_at_least(self, "max_rows", "val_every", least=0)
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
+        _check_text(self, "data")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The step and the length of the run."""
+
     max_steps: int = 24
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int = 128
+    seed: int = 0
+    max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
+
+    def validate(self) -> None:
+        _check_at_least(self, "max_steps", "batch_size", "grad_accum", "seq_len")
+        _check_at_least(self, "max_skipped_steps", least=0)
+        _check_at_least(self, "seq_len", least=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Where and how the engine runs."""
+
+    device: str = "auto"  # "auto" | "cuda" | "cpu"
     precision: str = "auto"  # "auto" (bf16 on a GPU, fp32 on CPU) | "bf16" | "fp32"
-    device: str = "auto"
-    world_size: int = 1
-    budget: str = "16GiB"
-    # the optimizer
+    budget: str = "16GiB"  # GPU memory budget per rank
+    world_size: int = 1  # data-parallel ranks
+
+    def validate(self) -> None:
+        _check_at_least(self, "world_size")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"config key 'precision' must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"config key 'device' must be auto, cuda or cpu, got {self.device!r}")
+        try:
+            Budget.parse(self.budget)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config key 'budget': {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW."""
+
     lr: float = 1e-4
-    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to min_lr at max_steps)
-    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps
-    min_lr: float = 0.0
     weight_decay: float = 0.0
     no_decay_groups: bool = True  # no weight decay on norms, biases and embeddings
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping
-    max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
-    # checkpoints
-    save_every: int = 0  # checkpoint every this many steps (and always at the end); 0: at the end only
-    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
-    resume: bool = False  # continue from the latest checkpoint in output_dir (start fresh if none)
-    overwrite: bool = False  # a fresh run may delete the checkpoints already in output_dir
-    # the rest
-    seed: int = 0
-    log_every: int = 1
-    progress: bool = True  # progress bar (tqdm when installed)
-    tensorboard: bool = True  # TensorBoard scalars when the tensorboard package is installed
 
-    def validate(self) -> "TrainConfig":
-        positive = ("max_steps", "batch_size", "grad_accum", "seq_len", "world_size", "log_every", "keep_last")
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_rows", "val_every", "warmup_steps", "save_every", "max_skipped_steps"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
-        for key in ("lr", "min_lr", "weight_decay", "max_grad_norm", "adam_eps"):
+    def validate(self) -> None:
+        for key in ("lr", "weight_decay", "max_grad_norm", "adam_eps"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"config key {key!r} must be a finite number >= 0, got {getattr(self, key)}")
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
-        if self.seq_len < 2:
-            raise ValueError(f"config key 'seq_len' must be >= 2, got {self.seq_len}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"config key 'precision' must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"config key 'device' must be auto, cuda or cpu, got {self.device!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """The learning rate over the steps (from `optimizer.lr`, to `min_lr` at `training.max_steps`)."""
+
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to min_lr at max_steps)
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps
+    min_lr: float = 0.0
+
+    def validate(self) -> None:
+        _check_at_least(self, "warmup_steps", least=0)
+        if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
+            raise ValueError(f"config key 'min_lr' must be a finite number >= 0, got {self.min_lr}")
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"config key 'lr_schedule' must be constant, linear or cosine, got {self.lr_schedule!r}")
-        if self.min_lr > self.lr:
-            raise ValueError(f"config key 'min_lr' ({self.min_lr}) must not exceed 'lr' ({self.lr})")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
-        try:
-            Budget.parse(self.budget)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"config key 'budget': {exc}") from None
-        for key in ("model", "data", "output_dir"):
-            if not getattr(self, key).strip():
-                raise ValueError(f"config key {key!r} must not be empty")
-            if "\0" in getattr(self, key):
-                raise ValueError(f"config key {key!r} contains a NUL character")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The run folder and its checkpoints."""
+
+    output_dir: str = "runs/default"
+    save_every: int = 0  # checkpoint every this many steps (and always at the end); 0: at the end only
+    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
+    resume: bool = False  # continue from the latest checkpoint in output_dir (start fresh if none)
+    overwrite: bool = False  # a fresh run may delete the checkpoints already in output_dir
+
+    def validate(self) -> None:
+        _check_at_least(self, "keep_last")
+        _check_at_least(self, "save_every", least=0)
+        _check_text(self, "output_dir")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """What the run reports while it trains."""
+
+    log_every: int = 1  # a stderr line every this many steps
+    progress: bool = True  # progress bar (tqdm when installed)
+    tensorboard: bool = True  # TensorBoard scalars when the tensorboard package is installed
+
+    def validate(self) -> None:
+        _check_at_least(self, "log_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Keys of a training run, in sections; the defaults make the embedded default job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> "TrainConfig":
+        for f in fields(self):
+            getattr(self, f.name).validate()
+        if self.schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"config key 'min_lr' ({self.schedule.min_lr}) must not exceed 'lr' ({self.optimizer.lr})")
         return self
 
     def to_dict(self) -> dict:
+        """Sectioned: `{"optimizer": {"lr": ...}, ...}`, as `load_config` and `from_dict` read it."""
         return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(values: dict, where: str = "config") -> "TrainConfig":
+        """A validated config from flat and/or sectioned keys (a file's mapping, `to_dict`'s output)."""
+        return _build(_normalize(values, where))
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(TrainConfig)}
+SECTION_OF: dict[str, str] = {k.name: s for s, typ in SECTIONS.items() for k in fields(typ)}  # flat key -> section
+assert len(SECTION_OF) == sum(len(fields(t)) for t in SECTIONS.values()), "a key in two sections"
+
+
+_HINTS: dict[str, type] = {k: v for typ in SECTIONS.values() for k, v in get_type_hints(typ).items()}
+
+
+def _normalize(values: dict, where: str) -> dict:
+    """Flat key -> value, from a mapping of flat keys (`lr`), sections (`optimizer: {lr: ...}`) and
+    dotted keys (`optimizer.lr`). A section name that is also a key (`model`, `data`) is the section
+    when its value is a mapping. Unknown keys, keys in the wrong section and keys given twice are
+    refused, naming them."""
+    flat: dict = {}
+    unknown: list[str] = []
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: keys must be names, got {key!r}")
+        section, dot, name = key.partition(".")
+        if dot:
+            entries = [(section, name, value)]
+        elif key in SECTIONS and (isinstance(value, dict) or key not in SECTION_OF):
+            if value is None:  # an empty YAML section
+                value = {}
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: config section {key!r} must be a mapping of keys to values, got {value!r}")
+            entries = [(key, k, v) for k, v in value.items()]
+        else:
+            entries = [(None, key, value)]
+        for section, name, value in entries:
+            if not isinstance(name, str):
+                raise ValueError(f"{where}: keys of section {section!r} must be names, got {name!r}")
+            dotted = name if section is None else f"{section}.{name}"
+            if name not in SECTION_OF or (section is not None and SECTION_OF[name] != section):
+                hint = f" ({name!r} belongs in section {SECTION_OF[name]!r})" if name in SECTION_OF else ""
+                unknown.append(dotted + hint)
+                continue
+            if name in flat:
+                raise ValueError(f"{where}: config key {name!r} is given twice (flat and in section "
+                                 f"{SECTION_OF[name]!r}, or twice in it)")
+            if name == "data" and isinstance(value, list):  # a YAML/TOML list of files and folders
+                if not all(isinstance(v, str) for v in value):
+                    raise TypeError(f"config key 'data': a list must hold file or folder names, got {value!r}")
+                value = ",".join(value)
+            flat[name] = value
+    if unknown:
+        raise ValueError(f"unknown config key(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(SECTION_OF))}"
+                         f"; in sections: {', '.join(SECTIONS)})")
+    return flat
+
+
+def _build(flat: dict) -> TrainConfig:
+    """The validated config of flat key -> value (values coerced to the schema's types)."""
+    per_section: dict[str, dict] = {s: {} for s in SECTIONS}
+    for key, value in flat.items():
+        per_section[SECTION_OF[key]][key] = _coerce(key, value, _HINTS[key])
+    return TrainConfig(**{s: SECTIONS[s](**kv) for s, kv in per_section.items()}).validate()
 
 
 def _coerce(key: str, value, typ):
+
     """A value of the schema's type, from a file value or an override string; errors name the key."""
     if typ is bool:
         if isinstance(value, bool):
@@ -132,7 +288,8 @@ def _coerce(key: str, value, typ):
 
 
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
-    """Defaults, then the YAML/TOML file, then `key=value` overrides; unknown keys are refused."""
+    """Defaults, then the YAML/TOML/JSON file, then `key=value` overrides (flat or dotted keys, as
+    `lr=1e-4` or `optimizer.lr=1e-4`); unknown keys are refused."""
     values: dict = {}
     if path:
         p = Path(path)
@@ -165,21 +322,10 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             raise ValueError(f"config file {path}: expected .yaml, .yml, .toml or .json")
         if not isinstance(values, dict):
             raise ValueError(f"config file {path} must hold a mapping of keys to values")
-    if isinstance(values.get("data"), list):  # a YAML/TOML list of files and folders
-        if not all(isinstance(v, str) for v in values["data"]):
-            raise TypeError(f"config key 'data': a list must hold file or folder names, got {values['data']!r}")
-        values["data"] = ",".join(values["data"])
-    unnamed = [k for k in values if not isinstance(k, str)]
-    if unnamed:
-        raise ValueError(f"config file {path}: keys must be names, got {unnamed[0]!r}")
+    flat = _normalize(values, f"config file {path}")
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"override {item!r} must look like key=value")
-        values[key.strip()] = value.strip()
-    hints = get_type_hints(TrainConfig)
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return TrainConfig(**{k: _coerce(k, v, hints[k]) for k, v in values.items()}).validate()
+        flat.update(_normalize({key.strip(): value.strip()}, f"override {item!r}"))  # the last one wins
+    return _build(flat)

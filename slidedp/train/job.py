@@ -2,7 +2,7 @@
 
 The run's folder (`output_dir`):
 
-    config.json                    the resolved config of the run
+    config.json                    the resolved config of the run, in sections (`load_config` reads it)
     metrics.jsonl                  one record per step (see metrics.py)
     checkpoints/step-00000024/     the engine's state (slidedp/run/checkpoint.py), plus this job's
                                    `trainer_state.json` (step, schedule, data position, config)
@@ -69,11 +69,11 @@ def weights_of(cfg: TrainConfig, model):
     was built empty, else None (its own weights)."""
     if not any(p.device.type == "meta" for p in model.parameters()):
         return None
-    if cfg.model == "smollm2":
+    if cfg.model.model == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
 
         return ensure_smollm2()
-    return Path(cfg.model).expanduser()
+    return Path(cfg.model.model).expanduser()
 
 
 def load_model_and_tokenizer(cfg: TrainConfig):
@@ -86,21 +86,21 @@ def load_model_and_tokenizer(cfg: TrainConfig):
     from slidedp.run.weights import checkpoint_shapes
 
     folder = None
-    if cfg.model == "smollm2":
+    if cfg.model.model == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
 
         folder = ensure_smollm2()
         model = empty_model(folder)
-    elif cfg.model in PRESETS:
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(preset_config(cfg.model), dtype=torch.float32)
+    elif cfg.model.model in PRESETS:
+        torch.manual_seed(cfg.training.seed)
+        model = AutoModelForCausalLM.from_config(preset_config(cfg.model.model), dtype=torch.float32)
     else:
-        folder = Path(cfg.model).expanduser()
+        folder = Path(cfg.model.model).expanduser()
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"config key 'model': {cfg.model} is neither a Hugging Face folder (no "
+            raise FileNotFoundError(f"config key 'model': {cfg.model.model} is neither a Hugging Face folder (no "
                                     f"config.json) nor 'smollm2' nor a preset ({', '.join(PRESETS)})")
         if not any(folder.glob("*.safetensors")):
-            raise ValueError(f"config key 'model': {cfg.model} holds no .safetensors weights; slidedp does not "
+            raise ValueError(f"config key 'model': {cfg.model.model} holds no .safetensors weights; slidedp does not "
                              "read pickled weights (pytorch_model.bin); convert them with save_pretrained("
                              "..., safe_serialization=True) in a trusted environment")
         try:
@@ -109,7 +109,7 @@ def load_model_and_tokenizer(cfg: TrainConfig):
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
             raise ValueError(f"config key 'model': cannot load the weights of {folder} "
                              f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
-    source = cfg.tokenizer or (str(folder) if folder is not None else "smollm2")
+    source = cfg.model.tokenizer or (str(folder) if folder is not None else "smollm2")
     if source == "smollm2":
         from slidedp.train.smollm2 import ensure_smollm2
 
@@ -131,16 +131,17 @@ def load_data(cfg: TrainConfig, tokenizer):
     from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, stdlib_source_files
     from slidedp.train.sources import Example, build_rows, load_dataset
 
-    if cfg.data != "stdlib":
-        return load_dataset(cfg.data, tokenizer, cfg.seq_len, packing=cfg.packing, max_rows=cfg.max_rows or None,
-                            seed=cfg.seed)
-    max_rows = cfg.max_rows or STDLIB_ROWS
-    if cfg.packing:
-        return stdlib_dataset(tokenizer, cfg.seq_len, max_rows=max_rows, seed=cfg.seed)
+    data, seq_len, seed = cfg.data, cfg.training.seq_len, cfg.training.seed
+    if data.data != "stdlib":
+        return load_dataset(data.data, tokenizer, seq_len, packing=data.packing, max_rows=data.max_rows or None,
+                            seed=seed)
+    max_rows = data.max_rows or STDLIB_ROWS
+    if data.packing:
+        return stdlib_dataset(tokenizer, seq_len, max_rows=max_rows, seed=seed)
     texts = (read_document(f) for f in stdlib_source_files())
     examples = (Example(text) for text in texts if text.strip())  # empty __init__.py files: nothing to train
-    rows = build_rows(examples, tokenizer, cfg.seq_len, packing=False, max_rows=max_rows)
-    return PackedDataset(rows["input_ids"], seed=cfg.seed, labels=rows["labels"],
+    rows = build_rows(examples, tokenizer, seq_len, packing=False, max_rows=max_rows)
+    return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"],
                          attention_mask=rows["attention_mask"])
 
 
@@ -214,10 +215,15 @@ def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.de
     from slidedp.costmodel.hardware import resolve_hardware
     from slidedp.scheduler.plan import Plan
 
-    old = state.get("config", {})
-    same = all(old.get(k) == getattr(cfg, k) for k in ("model", "budget", "batch_size", "seq_len", "grad_accum",
-                                                        "world_size"))
-    if not same or state.get("device") != device.type or state.get("precision") != precision:
+    try:  # sectioned, or flat as checkpoints of earlier versions wrote it
+        old = TrainConfig.from_dict(state.get("config", {}), where=f"{folder / TRAINER_STATE} config")
+    except (TypeError, ValueError):
+        return None
+    def workload(c: TrainConfig) -> tuple:
+        return (c.model.model, c.engine.budget, c.engine.world_size, c.training.batch_size, c.training.seq_len,
+                c.training.grad_accum)
+
+    if workload(old) != workload(cfg) or state.get("device") != device.type or state.get("precision") != precision:
         return None
     try:
         plan = Plan.load(folder / "plan.json")
@@ -271,16 +277,16 @@ def run(cfg: TrainConfig) -> dict:
     from slidedp.run.checkpoint import ENGINE_JSON, verify_checkpoint
 
     cfg.validate()
-    out = Path(cfg.output_dir)
+    out = Path(cfg.checkpoint.output_dir)
     resume_from = None
     existing = list_checkpoints(out)
-    if cfg.resume:
+    if cfg.checkpoint.resume:
         if existing:
             resume_from = existing[-1][1]
         else:
             _log(f"[slidedp] resume=true but {out} holds no checkpoint: starting from step 0")
     elif existing:
-        if not cfg.overwrite:
+        if not cfg.checkpoint.overwrite:
             raise ValueError(f"output_dir {out} already holds checkpoints (latest: step {existing[-1][0]}): "
                              "pass resume=true to continue from it, overwrite=true to start over (deleting "
                              "them), or another output_dir")
@@ -288,10 +294,13 @@ def run(cfg: TrainConfig) -> dict:
         shutil.rmtree(out / CHECKPOINTS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
+    device = torch.device(cfg.engine.device if cfg.engine.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = cfg.engine.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    torch.manual_seed(cfg.training.seed)
+    random.seed(cfg.training.seed)
 
     trainer_state = None
     plan = None
@@ -301,32 +310,33 @@ def run(cfg: TrainConfig) -> dict:
         trainer_state = read_trainer_state(resume_from)
         plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
 
-    _log(f"[slidedp] loading model {cfg.model}")
+    _log(f"[slidedp] loading model {cfg.model.model}")
     model, tokenizer = load_model_and_tokenizer(cfg)
     data = load_data(cfg, tokenizer)
     train, val = (data, None)
-    if cfg.val_fraction > 0:
-        train, val = data.split(cfg.val_fraction)
+    if cfg.data.val_fraction > 0:
+        train, val = data.split(cfg.data.val_fraction)
         if len(val) == 0:
-            _log(f"[slidedp] val_fraction={cfg.val_fraction}: too few rows ({len(data)}) to hold out any")
+            _log(f"[slidedp] val_fraction={cfg.data.val_fraction}: too few rows ({len(data)}) to hold out any")
             train, val = data, None
-    _log(f"[slidedp] data {cfg.data}: {len(train)} training rows"
-         f"{f', {len(val)} validation rows' if val is not None else ''} of {cfg.seq_len} tokens "
-         f"({'packed' if cfg.packing else 'padded'})")
-    _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.budget}"
+    _log(f"[slidedp] data {cfg.data.data}: {len(train)} training rows"
+         f"{f', {len(val)} validation rows' if val is not None else ''} of {cfg.training.seq_len} tokens "
+         f"({'packed' if cfg.data.packing else 'padded'})")
+    _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.engine.budget}"
          f"{', reusing the checkpoint plan' if plan else ''}")
-    optimizer = api.AdamW(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                              weight_decay=cfg.weight_decay, no_decay_groups=cfg.no_decay_groups)
-    kwargs = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=cfg.world_size, device=device.type,
-                  precision=precision, micro_batches=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm or None,
-                  optimizer=optimizer, weights=weights_of(cfg, model))
+    opt, training = cfg.optimizer, cfg.training
+    optimizer = api.AdamW(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                          weight_decay=opt.weight_decay, no_decay_groups=opt.no_decay_groups)
+    kwargs = dict(batch_size=training.batch_size, seq_len=training.seq_len, world_size=cfg.engine.world_size,
+                  device=device.type, precision=precision, micro_batches=training.grad_accum,
+                  max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model))
     try:
-        engine = api.compile(model, cfg.budget, plan=plan, **kwargs)
+        engine = api.compile(model, cfg.engine.budget, plan=plan, **kwargs)
     except ValueError as exc:
         if plan is None or "plan was made for another workload" not in str(exc):
             raise
         _log(f"[slidedp] the checkpoint's plan does not fit ({exc}): solving a new one")
-        engine = api.compile(model, cfg.budget, **kwargs)
+        engine = api.compile(model, cfg.engine.budget, **kwargs)
     _log(engine.plan.summary())
     with engine:
         return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state)
@@ -352,16 +362,17 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
         val_loss = trainer_state.get("val_loss")
         consecutive_skips = int(trainer_state.get("consecutive_skips", 0))
         _log(f"[slidedp] resumed at step {start} (AdamW step {engine.host.step}, epoch {train.epoch})")
-    if start >= cfg.max_steps:
-        _log(f"[slidedp] the checkpoint is at step {start}, max_steps is {cfg.max_steps}: nothing to do")
+    if start >= cfg.training.max_steps:
+        _log(f"[slidedp] the checkpoint is at step {start}, max_steps is {cfg.training.max_steps}: nothing to do")
 
-    rows_per_step = cfg.batch_size * cfg.grad_accum * cfg.world_size
-    sched = dict(lr=cfg.lr, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                 min_lr=cfg.min_lr)
-    flops = model_flops_per_step(engine.graph, rows_per_step // cfg.batch_size)
+    rows_per_step = cfg.training.batch_size * cfg.training.grad_accum * cfg.engine.world_size
+    sched = dict(lr=cfg.optimizer.lr, schedule=cfg.schedule.lr_schedule, warmup_steps=cfg.schedule.warmup_steps,
+                 max_steps=cfg.training.max_steps, min_lr=cfg.schedule.min_lr)
+    flops = model_flops_per_step(engine.graph, rows_per_step // cfg.training.batch_size)
     peak = peak_flops_per_s(engine.plan, device)
     losses: list[float] = []
     checkpoint = resume_from
+    keep_last = cfg.checkpoint.keep_last
 
     def state_for(step: int) -> dict:
         return {
@@ -370,12 +381,12 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
             "device": device.type, "precision": precision, "consecutive_skips": consecutive_skips,
         }
 
-    logger = MetricsLogger(out, max_steps=cfg.max_steps, start_step=start, log_every=cfg.log_every,
-                           progress=cfg.progress, tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(out, max_steps=cfg.training.max_steps, start_step=start, log_every=cfg.metrics.log_every,
+                           progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard)
     step = saved_step = start
     try:
         with stop_on_signals() as stop:
-            for step in range(start + 1, cfg.max_steps + 1):
+            for step in range(start + 1, cfg.training.max_steps + 1):
                 if stop.signum is not None:  # arrived during the last checkpoint or validation
                     step -= 1
                     break
@@ -402,37 +413,38 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
                     consecutive_skips += 1
                     logger.write(f"[slidedp] step {step} skipped: non-finite gradient (norm {info.grad_norm}); "
                                  f"nothing was updated ({consecutive_skips} in a row, {engine.skipped_steps} in all)")
-                    if cfg.max_skipped_steps and consecutive_skips >= cfg.max_skipped_steps:
+                    if cfg.training.max_skipped_steps and consecutive_skips >= cfg.training.max_skipped_steps:
                         logger.log(record)
                         raise NonFiniteGradientError(
                             f"{consecutive_skips} consecutive steps (up to step {step}) had a non-finite gradient "
                             f"(last norm {info.grad_norm}, loss {loss}) and were skipped: stopping "
-                            f"(max_skipped_steps={cfg.max_skipped_steps}). The weights are those of step "
+                            f"(max_skipped_steps={cfg.training.max_skipped_steps}). The weights are those of step "
                             f"{step - consecutive_skips}; latest checkpoint: {checkpoint or 'none'}. Lower lr, "
                             "check the data, or use precision=fp32")
                 else:
                     consecutive_skips = 0
-                if val is not None and ((cfg.val_every and step % cfg.val_every == 0) or step == cfg.max_steps):
-                    val_loss = validation_loss(engine, val, cfg.batch_size * cfg.grad_accum)
+                last = step == cfg.training.max_steps
+                if val is not None and ((cfg.data.val_every and step % cfg.data.val_every == 0) or last):
+                    val_loss = validation_loss(engine, val, cfg.training.batch_size * cfg.training.grad_accum)
                     record["val_loss"] = val_loss
                 logger.log(record)
-                if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
-                    checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, cfg.keep_last)
+                if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or last:
+                    checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last)
                     saved_step = step
                     logger.write(f"[slidedp] checkpoint written: {checkpoint}")
                 if stop.signum is not None:
                     break
             if stop.signum is not None and step > start and saved_step != step:
-                checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, cfg.keep_last)
+                checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last)
                 saved_step = step
                 logger.write(f"[slidedp] checkpoint written: {checkpoint}")
     finally:
         logger.close()
-    if stop.signum is not None and step < cfg.max_steps:
+    if stop.signum is not None and step < cfg.training.max_steps:
         name = signal.Signals(stop.signum).name
         where = (f"checkpoint {checkpoint} (step {step}); continue with resume=true" if checkpoint
                  else "no checkpoint (no step was taken)")
-        raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.max_steps}: {where}",
+        raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.training.max_steps}: {where}",
                                   signum=stop.signum, step=step, checkpoint=str(checkpoint) if checkpoint else None)
     if losses:
         _log(f"[slidedp] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}"

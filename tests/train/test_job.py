@@ -68,9 +68,11 @@ def test_resume_is_bitwise(run_a, tiny_model_dir, tiny_jsonl, tmp_path):
     assert state_a["data"] == state_b["data"] and state_a["schedule"] == state_b["schedule"]
 
 
-def test_run_writes_config_metrics_and_checkpoints(run_a):
+def test_run_writes_config_metrics_and_checkpoints(run_a, tiny_model_dir, tiny_jsonl):
     out, summary = run_a
-    assert json.loads((out / "config.json").read_text())["val_every"] == 1
+    written = json.loads((out / "config.json").read_text())
+    assert written["data"]["val_every"] == 1  # in sections
+    assert load_config(str(out / "config.json"), []) == config(tiny_model_dir, tiny_jsonl[0], out)  # read back
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["lr"] for r in records] == pytest.approx([5e-3 / 3, 2 * 5e-3 / 3, 5e-3, 5e-3])  # warm-up
@@ -135,7 +137,8 @@ def test_preset_model_with_random_init(tiny_model_dir, tiny_jsonl, tmp_path):
                  "max_steps=2", "save_every=0", "val_fraction=0", "lr_schedule=cosine", "warmup_steps=0")
     with pytest.raises(ValueError, match="already holds checkpoints .*resume=true.*overwrite=true"):
         run(cfg)
-    summary = run(load_config(None, [f"{k}={v}" for k, v in cfg.to_dict().items()] + ["overwrite=true"]))
+    dotted = [f"{section}.{k}={v}" for section, keys in cfg.to_dict().items() for k, v in keys.items()]
+    summary = run(load_config(None, dotted + ["checkpoint.overwrite=true"]))
     assert summary["first_loss"] == pytest.approx(torch.log(torch.tensor(49152.0)).item(), rel=0.05)  # random init
     assert [s for s, _ in list_checkpoints(out)] == [2]
     hf = json.loads((list_checkpoints(out)[-1][1] / "hf" / "config.json").read_text())
@@ -159,3 +162,20 @@ def test_resume_at_max_steps_does_nothing(run_a, tiny_model_dir, tiny_jsonl, tmp
     assert summary["steps"] == 0 and summary["start_step"] == STEPS
     assert "nothing to do" in capsys.readouterr().err
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+def test_resume_reuses_the_plan_of_a_sectioned_or_old_flat_checkpoint_config(run_a, tiny_model_dir, tiny_jsonl):
+    """trainer_state.json's config is compared on resume: sectioned now, flat in checkpoints of earlier versions."""
+    from slidedp.train.job import _reusable_plan
+
+    out, _ = run_a
+    ckpt = list_checkpoints(out)[-1][1]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert set(state["config"]) >= {"model", "optimizer", "training"}
+    flat = {k: v for section in state["config"].values() for k, v in section.items()}
+    cfg, cpu = config(tiny_model_dir, tiny_jsonl[0], out, "max_steps=6", "resume=true"), torch.device("cpu")
+    for old in (state["config"], flat):
+        assert _reusable_plan(ckpt, dict(state, config=old), cfg, cpu, "fp32") == ckpt / "plan.json"
+        changed = config(tiny_model_dir, tiny_jsonl[0], out, "batch_size=1")
+        assert _reusable_plan(ckpt, dict(state, config=old), changed, cpu, "fp32") is None
+    assert _reusable_plan(ckpt, dict(state, config={"lr": "fast"}), cfg, cpu, "fp32") is None
