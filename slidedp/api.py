@@ -17,7 +17,7 @@ from torch import nn
 
 from slidedp._version import __version__
 from slidedp.backend.lowering.program import Program, lower
-from slidedp.backend.lowering.verify import simulate
+from slidedp.backend.lowering.verify import verify_program
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.ir.build import build_layer_graph
@@ -149,7 +149,7 @@ def verify(program: Program, budget: Budget) -> None:
     """Happens-before, buffer lifetimes and peak memory within the budget, before anything is
     allocated (for a solved plan the program needs at most the plan's predicted peak:
     tests/backend/test_program.py). Raises ProgramError naming the op."""
-    simulate(program, budget_bytes=budget.device_bytes)
+    verify_program(program, budget_bytes=budget.device_bytes)
 
 
 def _early_allowed(world_size: int, max_grad_norm) -> bool:

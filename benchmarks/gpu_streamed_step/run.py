@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import slidedp
-from slidedp.backend.lowering.verify import simulate
+from slidedp.backend.lowering.verify import verify_program
 from slidedp.ir.blocks import logits_of
 
 SHAPES = {
@@ -86,7 +86,7 @@ def correctness(args) -> dict:
                           for i, d in enumerate(plan.decisions))
         plan = dataclasses.replace(plan, decisions=decisions)
     engine = slidedp.compile(model, budget, plan=plan, **kwargs)
-    simulated_peak = simulate(engine.executor.program).peak_device_bytes
+    simulated_peak = verify_program(engine.executor.program).peak_device_bytes
     print(engine.plan.summary(), flush=True)
     w0 = {k: v.clone() for k, v in engine.state_dict().items()}
     losses = [engine.step(ids) for ids in data]

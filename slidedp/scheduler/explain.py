@@ -13,7 +13,7 @@ from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.plan import Alternative, GroupPrediction
-from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_program
+from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes
 from slidedp.scheduler.oracles.timeline import Simulation
 
 LANES = (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)
@@ -52,7 +52,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
     for op in compute:
         exposed[op.layer] = exposed.get(op.layer, 0) + max(0, op.start - previous_end)
         previous_end = op.end
-    program = build_program(costs.n_blocks, d.window, W > 1)
+    program = build_lanes(costs.n_blocks, d.window, W > 1)
     reloaded = {op.layer for op in program.lanes[H2D] if op.kind == "load" and op.phase == "bwd"}
     out = []
     for ids in layer_groups(costs, d):
@@ -92,7 +92,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
 
 def _try(costs: ProblemCosts, d: Decisions, budget_bytes: int):
     """(step_s or None if it does not fit, peak bytes) of some decisions."""
-    keys = build_program(costs.n_blocks, d.window, False).compute_keys
+    keys = build_lanes(costs.n_blocks, d.window, False).compute_keys
     peak = evaluate(costs, d, keys).peak_bytes
     if not costs.fits(d, peak, budget_bytes):
         return None, peak

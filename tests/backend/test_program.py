@@ -19,7 +19,7 @@ from slidedp.scheduler.solve import fixed_plan
 
 from slidedp.backend.lowering.graph import dependency_graph
 from slidedp.backend.lowering.program import BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, lower
-from slidedp.backend.lowering.verify import ProgramError, simulate
+from slidedp.backend.lowering.verify import ProgramError, verify_program
 from slidedp.ir.build import build_layer_graph
 from tests.models import make_model
 
@@ -41,7 +41,7 @@ def lowered(graph, window=2, policies=("recompute", "keep", "offload"), chunks=2
 @pytest.mark.parametrize("policies", [("recompute",) * 3, ("keep",) * 3, ("offload", "keep", "recompute")])
 def test_lowered_programs_are_valid(graph, window, policies):
     program = lowered(graph, window, policies)
-    report = simulate(program)
+    report = verify_program(program)
     n = len(graph.blocks)
     assert report.n_loads == 2 * n - min(window, n)
     assert [op.block for op in program.ops if op.kind == FWD] == list(range(n))
@@ -76,7 +76,7 @@ def test_simulator_refuses_a_cycle_of_waits_across_streams(graph):
     broken = _without(program, lambda op: op.index == load.index,
                       lambda op: dataclasses.replace(op, waits=(head.record,)))
     with pytest.raises(ProgramError, match="deadlock") as info:
-        simulate(broken)
+        verify_program(broken)
     message = str(info.value)
     for op in (load, head):
         assert f"op {op.index} ({op.kind} on {op.stream})" in message
@@ -90,7 +90,7 @@ def test_simulator_refuses_an_event_recorded_twice(graph):
     free = next(op for op in program.ops if op.kind == FREE)
     broken = _without(program, lambda op: op.index == free.index, lambda op: dataclasses.replace(op, record=fwd.record))
     with pytest.raises(ProgramError, match=f"event {fwd.record} is recorded by ops"):
-        simulate(broken)
+        verify_program(broken)
 
 
 def test_the_epilogues_gradient_leaves_before_the_blocks_backward(graph):
@@ -108,15 +108,15 @@ def test_the_epilogues_gradient_leaves_before_the_blocks_backward(graph):
     early = _without(program, lambda op: op.index == copies[graph.epilogue.id].index,
                      lambda op: dataclasses.replace(op, waits=()))
     with pytest.raises(ProgramError, match="gradient before it is computed"):
-        simulate(early)
+        verify_program(early)
 
 
 def test_more_kept_activations_need_more_memory(graph):
-    recompute = simulate(lowered(graph, policies=("recompute",) * 3)).peak_device_bytes
-    keep = simulate(lowered(graph, policies=("keep",) * 3)).peak_device_bytes
+    recompute = verify_program(lowered(graph, policies=("recompute",) * 3)).peak_device_bytes
+    keep = verify_program(lowered(graph, policies=("keep",) * 3)).peak_device_bytes
     assert keep > recompute
     with pytest.raises(ProgramError, match="over the budget"):
-        simulate(lowered(graph, policies=("keep",) * 3), budget_bytes=recompute)
+        verify_program(lowered(graph, policies=("keep",) * 3), budget_bytes=recompute)
 
 
 def _without(program, predicate, replace):
@@ -129,7 +129,7 @@ def test_simulator_catches_a_missing_wait_for_the_load(graph):
     first_fwd = next(op for op in program.ops if op.kind == FWD)
     broken = _without(program, lambda op: op.index == first_fwd.index, lambda op: dataclasses.replace(op, waits=()))
     with pytest.raises(ProgramError, match="before its load"):
-        simulate(broken)
+        verify_program(broken)
 
 
 def test_simulator_catches_a_load_that_overwrites_a_slot_in_use(graph):
@@ -137,7 +137,7 @@ def test_simulator_catches_a_load_that_overwrites_a_slot_in_use(graph):
     second_load = [op for op in program.ops if op.kind == H2D_WEIGHTS][1]
     broken = _without(program, lambda op: op.index == second_load.index, lambda op: dataclasses.replace(op, waits=()))
     with pytest.raises(ProgramError, match="finished reading"):
-        simulate(broken)
+        verify_program(broken)
 
 
 def test_simulator_catches_an_early_gradient_copy_and_leaks(graph):
@@ -145,13 +145,13 @@ def test_simulator_catches_an_early_gradient_copy_and_leaks(graph):
     d2h = next(op for op in program.ops if op.kind == D2H_GRAD)
     broken = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=()))
     with pytest.raises(ProgramError, match="gradient before it is computed"):
-        simulate(broken)
+        verify_program(broken)
     leak = dataclasses.replace(program, ops=tuple(op for op in program.ops if not (op.kind == FREE and op.buffer == "grad_hidden")))
     with pytest.raises(ProgramError, match="still allocated"):
-        simulate(leak)
+        verify_program(leak)
     bad_event = _without(program, lambda op: op.index == d2h.index, lambda op: dataclasses.replace(op, waits=(10**6,)))
     with pytest.raises(ProgramError, match="not recorded by any op"):
-        simulate(bad_event)
+        verify_program(bad_event)
 
 
 @pytest.mark.parametrize("family, precision, micro_batches", [
@@ -181,4 +181,4 @@ def test_lowered_plan_fits_the_plans_predicted_peak(family, precision, micro_bat
                                 world_size=1, precision=precision, micro_batches=micro_batches, options=options,
                                 compiled_blocks=True))
     for plan in plans:
-        assert simulate(lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes
+        assert verify_program(lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes

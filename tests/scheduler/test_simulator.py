@@ -14,7 +14,7 @@ from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.search.cpsat import pinned
 from slidedp.scheduler.search.early_order import early_order
 from slidedp.scheduler.decisions import KEEP, OFFLOAD, Decisions, LayerChoice, Problem, SolverOptions
-from slidedp.scheduler.problem.lanes import GPU_LANES, build_program, window_loads
+from slidedp.scheduler.problem.lanes import GPU_LANES, build_lanes, window_loads
 from slidedp.scheduler.oracles.timeline import condition, simulate
 from tests.scheduler.graphs import synthetic_graph
 
@@ -69,7 +69,7 @@ def test_simulated_step_is_a_program_order_schedule():
         r1 = [(e.layer, e.start, e.end) for e in by_lane.get((1, lane), [])]
         assert r0 == r1
     # every op starts after the ops it depends on
-    program = build_program(costs.n_blocks, d.window, True)
+    program = build_lanes(costs.n_blocks, d.window, True)
     present = condition(d)
     for lane in GPU_LANES:
         for op in program.lanes[lane]:

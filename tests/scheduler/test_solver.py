@@ -13,7 +13,7 @@ from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Problem, SolverOptions
 from slidedp.scheduler.problem.footprint import evaluate
-from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.solve import solve, solve_plan
 from tests.models import make_model
@@ -55,7 +55,7 @@ def make_costs(case) -> ProblemCosts:
 
 
 def peak(costs, d) -> int:
-    return evaluate(costs, d, build_program(costs.n_blocks, d.window, False).compute_keys).peak_bytes
+    return evaluate(costs, d, build_lanes(costs.n_blocks, d.window, False).compute_keys).peak_bytes
 
 
 def binding_budget(costs) -> int:

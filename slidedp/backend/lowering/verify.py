@@ -28,7 +28,7 @@ class ProgramError(AssertionError):
 
 
 @dataclass(frozen=True)
-class SimulationReport:
+class ProgramReport:
     peak_device_bytes: int
     n_ops: int
     n_loads: int
@@ -49,7 +49,7 @@ def check_dependencies(program: Program) -> None:
         raise ProgramError(f"deadlock: the waits form a cycle: {chain}")
 
 
-def simulate(program: Program, *, budget_bytes: int | None = None) -> SimulationReport:
+def verify_program(program: Program, *, budget_bytes: int | None = None) -> ProgramReport:
     check_dependencies(program)
     streams = sorted({op.stream for op in program.ops})
     clock_of_stream = {s: {t: 0 for t in streams} for s in streams}
@@ -120,4 +120,4 @@ def simulate(program: Program, *, budget_bytes: int | None = None) -> Simulation
     if budget_bytes is not None and total > budget_bytes:
         raise ProgramError(f"the program needs {total:,} B of device memory, over the budget of {budget_bytes:,} B")
     n_loads = sum(1 for op in program.ops if op.kind == H2D_WEIGHTS)
-    return SimulationReport(peak_device_bytes=total, n_ops=len(program.ops), n_loads=n_loads, n_waits=n_waits)
+    return ProgramReport(peak_device_bytes=total, n_ops=len(program.ops), n_loads=n_loads, n_waits=n_waits)

@@ -8,7 +8,7 @@ from itertools import product
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import GROUPS, RESIDENT, Decisions, LayerChoice
 from slidedp.scheduler.problem.footprint import evaluate
-from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
 
 
@@ -33,7 +33,7 @@ def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions]
     """The fastest decisions within the budget (ties: the first enumerated), or None."""
     best = None
     for d in all_decisions(costs):
-        keys = build_program(costs.n_blocks, d.window, False).compute_keys
+        keys = build_lanes(costs.n_blocks, d.window, False).compute_keys
         if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
             continue
         t = simulate(costs, d).makespan

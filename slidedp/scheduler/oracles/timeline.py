@@ -50,7 +50,7 @@ from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, REPLICATED, RESIDENT,
 from slidedp.scheduler.oracles.critical_path import longest_chain
 from slidedp.scheduler.problem.footprint import Footprint, evaluate
 from slidedp.scheduler.problem.lanes import (
-    COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, Op, Program, build_program,
+    COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, Op, Lanes, build_lanes,
 )
 
 
@@ -169,7 +169,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     this step at which each (layer, chunk)'s update and the CPU lane's work end). Returns the
     simulation, each update's end and the CPU lane's end (ticks; early updates only)."""
     W, N = costs.problem.world_size, costs.n_blocks
-    prog: Program = build_program(N, d.window, W > 1)
+    prog: Lanes = build_lanes(N, d.window, W > 1)
     present = condition(d)
     order = d.order(costs.n_layers)
     opt = [costs.option(i, c.chunks, c.delivery, c.reduction) for i, c in enumerate(d.layers)]

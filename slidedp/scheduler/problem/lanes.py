@@ -1,6 +1,7 @@
-"""The program of one step, as the executor runs it: ops on lanes, in program order.
+"""The lanes of one step as the scheduler models it: ops on lanes, in program order (the backend lowers
+the same order into stream ops, backend/lowering/program.py).
 
-Every rank runs the same program (note [lockstep] in simulate.py). Its lanes:
+Every rank runs the same program (note [lockstep] in oracles/timeline.py). Its lanes:
 
   compute     prologue forward; blocks 1..N forward; epilogue (head + chunked loss, forward and
               backward); blocks N..1 backward (recompute first unless kept or offloaded); prologue
@@ -82,7 +83,7 @@ class Op:
 
 
 @dataclass(frozen=True)
-class Program:
+class Lanes:
     n_blocks: int
     window: int
     lanes: dict  # lane -> tuple[Op, ...] in program order (GPU lanes of one rank)
@@ -100,7 +101,7 @@ class Program:
 
 
 @lru_cache(maxsize=64)
-def build_program(n_blocks: int, window: int, collectives: bool) -> Program:
+def build_lanes(n_blocks: int, window: int, collectives: bool) -> Lanes:
     """The GPU lanes of one rank for N blocks and a window (cached: it is pure structure)."""
     N, E = n_blocks, n_blocks + 1
     window = min(window, N)
@@ -193,4 +194,4 @@ def build_program(n_blocks: int, window: int, collectives: bool) -> Program:
         coll += [op for _, op in sorted(backward, key=lambda kv: kv[0])]
 
     lanes = {COMPUTE: tuple(compute), H2D: tuple(h2d), D2H: tuple(d2h), COLLECTIVE: tuple(coll)}
-    return Program(N, window, lanes, tuple(compute_keys))
+    return Lanes(N, window, lanes, tuple(compute_keys))

@@ -14,7 +14,7 @@ from slidedp.scheduler.decisions import (
     FORWARD_ORDER, KEEP, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
 )
 from slidedp.scheduler.problem.footprint import evaluate
-from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.search.found import Found
 
@@ -33,7 +33,7 @@ def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple
 
 
 def peak_bytes(costs: ProblemCosts, d: Decisions) -> int:
-    return evaluate(costs, d, build_program(costs.n_blocks, d.window, False).compute_keys).peak_bytes
+    return evaluate(costs, d, build_lanes(costs.n_blocks, d.window, False).compute_keys).peak_bytes
 
 
 def _widest_fitting(costs: ProblemCosts, budget_bytes: int, activation: str) -> Decisions | None:

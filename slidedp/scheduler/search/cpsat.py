@@ -11,7 +11,7 @@ k and routes (delivery d, reduction r) of layer L; route[g,d,r] the routes of la
 order[o] the update order across the step boundary. Ops that exist only under some decisions
 (offloads, collectives, the two possible places of the epilogue's load) have a presence literal.
 Update ownership is not a variable: chunk c of the layer at update position p belongs to rank
-(p + c) mod W, which gives every rank the same share (note [lockstep] in simulate.py).
+(p + c) mod W, which gives every rank the same share (note [lockstep] in oracles/timeline.py).
 
 Timing is the simulator's rule written as precedences (start >= lane free, start >= each
 dependency's end): minimised, every op starts as early as the simulator starts it, so for the
@@ -41,7 +41,7 @@ from slidedp.scheduler.decisions import (
     FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
 )
 from slidedp.scheduler.problem.footprint import terms
-from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_program
+from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.search.found import Found
 
@@ -101,7 +101,7 @@ class Data:
 
 
 def _data(costs: ProblemCosts, window: int) -> Data:
-    program = build_program(costs.n_blocks, window, costs.problem.world_size > 1)
+    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1)
     acts, orders = costs.options.activations, costs.options.update_orders
     sharded = any(d == "sharded" for d, _ in costs.routes)
     gpu = any(r == "gpu" for _, r in costs.routes)
@@ -420,7 +420,7 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         else:
             prefix[i] = 0
         v.kept[i] = prefix[i]
-    program = build_program(costs.n_blocks, window, costs.problem.world_size > 1)
+    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1)
     for t in terms(costs, window, program.compute_keys):
         expr = t.base_bytes + v.staging
         expr += prefix[t.keep_upto]
@@ -435,7 +435,7 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
 
 def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
     """makespan >= end of every GPU lane's last op, makespan >= cpu_end (note [step boundary] in
-    simulate.py), makespan >= lower_bound (valid for any decisions; it helps the search's bound)."""
+    oracles/timeline.py), makespan >= lower_bound (valid for any decisions; it helps the search's bound)."""
     for lane in GPU_LANES:
         m.add(v.makespan >= v.lane_end[lane])
     m.add(v.makespan >= v.cpu_end)
@@ -596,7 +596,7 @@ def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 3
     _routes_per_group(m, costs, v)
     upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + sum(
         t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute)
-        for t in terms(costs, window, build_program(costs.n_blocks, window, False).compute_keys))
+        for t in terms(costs, window, build_lanes(costs.n_blocks, window, False).compute_keys))
     peak = m.new_int_var(0, upper, "peak")
     memory_constraints(m, costs, window, v, peak)
     m.minimize(peak)

@@ -10,14 +10,14 @@ from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
-from slidedp.scheduler.problem.lanes import build_program
+from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.search.found import Found
 
 
 def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
     """Makespan in ticks (closed_form: the simulator's number), or infinity if `d` does not fit."""
-    keys = build_program(costs.n_blocks, d.window, False).compute_keys
+    keys = build_lanes(costs.n_blocks, d.window, False).compute_keys
     if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
         return float("inf")
     return closed_form.evaluate(costs, d).makespan
