@@ -239,7 +239,7 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     timing)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    from slidedp.backend.runtime.executor import run_block
+    from slidedp.backend.runtime.block_runner import run_block
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
