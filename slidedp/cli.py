@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+
+from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted, WorkerError
+from slidedp.scheduler.plan import Plan
+
+# Each subcommand imports what it alone needs when it runs (torch, transformers, the solver, the
+# train job, the profiler, the report), so that `slidedp --help`, `inspect` and the others start
+# without loading what they do not use.
 
 
 def _train(args) -> int:
@@ -52,8 +60,6 @@ def _plan(args) -> int:
 
 
 def _bench(args) -> int:
-    import json
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -85,15 +91,12 @@ def _bench(args) -> int:
 
 
 def _inspect(args) -> int:
-    from slidedp.scheduler.plan import Plan
-
     print(Plan.load(args.plan).summary())
     return 0
 
 
 def _report(args) -> int:
     from slidedp.report import to_chrome_trace, to_html
-    from slidedp.scheduler.plan import Plan
 
     if not args.html and not args.trace:
         raise ValueError("nothing to write: give --html OUT.html and/or --trace OUT.json")
@@ -111,8 +114,6 @@ def _report(args) -> int:
 
 
 def _calibrate(args) -> int:
-    import json
-
     from slidedp.profiler.calibrate import calibrate
 
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
@@ -212,8 +213,6 @@ def _run_command(args) -> int:
     (SLIDEDP_DEBUG=1 re-raises them). 2: bad input (config, data, model, budget, plan, checkpoint,
     a missing file or package); 1: the run failed (repeated non-finite gradients, not enough memory,
     an unexpected error); 128 + N: stopped by signal N (SIGINT 130, SIGTERM 143)."""
-    from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted, WorkerError
-
     debug = os.environ.get("SLIDEDP_DEBUG", "") not in ("", "0")
     prefix = f"slidedp {args.command}"
     try:

@@ -6,6 +6,8 @@ Every import counts, also one inside a function.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -116,7 +118,7 @@ def _upward(graph: nx.DiGraph) -> list[str]:
 def _outside_surface(graph: nx.DiGraph) -> list[str]:
     bad = []
     for a, b in graph.edges:
-        (_, sa), (_, sb) = _stage(a, FLOORS), _stage(b, FLOORS)
+        _, sa = _stage(a, FLOORS)
         owner = next((o for o in SURFACES if b == o or b.startswith(o + ".")), None)
         if owner is None or a == owner or a.startswith(owner + "."):
             continue
@@ -160,3 +162,20 @@ def test_the_rules_catch_what_they_forbid():
     graph.add_edge("ir.graph", "ir.build")
     graph.add_edge("ir.build", "ir.graph")
     assert ["ir.build", "ir.graph"] in [sorted(c) for c in nx.simple_cycles(graph)]
+
+
+def _loaded_after(module: str, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh interpreter has in sys.modules after importing `module`."""
+    code = f"import sys, {module}; print(' '.join(n for n in {names!r} if n in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    return out.stdout.split()
+
+
+def test_worker_processes_do_not_load_the_solver():
+    """A rank's process imports the workers module; the solver (OR-Tools) is the controller's alone."""
+    assert _loaded_after("slidedp.backend.runtime.workers", ("ortools", "slidedp.scheduler.solve")) == []
+
+
+def test_the_command_line_starts_without_torch_or_the_solver():
+    assert _loaded_after("slidedp.cli", ("torch", "transformers", "ortools")) == []

@@ -13,7 +13,6 @@ own forward (`forward_ops`). If export fails, the module structure above stands 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -76,7 +75,7 @@ def _masks_as_at_runtime():
     causal mask, where the executor (real tensors, one unpacked sequence per row, no padding mask)
     gets none and SDPA runs causal: quadratic memory that exists only in the trace (64 GiB at
     262,144 tokens). During the trace, report what the runtime finds: no packed sequences."""
-    try:
+    try:  # transformers only for its mask helpers, where this version has them
         from transformers import masking_utils
     except ImportError:
         yield

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> int | None:
     """Bytes of activations the compiled block's forward saves for its backward (per call), or None
     where AOTAutograd cannot trace it (the caller then keeps the eager count)."""
+    # AOTAutograd's partitioner brings in Inductor and sympy (~3 s, ~900 modules): only for compiled blocks
     from functorch.compile import min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_function
 

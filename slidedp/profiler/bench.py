@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from slidedp import api
+
 
 @dataclass(frozen=True)
 class BenchRecord:
@@ -50,8 +52,6 @@ def _reset_peak(device: torch.device) -> None:
 
 def bench_slidedp(model, batches, *, budget, batch_size: int, seq_len: int, device: torch.device, precision: str,
                   hardware, lr: float, max_grad_norm: float) -> BenchRecord:
-    from slidedp import api
-
     rows = batches[0].shape[0]
     _reset_peak(device)
     engine = api.compile(model, budget, batch_size=batch_size, seq_len=seq_len, device=device.type,

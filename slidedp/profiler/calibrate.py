@@ -24,9 +24,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
+from slidedp.backend.kernels.cpu_adamw import adamw_step, get_num_threads
+from slidedp.backend.runtime.block_runner import run_block
+from slidedp.backend.state.device_state import adamw_piece_
 from slidedp.costmodel.hardware import Hardware
-from slidedp.costmodel.ops import transfer_efficiency
+from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM, transfer_efficiency
+from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, attention_flops
+from slidedp.optim import AdamW
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -185,8 +194,6 @@ def measure_matmul_flops_per_s(device: torch.device, n: int, *, repeats: int) ->
 
 def qwen3_block_config(shape: BlockShape, num_hidden_layers: int = 1):
     """A Qwen3Config of the given block shape (one layer unless told), SDPA attention."""
-    from transformers import Qwen3Config
-
     return Qwen3Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
                        head_dim=shape.head_dim, num_hidden_layers=num_hidden_layers, vocab_size=128,
@@ -208,12 +215,6 @@ def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bflo
     time. No mask, as the executor runs a block without padding: SDPA is causal and counts half
     of the query-key pairs (slidedp.ir.export_trace.EXTRA_FLOP_FORMULAS).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
-
-    from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS
-
     with torch.device("meta"):
         layer = Qwen3DecoderLayer(qwen3_block_config(shape), layer_idx=0)
     tokens = (shape.batch_size, shape.seq_len)
@@ -237,10 +238,6 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
     without autograd, then forward and backward, each through `torch.compile` (compiled before the
     timing)."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
-
-    from slidedp.backend.runtime.executor import run_block
-
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = qwen3_block_config(shape)
@@ -271,8 +268,6 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
 
 def attention_flops_fwd_bwd(shape: BlockShape) -> tuple[int, int]:
     """FLOPs of the block's causal attention, forward and backward, as slidedp.ir counts them."""
-    from slidedp.ir.export_trace import attention_flops
-
     q = (shape.batch_size, shape.num_attention_heads, shape.seq_len, shape.head_dim)
     kv = (shape.batch_size, shape.num_key_value_heads, shape.seq_len, shape.head_dim)
     return attention_flops(q, kv, kv, True, backward=False), attention_flops(q, kv, kv, True, backward=True)
@@ -395,8 +390,6 @@ class AdamwState:
         self.out_bf16 = np.empty(numel, dtype=np.uint16)
 
     def step(self, num_threads: int) -> None:
-        from slidedp.backend.kernels.cpu_adamw import adamw_step
-
         adamw_step(self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.out_bf16, lr=1e-4, beta1=0.9,
                    beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, num_threads=num_threads)
 
@@ -443,10 +436,6 @@ def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeat
     """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/state/device_state.py's
     `adamw_piece_` on a bf16 gradient with clipping), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per
     parameter over the time."""
-    from slidedp.backend.state.device_state import adamw_piece_
-    from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM
-    from slidedp.optim import AdamW
-
     master = torch.zeros(numel, dtype=torch.float32, device=device)
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=device)
@@ -574,8 +563,6 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
     host_dram = measure_host_dram_bytes_per_s(sizes.host_copy_bytes, repeats=reps)
     say(f"host DRAM       copy of {format_bytes(sizes.host_copy_bytes)} on {os.cpu_count()} threads: "
         f"{host_dram / 1e9:.4g} GB/s (read + write)")
-
-    from slidedp.backend.kernels.cpu_adamw import get_num_threads
 
     state = AdamwState(sizes.adamw_numel)
     state.step(1)  # compile (or load the cache) outside the timings

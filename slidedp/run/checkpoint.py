@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from slidedp.errors import SlidedpError
 
@@ -149,8 +150,6 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (small) safetensors file, as new CPU tensors."""
-    from safetensors.torch import load_file
-
     return load_file(str(path))
 
 
@@ -530,6 +529,7 @@ def save_hf(model, weights: dict[str, torch.Tensor], out: str | os.PathLike) -> 
 def hf_skeleton(config):
     """A fp32 causal LM built from a config (without `quantization_config`): on the meta device
     (nothing allocated) unless it has persistent buffers, whose values only a real build gives."""
+    # transformers only for Hugging Face models: the engine (any nn.Module) imports this module
     from transformers import AutoConfig, AutoModelForCausalLM
 
     data = config.to_dict()

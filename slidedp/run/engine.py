@@ -13,6 +13,9 @@ from slidedp.backend.runtime.rank import Rank
 from slidedp.backend.runtime.workers import WorkerPool
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
+from slidedp.run.checkpoint import (
+    atomic_checkpoint, read_engine_meta, read_engine_state, save_hf, write_engine_state,
+)
 from slidedp.scheduler.plan import Plan
 
 log = logging.getLogger("slidedp")
@@ -214,8 +217,6 @@ class Engine:
     def save_checkpoint(self, dir) -> None:
         """Master weights, AdamW moments and step, RNG, plan and model config into the folder `dir`,
         atomically (safetensors and JSON, with a sha256 manifest; see slidedp/run/checkpoint.py)."""
-        from slidedp.run.checkpoint import atomic_checkpoint, write_engine_state
-
         self._check_open()
         self.runner.sync_host()
         if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
@@ -226,8 +227,6 @@ class Engine:
     def load_checkpoint(self, dir) -> None:
         """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
         have the same parameters. The optimizer settings stay those given to `compile`."""
-        from slidedp.run.checkpoint import read_engine_meta, read_engine_state
-
         self._check_open()
         rank = self._launched_rank()
         if rank in (None, 0):  # under torchrun rank 0 reads into the shared state, the others follow
@@ -249,8 +248,6 @@ class Engine:
 
     def export_hf(self, dir) -> None:
         """A `save_pretrained` folder of the model with the fp32 master weights (Hugging Face models)."""
-        from slidedp.run.checkpoint import save_hf
-
         self._check_open()
         self.runner.sync_host()
         weights: dict[str, torch.Tensor] = {}

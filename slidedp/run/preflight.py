@@ -27,6 +27,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
+from slidedp.backend.state.host_state import plan_layout
 from slidedp.budget import format_bytes
 from slidedp.errors import InsufficientMemoryError
 
@@ -116,8 +119,6 @@ def shm_available_bytes(path: str = "/dev/shm") -> int | None:
 
 def device_available_bytes(device) -> int | None:
     """Free memory of a CUDA device (torch.cuda.mem_get_info); None for other devices."""
-    import torch
-
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -135,8 +136,6 @@ def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_laye
     """Bytes of the host state `compile` makes for `graph` (bf16: with the delivery copy and bf16
     gradients; fp32: fp32 gradients, no delivery copy; a spare master and moments for the layers
     updated early)."""
-    from slidedp.backend.state.host_state import plan_layout
-
     bf16 = precision == "bf16"
     return plan_layout(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
                        control_ints=control_ints, spare_layers=spare_layers, lean_layers=lean_layers)[2]
@@ -154,8 +153,6 @@ def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, c
                   lean_layers=()) -> Needs:
     """What `compile` allocates for this graph and plan on this device: one host state (shared by
     the ranks), and the plan's device peak per rank (host RAM when the ranks are CPU processes)."""
-    import torch
-
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
     return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints,

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from slidedp.errors import UnsupportedModelError
@@ -67,8 +68,6 @@ def safetensors_files(path) -> list[Path]:
 def checkpoint_shapes(weights) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """{tensor key: (file, shape)} of a safetensors folder or file, from the files' headers; a file
     that cannot be read is a ValueError naming it."""
-    from safetensors import safe_open
-
     files = safetensors_files(weights)
     if not files:
         raise FileNotFoundError(f"weights={str(weights)!r}: no .safetensors file there")
@@ -113,8 +112,6 @@ def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -
             for p in layer.params:
                 weights(p.name, masters[p.name])
         return
-    from safetensors import safe_open
-
     wanted = _checkpoint_tensors(graph, weights)
     for i, (f, items) in enumerate(sorted(wanted.items()), 1):
         log.info("loading weights: %s (%d/%d files, %d tensors)", f.name, i, len(wanted), len(items))

@@ -8,7 +8,7 @@ decision may take; the CP-SAT model, the baselines and brute force all draw from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slidedp.costmodel.hardware import Hardware
 from slidedp.ir.graph import BLOCK, LayerGraph
@@ -97,8 +97,6 @@ class Decisions:
         return (0, last) + blocks if self.update_order == HEAD_FIRST else (0,) + blocks + (last,)
 
     def replace_layers(self, ids, **changes) -> "Decisions":
-        from dataclasses import replace
-
         ids = set(ids)
         return replace(self, layers=tuple(replace(c, **changes) if i in ids else c
                                           for i, c in enumerate(self.layers)))

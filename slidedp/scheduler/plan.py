@@ -31,7 +31,7 @@ share one pass over the weights.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from slidedp.budget import format_bytes

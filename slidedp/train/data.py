@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Union
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 Document = Union[str, "os.PathLike[str]"]
 
@@ -235,8 +237,6 @@ def pack_sequences(
 def _load_cached_rows(path: pathlib.Path, key: str) -> torch.Tensor | None:
     if not path.is_file():
         return None
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             if (f.metadata() or {}).get("slidedp_key") != key:
@@ -247,8 +247,6 @@ def _load_cached_rows(path: pathlib.Path, key: str) -> torch.Tensor | None:
 
 
 def _save_cached_rows(path: pathlib.Path, key: str, rows: torch.Tensor, stream: TokenStream) -> None:
-    from safetensors.torch import save_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     meta = {"slidedp_key": key, "docs_read": str(stream.docs_read), "tokens_read": str(stream.tokens_read)}

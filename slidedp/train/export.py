@@ -14,15 +14,16 @@ import os
 import shutil
 from pathlib import Path
 
+from transformers import AutoConfig, GenerationConfig
+
 from slidedp.run.checkpoint import (
     HF_DIR, MANIFEST, CheckpointError, hf_skeleton, read_engine_meta, read_master_weights, save_hf, verify_checkpoint,
 )
+from slidedp.train.job import list_checkpoints
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder as given, or the latest checkpoint of a run's output_dir."""
-    from slidedp.train.job import list_checkpoints
-
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
@@ -35,8 +36,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, int]:
     """Write the Hugging Face folder `out` from a checkpoint (or a run's latest); returns (checkpoint, step)."""
-    from transformers import AutoConfig, GenerationConfig
-
     folder = resolve_checkpoint(src)
     verify_checkpoint(folder)
     hf = folder / HF_DIR

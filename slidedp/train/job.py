@@ -37,7 +37,27 @@ from pathlib import Path
 
 import torch
 
+import accelerate
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from slidedp.costmodel.hardware import resolve_hardware
+from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
+from slidedp.run.checkpoint import (
+    ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, atomic_checkpoint, read_checkpoint_json, read_engine_state,
+    remove_stale_temps, verify_checkpoint, write_engine_state,
+)
+from slidedp.run.weights import checkpoint_shapes
+from slidedp.scheduler.plan import Plan
 from slidedp.train.config import TrainConfig
+from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, stdlib_source_files
+from slidedp.train.metrics import (
+    MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step, peak_flops_per_s,
+)
+from slidedp.train.schedule import lr_at, schedule_state
+from slidedp.train.shapes import PRESETS, preset_config
+from slidedp.train.smollm2 import ensure_smollm2
+from slidedp.train.sources import Example, build_rows, load_dataset
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
@@ -57,9 +77,6 @@ def empty_model(folder: Path):
     """The folder's model in fp32 with its parameters on the meta device (buffers real): compile
     reads its weights from the folder straight into the host state (`weights_of`), so the host never
     holds a second copy of them."""
-    import accelerate
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     with accelerate.init_empty_weights():
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
 
@@ -70,8 +87,6 @@ def weights_of(cfg: TrainConfig, model):
     if not any(p.device.type == "meta" for p in model.parameters()):
         return None
     if cfg.model.model == "smollm2":
-        from slidedp.train.smollm2 import ensure_smollm2
-
         return ensure_smollm2()
     return Path(cfg.model.model).expanduser()
 
@@ -79,16 +94,8 @@ def weights_of(cfg: TrainConfig, model):
 def load_model_and_tokenizer(cfg: TrainConfig):
     """(model, tokenizer): a Hugging Face folder or the SmolLM2 default (built empty: `empty_model`),
     or a preset with random init."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from slidedp.train.shapes import PRESETS, preset_config
-    from slidedp.run.weights import checkpoint_shapes
-
     folder = None
     if cfg.model.model == "smollm2":
-        from slidedp.train.smollm2 import ensure_smollm2
-
         folder = ensure_smollm2()
         model = empty_model(folder)
     elif cfg.model.model in PRESETS:
@@ -111,8 +118,6 @@ def load_model_and_tokenizer(cfg: TrainConfig):
                              f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     source = cfg.model.tokenizer or (str(folder) if folder is not None else "smollm2")
     if source == "smollm2":
-        from slidedp.train.smollm2 import ensure_smollm2
-
         source = str(ensure_smollm2())
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -128,9 +133,6 @@ def load_model_and_tokenizer(cfg: TrainConfig):
 
 def load_data(cfg: TrainConfig, tokenizer):
     """The whole dataset (a `PackedDataset`), before the validation split."""
-    from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, stdlib_source_files
-    from slidedp.train.sources import Example, build_rows, load_dataset
-
     data, seq_len, seed = cfg.data, cfg.training.seq_len, cfg.training.seed
     if data.data != "stdlib":
         return load_dataset(data.data, tokenizer, seq_len, packing=data.packing, max_rows=data.max_rows or None,
@@ -163,8 +165,6 @@ def validation_loss(engine, val, rows: int) -> float:
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of the complete checkpoints (those with a manifest), by increasing step."""
-    from slidedp.run.checkpoint import MANIFEST
-
     root = Path(output_dir) / CHECKPOINTS
     found = []
     if root.is_dir():
@@ -180,8 +180,6 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict, tokenizer,
                         keep_last: int) -> Path:
     """The engine's state plus the trainer state and the tokenizer, atomically; prune old ones."""
-    from slidedp.run.checkpoint import HF_DIR, atomic_checkpoint, remove_stale_temps, write_engine_state
-
     root = output_dir / CHECKPOINTS
     remove_stale_temps(root)
     target = root / f"step-{step:08d}"
@@ -197,8 +195,6 @@ def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict
 
 
 def read_trainer_state(folder: Path) -> dict:
-    from slidedp.run.checkpoint import CheckpointError, read_checkpoint_json
-
     state = read_checkpoint_json(folder, TRAINER_STATE, fmt=TRAINER_FORMAT, what="trainer state",
                                  missing="it was not written by `slidedp train` and cannot be resumed by it")
     for key, typ in (("step", int), ("data", dict), ("config", dict)):
@@ -212,13 +208,11 @@ def read_trainer_state(folder: Path) -> dict:
 
 def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.device, precision: str) -> Path | None:
     """The checkpoint's plan when the run's workload, budget and hardware have not changed."""
-    from slidedp.costmodel.hardware import resolve_hardware
-    from slidedp.scheduler.plan import Plan
-
     try:  # sectioned, or flat as checkpoints of earlier versions wrote it
         old = TrainConfig.from_dict(state.get("config", {}), where=f"{folder / TRAINER_STATE} config")
     except (TypeError, ValueError):
         return None
+
     def workload(c: TrainConfig) -> tuple:
         return (c.model.model, c.engine.budget, c.engine.world_size, c.training.batch_size, c.training.seq_len,
                 c.training.grad_accum)
@@ -273,8 +267,8 @@ def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
 
 def run(cfg: TrainConfig) -> dict:
     """Train as the config says; returns a summary (losses, steps, last checkpoint)."""
+    # the solver (OR-Tools) only here: `slidedp export` imports this module for list_checkpoints
     from slidedp import api
-    from slidedp.run.checkpoint import ENGINE_JSON, verify_checkpoint
 
     cfg.validate()
     out = Path(cfg.checkpoint.output_dir)
@@ -344,12 +338,6 @@ def run(cfg: TrainConfig) -> dict:
 
 def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
                 resume_from: Path | None, trainer_state: dict | None) -> dict:
-    from slidedp.run.checkpoint import read_engine_state
-    from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
-    from slidedp.train.metrics import (MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step,
-                                       peak_flops_per_s)
-    from slidedp.train.schedule import lr_at, schedule_state
-
     start = 0
     tokens_seen = 0
     val_loss = None

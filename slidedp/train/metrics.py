@@ -46,7 +46,7 @@ def host_rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        import resource
+        import resource  # POSIX only, and only for this fallback
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -90,7 +90,7 @@ def _tensorboard_writer(log_dir: Path):
     """A SummaryWriter if the `tensorboard` package is installed, else None."""
     if importlib.util.find_spec("tensorboard") is None:
         return None
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # optional package, checked above
 
     return SummaryWriter(log_dir=str(log_dir))
 
@@ -98,7 +98,7 @@ def _tensorboard_writer(log_dir: Path):
 def _tqdm(**kwargs):
     if importlib.util.find_spec("tqdm") is None:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # optional package, checked above
 
     return tqdm(**kwargs)
 

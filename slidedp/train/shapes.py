@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import transformers
+
 # name: (config class, hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
 PRESETS = {
     "qwen3-0.6b": ("Qwen3Config", 1024, 3072, 28, 16, 8, 128, 151936, True),
@@ -18,8 +20,6 @@ PRESETS = {
 
 def preset_config(name: str):
     """The transformers config of a preset shape; a clear error lists the presets."""
-    import transformers
-
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: a local Hugging Face folder or one of {', '.join(PRESETS)}")
     cls, hidden, inter, layers, heads, kv, head_dim, vocab, tied = PRESETS[name]

@@ -134,7 +134,7 @@ def _is_valid(folder: pathlib.Path, gguf: pathlib.Path | None) -> bool:
 @contextlib.contextmanager
 def _lock(root: pathlib.Path):
     """Exclusive inter-process lock on ``root/.<model>.lock`` (no-op where fcntl is missing)."""
-    try:
+    try:  # POSIX only
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX
         yield False
@@ -162,6 +162,8 @@ def _remove_stale_temps(root: pathlib.Path, locked: bool) -> None:
 @contextlib.contextmanager
 def _quiet_transformers():
     """Silence transformers' per-tensor progress bars and info logs during conversion."""
+    # this module stays stdlib-only (a cached folder is found at once); transformers and torch load
+    # only for a conversion
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -187,7 +189,7 @@ def _quiet_transformers():
 
 
 def _logits(model, input_ids):
-    import torch
+    import torch  # only for a conversion (see _quiet_transformers)
 
     with torch.no_grad():
         return model(input_ids=input_ids).logits.float()
@@ -205,6 +207,7 @@ def convert_gguf(gguf: pathlib.Path, out: pathlib.Path) -> dict:
             f"converting the SmolLM2 GGUF file needs the package(s) {', '.join(missing)}: "
             f"`pip install {' '.join(missing)}` (or `pip install 'slidedp[default-job]'`)"
         )
+    # only for a conversion, after the check above (see _quiet_transformers)
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -113,7 +113,7 @@ def _jsonl_examples(path: Path) -> Iterator[Example]:
 
 
 def _parquet_examples(path: Path) -> Iterator[Example]:
-    try:
+    try:  # pyarrow is optional (slidedp[parquet])
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"reading the parquet file {path} needs the package 'pyarrow': "

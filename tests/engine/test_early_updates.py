@@ -4,7 +4,6 @@ a non-finite step or a failed one leaves the state as it was; the planner uses t
 allowed, and the simulator's steady state is what they make of a step."""
 
 import copy
-import dataclasses
 import time
 
 import pytest

@@ -4,7 +4,6 @@ torch.optim.AdamW's, with or without clipping, beside device state and early upd
 step changes nothing; the planner streams layers only where allowed."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """The CPU update of step t overlaps step t+1 and the result is still exact; errors surface."""
 
 import copy
-import dataclasses
 import time
 
 import pytest

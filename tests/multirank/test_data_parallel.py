@@ -2,7 +2,6 @@
 torch.optim.AdamW on the same global batches, and what happens when a rank fails."""
 
 import copy
-import dataclasses
 import os
 import signal
 import time

@@ -48,7 +48,7 @@ def interpreting() -> bool:
 @functools.cache
 def library_interpreted() -> bool:
     """True when Triton was imported under TRITON_INTERPRET=1 (its library is interpreter code)."""
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction  # Triton is optional: only reached when it imported
 
     return not isinstance(tl.sum, JITFunction)
 

@@ -32,7 +32,8 @@ import torch
 from slidedp.backend.kernels import cpu_adamw
 from slidedp.backend.state.device_state import DeviceState
 from slidedp.backend.runtime.early_updates import EarlyUpdates
-from slidedp.backend.runtime.executor import MicroBatch, StreamedExecutor
+from slidedp.backend.runtime.executor import StreamedExecutor
+from slidedp.backend.runtime.pass_state import MicroBatch
 from slidedp.backend.state.host_state import HostState
 from slidedp.backend.runtime.routes import Routes
 from slidedp.backend.runtime.streamed_updates import StreamedUpdates

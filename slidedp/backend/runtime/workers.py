@@ -33,7 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from slidedp.backend.runtime.rank import RankStep
+from slidedp.backend.runtime.comm import RankComm
+from slidedp.backend.runtime.rank import RankStep, build_rank
+from slidedp.backend.state.host_state import HostState
+from slidedp.backend.state.step_flags import StepFlags
 from slidedp.errors import WorkerError  # noqa: F401 - raised here, re-exported
 
 
@@ -218,11 +221,6 @@ def _die_with_parent(controller_pid: int) -> None:
 def worker_main(rank: int, world_size: int, conn, init_method: str, controller_pid: int) -> None:
     """A rank's process: build the rank from the skeleton, then serve the controller's commands."""
     _die_with_parent(controller_pid)
-    from slidedp.backend.runtime.comm import RankComm
-    from slidedp.backend.state.host_state import HostState
-    from slidedp.backend.runtime.rank import build_rank
-    from slidedp.backend.state.step_flags import StepFlags
-
     flags = runner = host = None
     try:
         job = pickle.loads(conn.recv_bytes())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import OFFLOAD, Decisions
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
+from slidedp.scheduler.oracles.timeline import condition
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,6 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
 
 
 def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
-    from slidedp.scheduler.oracles.timeline import condition
-
     prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1)
     holds = condition(d)
     any_offload = any(c.activation == OFFLOAD for c in d.layers)

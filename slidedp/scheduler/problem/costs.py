@@ -91,6 +91,15 @@ class BlockTicks:
     param_grads_bytes: int  # autograd's parameter gradients during the backward (compute dtype)
 
 
+@dataclass(frozen=True)
+class _Rates:
+    """Copy rates (bytes/s per rank) the costs share: H2D alone, H2D and D2H both directions busy."""
+
+    h2d_alone: float
+    h2d_duplex: float
+    d2h_duplex: float
+
+
 class ProblemCosts:
     """Costs of one problem under one set of solver options (immutable once built)."""
 
@@ -98,7 +107,23 @@ class ProblemCosts:
         self.problem = problem
         self.options = options or SolverOptions()
         self.cache: dict = {}  # derived structures (memory terms per window), filled on first use
-        g, hw, W, m = problem.graph, problem.hardware, problem.world_size, problem.micro_batches
+        self._layout()
+        self.scale = TimeScale.for_total(self._serial_seconds())
+        hw, W = problem.hardware, problem.world_size
+        rates = _Rates(h2d_alone=ops.h2d_bytes_per_s(hw, W, duplex=False),
+                       h2d_duplex=ops.h2d_bytes_per_s(hw, W, duplex=True),
+                       d2h_duplex=ops.d2h_bytes_per_s(hw, W, duplex=True))
+        self._choose_routes()
+        self._transfer_options(rates)
+        self._block_ticks(rates)
+        self._device_updates()
+        self._streamed_updates(rates)
+        self._resident_ticks()
+        self._memory_terms()
+
+    def _layout(self) -> None:
+        """Element size, layer counts and ids; checks the graph is prologue, blocks, epilogue."""
+        g = self.problem.graph
         self.elem = DTYPE_BYTES[g.compute_dtype]
         self.n_layers = len(g.layers)
         self.n_blocks = self.n_layers - 2
@@ -106,13 +131,10 @@ class ProblemCosts:
         self.epilogue_id = self.n_layers - 1
         if any(layer.kind != "block" for layer in g.layers[1:-1]) or self.n_blocks < 1:
             raise ValueError("the layer graph must be prologue, one or more blocks, epilogue")
-        self.scale = TimeScale.for_total(self._serial_seconds())
-        t = self.scale.ticks
-        curve = hw.transfer_efficiency
-        h2d_alone = ops.h2d_bytes_per_s(hw, W, duplex=False)
-        h2d_duplex = ops.h2d_bytes_per_s(hw, W, duplex=True)
-        d2h_duplex = ops.d2h_bytes_per_s(hw, W, duplex=True)
 
+    def _choose_routes(self) -> None:
+        """The (delivery, reduction) routes the options and the hardware allow, and the baselines' one."""
+        hw, W = self.problem.hardware, self.problem.world_size
         self.routes = [(REPLICATED, CPU)]
         if W > 1 and hw.gpu_p2p_bytes_per_s > 0:
             self.routes = [(d, r) for d, r in product(self.options.deliveries, self.options.reductions)]
@@ -123,6 +145,12 @@ class ProblemCosts:
                 f"replicated delivery or the CPU reduction, but {why}: only (replicated, cpu) can be planned")
         # the baselines' route: (replicated, cpu) unless the options force another
         self.default_route = (REPLICATED, CPU) if (REPLICATED, CPU) in self.routes else self.routes[0]
+
+    def _transfer_options(self, rates: "_Rates") -> None:
+        """Per layer, per chunk count and route: the copies' and updates' ticks (`TransferOption`)."""
+        problem, t = self.problem, self.scale.ticks
+        g, hw, W = problem.graph, problem.hardware, problem.world_size
+        curve = hw.transfer_efficiency
         self.layer_options: list[tuple[TransferOption, ...]] = []
         for layer in g.layers:
             numel, opts = layer.numel, []
@@ -138,11 +166,11 @@ class ProblemCosts:
                     update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=W)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
-                    fwd_piece=t(ops.transfer_time_s(piece_bytes, h2d_alone, curve)),
-                    fwd_piece_duplex=t(ops.transfer_time_s(piece_bytes, h2d_duplex, curve)),
-                    bwd_piece=t(ops.transfer_time_s(piece_bytes, h2d_duplex, curve)),
+                    fwd_piece=t(ops.transfer_time_s(piece_bytes, rates.h2d_alone, curve)),
+                    fwd_piece_duplex=t(ops.transfer_time_s(piece_bytes, rates.h2d_duplex, curve)),
+                    bwd_piece=t(ops.transfer_time_s(piece_bytes, rates.h2d_duplex, curve)),
                     grad_pieces=grad_pieces,
-                    grad_piece=t(ops.transfer_time_s(piece_bytes, d2h_duplex, curve)),
+                    grad_piece=t(ops.transfer_time_s(piece_bytes, rates.d2h_duplex, curve)),
                     update_piece=t(update),
                     all_gather=t(ops.all_gather_time_s(numel * self.elem, W, hw)) if delivery == SHARDED else 0,
                     reduce_scatter=(t(ops.reduce_scatter_time_s(numel * self.elem, W, hw))
@@ -158,6 +186,11 @@ class ProblemCosts:
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
 
+    def _block_ticks(self, rates: "_Rates") -> None:
+        """Per block: forward, backward per activation policy, offload and reload ticks, and its bytes."""
+        problem, t = self.problem, self.scale.ticks
+        g, hw, m = problem.graph, problem.hardware, problem.micro_batches
+        curve = hw.transfer_efficiency
         self.blocks: dict[int, BlockTicks] = {}
         for layer in g.blocks:
             c = layer.costs
@@ -169,13 +202,18 @@ class ProblemCosts:
                 bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True, compiled=compiled)),
                      KEEP: bwd_plain,
                      OFFLOAD: bwd_plain},
-                offload=t(ops.offload_time_s(c.saved_activation_bytes, m, d2h_duplex, curve)),
-                reload=t(ops.offload_time_s(c.saved_activation_bytes, m, h2d_duplex, curve)),
+                offload=t(ops.offload_time_s(c.saved_activation_bytes, m, rates.d2h_duplex, curve)),
+                reload=t(ops.offload_time_s(c.saved_activation_bytes, m, rates.h2d_duplex, curve)),
                 saved_bytes=c.saved_activation_bytes,
                 workspace_bytes=c.peak_workspace_bytes,
                 param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
             )
-        pro, epi = g.prologue.costs, g.epilogue.costs
+
+    def _device_updates(self) -> None:
+        """Device-resident state: its bytes, and the delay its step-boundary AdamW adds to the prologue."""
+        problem, t = self.problem, self.scale.ticks
+        g, hw, m = problem.graph, problem.hardware, problem.micro_batches
+        pro = g.prologue.costs
         # The device's AdamW of the layers whose state lives there runs at the step boundary on a stream
         # of its own, in forward order, beside the next forward (backend/runtime/rank.py); the forward reaches
         # each such layer after the forward of the layers before it, and is delayed (at its start) by
@@ -192,6 +230,12 @@ class ProblemCosts:
             updated += t(ops.device_update_time_s(layer.numel, hw))
             self.device_update = max(self.device_update, updated - forward_before[layer.id])
         self.prologue_fwd = prologue_fwd + self.device_update
+
+    def _streamed_updates(self, rates: "_Rates") -> None:
+        """Per host layer and chunk count, each chunk's streamed-update pieces as (up, down) ticks."""
+        problem, t = self.problem, self.scale.ticks
+        g, hw = problem.graph, problem.hardware
+        curve = hw.transfer_efficiency
         # Streamed updates (decisions.streamed): per host layer and chunk count, per chunk (the owner's
         # part, backend.lowering.program.chunk_bounds) its pieces' (up, down) ticks; up: H2D, down: the device's
         # AdamW of the piece, then D2H (both directions busy: duplex rates, the W ranks sharing links).
@@ -208,15 +252,23 @@ class ProblemCosts:
                     for a in range(lo, min(lo + size, layer.numel), mem.STREAMED_PIECE_NUMEL):
                         n = min(mem.STREAMED_PIECE_NUMEL, lo + size - a, layer.numel - a)
                         up, down = ops.streamed_update_bytes(n, self.elem)
-                        pieces.append((t(ops.transfer_time_s(up, h2d_duplex, curve)),
-                                       t(ops.device_update_time_s(n, hw) + ops.transfer_time_s(down, d2h_duplex, curve))))
+                        pieces.append((t(ops.transfer_time_s(up, rates.h2d_duplex, curve)),
+                                       t(ops.device_update_time_s(n, hw)
+                                         + ops.transfer_time_s(down, rates.d2h_duplex, curve))))
                     chunks.append(tuple(pieces))
                 self.streamed_pieces[(layer.id, k)] = tuple(chunks)
         self.streamed_layers = frozenset(i for i, _ in self.streamed_pieces)
-        self.prologue_bwd = t(ops.backward_time_s(pro, hw, m, recompute=False))
-        self.epilogue = t(ops.epilogue_time_s(epi, hw, m))
 
-        # Memory constants (bytes per rank).
+    def _resident_ticks(self) -> None:
+        """The prologue's backward and the epilogue (head and loss), in ticks."""
+        t = self.scale.ticks
+        g, hw, m = self.problem.graph, self.problem.hardware, self.problem.micro_batches
+        self.prologue_bwd = t(ops.backward_time_s(g.prologue.costs, hw, m, recompute=False))
+        self.epilogue = t(ops.epilogue_time_s(g.epilogue.costs, hw, m))
+
+    def _memory_terms(self) -> None:
+        """Memory constants (bytes per rank): resident layers, accumulators, boundary and epilogue."""
+        problem, g = self.problem, self.problem.graph
         resident_numel = g.prologue.numel + g.epilogue.numel
         self.resident_params_bytes, self.resident_grads_bytes = mem.resident_layer_bytes(resident_numel,
                                                                                         self.elem)
