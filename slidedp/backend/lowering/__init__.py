@@ -1,2 +1,3 @@
-"""A plan's schedule -> a Program: program.py (lower), weight_window.py (slots per visit),
-verify.py (happens-before, buffers and peak memory, replayed without running)."""
+"""A plan's schedule -> a Program: program.py (lower), weight_window.py (the slot of each block visit),
+graph.py (the ops' dependency graph), verify.py (deadlock, happens-before, buffers and peak memory,
+replayed without running)."""

@@ -16,7 +16,7 @@ from slidedp.backend.kernels.grad_pack import pack_grads
 from slidedp.backend.runtime.pass_state import KeptForward, PassState
 from slidedp.backend.runtime.saved_activations import HostArena, SavedActivations
 from slidedp.backend.runtime.streams import Streams
-from slidedp.backend.runtime.weight_window import WeightWindow
+from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import unwrap_block_output
 from slidedp.ir.graph import Layer
 

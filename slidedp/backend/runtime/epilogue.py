@@ -14,7 +14,7 @@ from torch import nn
 
 from slidedp.backend.kernels.linear_cross_entropy import linear_cross_entropy, next_token_labels
 from slidedp.backend.runtime.pass_state import MicroBatch, PassState, model_kwargs
-from slidedp.backend.runtime.weight_window import WeightWindow
+from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import BlockCall, HeadCapture, logits_of, proxied_blocks, wrap_block_output
 from slidedp.ir.graph import LayerGraph
 

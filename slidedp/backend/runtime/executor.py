@@ -50,7 +50,7 @@ from slidedp.backend.runtime.prologue import Prologue
 from slidedp.backend.runtime.routes import Routes
 from slidedp.backend.runtime.saved_activations import HostArena
 from slidedp.backend.runtime.streams import Streams
-from slidedp.backend.runtime.weight_window import WeightWindow
+from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.backend.state.host_state import HostState
 from slidedp.ir.blocks import find_blocks
 from slidedp.ir.graph import BLOCK, LayerGraph

@@ -10,7 +10,7 @@ from torch import nn
 from slidedp.backend.runtime.embedding_grads import EmbeddingGrads
 from slidedp.backend.runtime.pass_gradients import PassGradients
 from slidedp.backend.runtime.saved_activations import SavedActivations
-from slidedp.backend.runtime.weight_window import WeightWindow
+from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import BlockCall
 from slidedp.ir.graph import LayerGraph
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slidedp.backend.runtime.pass_state import PassState, model_kwargs
-from slidedp.backend.runtime.weight_window import WeightWindow
+from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import BlockCall, StopForward, proxied_blocks, wrap_block_output
 from slidedp.ir.graph import LayerGraph
 

@@ -21,6 +21,7 @@ import ctypes
 import io
 import multiprocessing as mp
 import os
+import time
 import pickle
 import shutil
 import signal
@@ -128,7 +129,7 @@ class WorkerPool:
                 except (EOFError, OSError):
                     self._exited(r)
                 if kind == "error":
-                    self._fail(r, value)
+                    self._fail(*self._root_cause(r, value))
                 replies[r] = value
                 waiting.discard(r)
         return replies
@@ -136,6 +137,18 @@ class WorkerPool:
     def _exited(self, rank: int):
         self.procs[rank].join(1.0)
         self._fail(rank, f"its process exited (exit code {self.procs[rank].exitcode})")
+
+    def _root_cause(self, rank: int, detail: str, wait_s: float = 2.0) -> tuple[int, str]:
+        """The rank to blame for `rank`'s error: an error in a collective is often the echo of another
+        rank's process being killed, so a rank killed by a signal within `wait_s` is blamed instead."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            killed = [q for q in range(self.world_size) if q != rank and (self.procs[q].exitcode or 0) < 0]
+            if killed:
+                return killed[0], f"its process exited (exit code {self.procs[killed[0]].exitcode})"
+            if time.monotonic() >= deadline:
+                return rank, detail
+            time.sleep(0.05)
 
     def _fail(self, rank: int, detail: str):
         if self.flags is not None:
