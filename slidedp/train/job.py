@@ -2,6 +2,7 @@
 
 The run's folder (`output_dir`):
 
+    .slidedp.lock                  the lock of the folder (runlock.py): one `slidedp train` or export at a time
     config.json                    the resolved config of the run, in sections (`load_config` reads it)
     metrics.jsonl                  one record per step (see metrics.py)
     checkpoints/step-00000024/     the engine's state (slidedp/run/checkpoint.py), plus this job's
@@ -10,9 +11,11 @@ The run's folder (`output_dir`):
     tensorboard/                   when the tensorboard package is installed
 
 A checkpoint is written every `save_every` steps and at the end; the last `keep_last` are kept.
-`resume=true` continues from the latest checkpoint exactly: the same weights, moments, AdamW
-step, learning rate, data position and RNG state, so N steps + resume + N steps give bitwise the
-same result as 2N steps (CPU, fp32).
+`resume=true` continues from the newest checkpoint that verifies (newer ones skipped are named on
+stderr) exactly: the same weights, moments, AdamW step, learning rate, data position and RNG
+state, so N steps + resume + N steps give bitwise the same result as 2N steps (CPU, fp32). Keys
+changed on resume: `compare_resumed_config`. `overwrite=true` deletes the old checkpoints only
+once the model, the data and the plan have loaded.
 
 Faults: SIGINT or SIGTERM during a step lets the step finish, writes a checkpoint at that step and
 stops with `TrainingInterrupted` (the command exits with 128 + the signal's number; a second
