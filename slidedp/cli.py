@@ -27,7 +27,7 @@ def _train(args) -> int:
 def _export(args) -> int:
     from slidedp.train.export import export_checkpoint
 
-    folder, step = export_checkpoint(args.checkpoint, args.out_dir)
+    folder, step = export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite)
     print(f"exported {folder} (step {step}) to {args.out_dir}: load it with "
           f"AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("export", help="a checkpoint (or a run folder's latest) to a Hugging Face folder")
     p.add_argument("checkpoint", help="a checkpoint folder, or a run's output_dir (its latest checkpoint)")
-    p.add_argument("out_dir", help="the Hugging Face folder to write")
+    p.add_argument("out_dir", help="the Hugging Face folder to write (not inside a run or checkpoint folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("plan", help="solve a plan offline (no GPU needed) and write it as JSON")

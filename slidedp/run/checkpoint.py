@@ -369,6 +369,59 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], states: dict) -> None:
                          npy["cached_gaussian"]))
 
 
+def _is_int(v, lo: int = 0, hi: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+
+def check_rng_files(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, JSON states) of a checkpoint's RNG files, every key checked: a `CheckpointError`
+    names the file and the key instead of a library's own error when the generators are set."""
+    folder = Path(folder)
+
+    def bad(name: str, key: str, what: str, value) -> CheckpointError:
+        shown = repr(value) if len(repr(value)) < 60 else f"{type(value).__name__} {repr(value)[:40]}..."
+        return CheckpointError(f"checkpoint {folder}: {name} key {key!r} must be {what}, got {shown} (altered)")
+
+    try:
+        tensors = read_safetensors(folder / "rng.safetensors")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: rng.safetensors cannot be read ({exc})") from None
+    for key, t in tensors.items():
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise bad("rng.safetensors", key, "a 1-D uint8 tensor", f"{t.dtype} {list(t.shape)}")
+    if "torch" not in tensors:
+        raise bad("rng.safetensors", "torch", "present", None)
+    try:
+        states = json.loads((folder / "rng.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: rng.json is not valid JSON ({exc})") from None
+    py = states.get("python") if isinstance(states, dict) else None
+    npy = states.get("numpy") if isinstance(states, dict) else None
+    if not isinstance(py, dict):
+        raise bad("rng.json", "python", "an object", py)
+    if not isinstance(npy, dict):
+        raise bad("rng.json", "numpy", "an object", npy)
+    if not _is_int(py.get("version")):
+        raise bad("rng.json", "python.version", "an integer", py.get("version"))
+    if not (isinstance(py.get("state"), list) and len(py["state"]) == 625
+            and all(_is_int(v, 0, 2**32 - 1) for v in py["state"][:-1]) and _is_int(py["state"][-1], 0, 624)):
+        raise bad("rng.json", "python.state", "624 32-bit integers and a position 0..624", py.get("state"))
+    if py.get("gauss_next") is not None and not isinstance(py["gauss_next"], (int, float)):
+        raise bad("rng.json", "python.gauss_next", "a number or null", py["gauss_next"])
+    if npy.get("name") != "MT19937":
+        raise bad("rng.json", "numpy.name", "'MT19937'", npy.get("name"))
+    if not (isinstance(npy.get("keys"), list) and len(npy["keys"]) == 624
+            and all(_is_int(v, 0, 2**32 - 1) for v in npy["keys"])):
+        raise bad("rng.json", "numpy.keys", "624 32-bit integers", npy.get("keys"))
+    if not _is_int(npy.get("pos"), 0, 624):
+        raise bad("rng.json", "numpy.pos", "an integer 0..624", npy.get("pos"))
+    if not _is_int(npy.get("has_gauss"), 0, 1):
+        raise bad("rng.json", "numpy.has_gauss", "0 or 1", npy.get("has_gauss"))
+    if not isinstance(npy.get("cached_gaussian"), (int, float)) or isinstance(npy.get("cached_gaussian"), bool):
+        raise bad("rng.json", "numpy.cached_gaussian", "a number", npy.get("cached_gaussian"))
+    return tensors, states
+
+
 def write_engine_state(engine, writer: CheckpointWriter) -> None:
     """Master weights, AdamW moments and step, frozen parameters, RNG, plan and model config."""
     engine.updates.flush()
@@ -413,6 +466,10 @@ def read_engine_meta(folder: Path) -> dict:
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'step' must be an integer >= 0, got {step!r}")
+    skipped = meta.get("skipped_steps", 0)
+    if not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0:
+        raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'skipped_steps' must be an integer >= 0, "
+                              f"got {skipped!r}")
     layers = meta.get("layers")
     try:
         ok = isinstance(layers, list) and all(
@@ -452,6 +509,7 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
     if verify:
         verify_checkpoint(folder, required=(ENGINE_JSON,))
     meta = read_engine_meta(folder)
+    rng = check_rng_files(folder)  # before anything changes
     _check_layout(engine, meta, folder)
     engine.updates.flush()
     host = engine.host
@@ -474,7 +532,7 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
                     p.copy_(frozen[name])
     host.step = int(meta["step"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
-    _set_rng_state(read_safetensors(folder / "rng.safetensors"), json.loads((folder / "rng.json").read_text()))
+    _set_rng_state(*rng)
     engine.reload()  # every rank reloads its device copies and takes the step
     return meta
 

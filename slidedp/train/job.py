@@ -2,6 +2,7 @@
 
 The run's folder (`output_dir`):
 
+    .slidedp.lock                  the lock of the folder (runlock.py): one `slidedp train` or export at a time
     config.json                    the resolved config of the run, in sections (`load_config` reads it)
     metrics.jsonl                  one record per step (see metrics.py)
     checkpoints/step-00000024/     the engine's state (slidedp/run/checkpoint.py), plus this job's
@@ -10,9 +11,11 @@ The run's folder (`output_dir`):
     tensorboard/                   when the tensorboard package is installed
 
 A checkpoint is written every `save_every` steps and at the end; the last `keep_last` are kept.
-`resume=true` continues from the latest checkpoint exactly: the same weights, moments, AdamW
-step, learning rate, data position and RNG state, so N steps + resume + N steps give bitwise the
-same result as 2N steps (CPU, fp32).
+`resume=true` continues from the newest checkpoint that verifies (newer ones skipped are named on
+stderr) exactly: the same weights, moments, AdamW step, learning rate, data position and RNG
+state, so N steps + resume + N steps give bitwise the same result as 2N steps (CPU, fp32). Keys
+changed on resume: `compare_resumed_config`. `overwrite=true` deletes the old checkpoints only
+once the model, the data and the plan have loaded.
 
 Faults: SIGINT or SIGTERM during a step lets the step finish, writes a checkpoint at that step and
 stops with `TrainingInterrupted` (the command exits with 128 + the signal's number; a second
@@ -35,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import accelerate
@@ -44,8 +48,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
 from slidedp.run.checkpoint import (
-    ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, atomic_checkpoint, read_checkpoint_json, read_engine_state,
-    remove_stale_temps, verify_checkpoint, write_engine_state,
+    ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, atomic_checkpoint, check_rng_files, read_checkpoint_json,
+    read_engine_meta, read_engine_state, remove_stale_temps, verify_checkpoint, write_engine_state,
 )
 from slidedp.run.weights import checkpoint_shapes
 from slidedp.scheduler.plan import Plan
@@ -54,12 +58,12 @@ from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, std
 from slidedp.train.metrics import (
     MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step, peak_flops_per_s,
 )
+from slidedp.train.runlock import CHECKPOINTS, run_folder_lock
 from slidedp.train.schedule import lr_at, schedule_state
 from slidedp.train.shapes import PRESETS, preset_config
 from slidedp.train.smollm2 import ensure_smollm2
 from slidedp.train.sources import Example, build_rows, load_dataset
 
-CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FORMAT = 1
 STDLIB_ROWS = 16  # rows of the default job when max_rows is 0
@@ -189,12 +193,25 @@ def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict
         tokenizer.save_pretrained(str(hf_dir))
         writer.add_folder(HF_DIR)
         writer.json(TRAINER_STATE, trainer_state)
-    for _, old in list_checkpoints(output_dir)[:-keep_last]:
+    # newer ones (left by a run that resumed from an older checkpoint, when the newest did not verify)
+    # are not counted: they are replaced when the run reaches their step
+    for _, old in [c for c in list_checkpoints(output_dir) if c[0] <= step][:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
 
+def _bad(folder: Path, key: str, what: str, value) -> CheckpointError:
+    return CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key {key!r} must be {what}, got {value!r} "
+                           "(altered, or written by another program)")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_trainer_state(folder: Path) -> dict:
+    """trainer_state.json with every key the resume reads checked (a `CheckpointError` names the
+    file and the key); `old_config` added: the checkpoint's config as a `TrainConfig`."""
     state = read_checkpoint_json(folder, TRAINER_STATE, fmt=TRAINER_FORMAT, what="trainer state",
                                  missing="it was not written by `slidedp train` and cannot be resumed by it")
     for key, typ in (("step", int), ("data", dict), ("config", dict)):
@@ -203,6 +220,26 @@ def read_trainer_state(folder: Path) -> dict:
                                   f"a{'n' if typ is int else ''} {typ.__name__} ({state.get(key)!r})")
     if state["step"] < 0:
         raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key 'step' is negative ({state['step']})")
+    for key in ("tokens_seen", "consecutive_skips"):
+        if key in state and not (_is_int(state[key]) and state[key] >= 0):
+            raise _bad(folder, key, "an integer >= 0", state[key])
+    if state.get("val_loss") is not None and not isinstance(state["val_loss"], (int, float)):
+        raise _bad(folder, "val_loss", "a number or null", state["val_loss"])
+    data = state["data"]
+    for key in ("epoch", "position", "num_rows", "seed"):
+        if not (_is_int(data.get(key)) and data[key] >= 0):
+            raise _bad(folder, f"data.{key}", "an integer >= 0", data.get(key))
+    if not (_is_int(data.get("seq_len")) and data["seq_len"] > 0):
+        raise _bad(folder, "data.seq_len", "an integer > 0", data.get("seq_len"))
+    if not isinstance(data.get("shuffle"), bool):
+        raise _bad(folder, "data.shuffle", "true or false", data.get("shuffle"))
+    if not isinstance(data.get("fingerprint"), str):
+        raise _bad(folder, "data.fingerprint", "a string", data.get("fingerprint"))
+    try:  # sectioned, or flat as checkpoints of earlier versions wrote it
+        state["old_config"] = TrainConfig.from_dict(state["config"], where=f"{folder / TRAINER_STATE} config")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: {TRAINER_STATE} key 'config' is not a valid config "
+                              f"({' '.join(str(exc).split())})") from None
     return state
 
 
@@ -265,44 +302,131 @@ def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
 # The run
 
 
+# Config keys compared on resume (see README, "Fine-tune your own model", and docs/reliability.md).
+# Refused: the data rows or their order follow from them, so the checkpoint's data position would
+# point into other data.
+REFUSED_ON_RESUME = {
+    ("training", "seq_len"): "the data is cut into rows of seq_len tokens, so the checkpoint's data position "
+                             "(rows consumed) would point into other rows",
+    ("training", "seed"): "the order of the rows in every epoch follows from the seed",
+    ("data", "packing"): "the rows of the data follow from it",
+    ("data", "max_rows"): "the rows of the data follow from it",
+    ("data", "val_fraction"): "which rows are held out for validation follows from it",
+}
+# Continued, with a note: the data position is kept in rows consumed, not steps, so a new batch
+# shape reads on from the same row; the plan is solved for the new shape.
+BATCH_SHAPE_KEYS = (("training", "batch_size"), ("training", "grad_accum"), ("engine", "world_size"))
+# Continued, with a note: the schedule and the optimizer take the new values from the next step.
+SCHEDULE_KEYS = (("optimizer", "lr"), ("schedule", "lr_schedule"), ("schedule", "warmup_steps"),
+                 ("schedule", "min_lr"), ("training", "max_steps"), ("optimizer", "weight_decay"),
+                 ("optimizer", "no_decay_groups"), ("optimizer", "adam_beta1"), ("optimizer", "adam_beta2"),
+                 ("optimizer", "adam_eps"), ("optimizer", "max_grad_norm"))
+
+
+def _value(cfg: TrainConfig, section: str, key: str):
+    return getattr(getattr(cfg, section), key)
+
+
+def compare_resumed_config(folder: Path, state: dict, cfg: TrainConfig) -> list[str]:
+    """Notes on the keys that changed since the checkpoint was written (printed by `run`); a
+    `CheckpointError` naming the key for a change that resuming cannot honour."""
+    old = state["old_config"]
+    for (section, key), why in REFUSED_ON_RESUME.items():
+        was, now = _value(old, section, key), _value(cfg, section, key)
+        if was != now:
+            raise CheckpointError(
+                f"config key {key!r} is {now!r} but was {was!r} in checkpoint {folder}: a run cannot be resumed "
+                f"with another {key} ({why}); set {key}={was} to resume, or start a new run (another output_dir, "
+                "or overwrite=true)")
+    notes = []
+    rows = [_value(c, "training", "batch_size") * _value(c, "training", "grad_accum") * _value(c, "engine", "world_size")
+            for c in (old, cfg)]
+    for section, key in BATCH_SHAPE_KEYS:
+        was, now = _value(old, section, key), _value(cfg, section, key)
+        if was != now:
+            data = state["data"]
+            notes.append(f"{key} changed on resume: {was} -> {now} (rows a step {rows[0]} -> {rows[1]}); the data "
+                         f"continues at row {data['position']} of epoch {data['epoch']} (the position is kept in "
+                         "rows consumed, not steps), and a plan for the new shape is used")
+    for section, key in SCHEDULE_KEYS:
+        was, now = _value(old, section, key), _value(cfg, section, key)
+        if was != now:
+            notes.append(f"{key} changed on resume: {was} -> {now}; the schedule and the optimizer use the new "
+                         f"value from step {state['step'] + 1} on (weights, moments and AdamW step are the "
+                         "checkpoint's)")
+    return notes
+
+
+def _check_resume_candidate(folder: Path) -> dict:
+    """The trainer state of a checkpoint that can be resumed: every file verified, every metadata
+    file's keys checked (a `CheckpointError` names the file and key otherwise)."""
+    verify_checkpoint(folder, required=(ENGINE_JSON, TRAINER_STATE))
+    read_engine_meta(folder)
+    check_rng_files(folder)
+    return read_trainer_state(folder)
+
+
+def newest_usable_checkpoint(output_dir: Path, check, *, what: str) -> tuple[Path, object]:
+    """(folder, check(folder)) of the newest checkpoint of the run for which `check` raises no
+    `CheckpointError`; each newer one skipped is named on stderr with the reason. None usable: a
+    `CheckpointError` listing each one and why."""
+    skipped = []
+    for step, folder in reversed(list_checkpoints(output_dir)):
+        try:
+            result = check(folder)
+        except CheckpointError as exc:
+            _log(f"[slidedp] skipping checkpoint {folder.name} (step {step}): {exc}")
+            skipped.append(f"{folder.name}: {exc}")
+            continue
+        if skipped:
+            _log(f"[slidedp] {what} from {folder.name} (step {step}), the newest checkpoint that verifies "
+                 f"({len(skipped)} newer one(s) skipped, see above)")
+        return folder, result
+    raise CheckpointError(f"no checkpoint of {output_dir} can be used ({'; '.join(skipped) or 'none is complete'})")
+
+
 def run(cfg: TrainConfig) -> dict:
-    """Train as the config says; returns a summary (losses, steps, last checkpoint)."""
-    # the solver (OR-Tools) only here: `slidedp export` imports this module for list_checkpoints
+    """Train as the config says; returns a summary (losses, steps, last checkpoint).
+
+    The run folder is locked (runlock.py) for the whole run; nothing in it is changed or deleted
+    before the model, the data and the plan have loaded."""
+    cfg.validate()
+    with run_folder_lock(cfg.checkpoint.output_dir):
+        return _run_locked(cfg, Path(cfg.checkpoint.output_dir))
+
+
+def _run_locked(cfg: TrainConfig, out: Path) -> dict:
+    # the solver (OR-Tools) only here: `slidedp export` imports this module for its checkpoint helpers
     from slidedp import api
 
-    cfg.validate()
-    out = Path(cfg.checkpoint.output_dir)
-    resume_from = None
     existing = list_checkpoints(out)
-    if cfg.checkpoint.resume:
-        if existing:
-            resume_from = existing[-1][1]
-        else:
-            _log(f"[slidedp] resume=true but {out} holds no checkpoint: starting from step 0")
-    elif existing:
+    overwrite = False
+    if not cfg.checkpoint.resume and existing:
         if not cfg.checkpoint.overwrite:
             raise ValueError(f"output_dir {out} already holds checkpoints (latest: step {existing[-1][0]}): "
                              "pass resume=true to continue from it, overwrite=true to start over (deleting "
                              "them), or another output_dir")
-        _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
-        shutil.rmtree(out / CHECKPOINTS)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        overwrite = True  # deleted once everything has loaded, just before the first file is written
     device = torch.device(cfg.engine.device if cfg.engine.device != "auto"
                           else ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = cfg.engine.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    torch.manual_seed(cfg.training.seed)
-    random.seed(cfg.training.seed)
+    _seed_everything(cfg.training.seed)
 
     trainer_state = None
+    resume_from = None
     plan = None
-    if resume_from is not None:
-        _log(f"[slidedp] resuming from {resume_from}: verifying it")
-        verify_checkpoint(resume_from, required=(ENGINE_JSON, TRAINER_STATE))
-        trainer_state = read_trainer_state(resume_from)
-        plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
+    if cfg.checkpoint.resume:
+        if existing:
+            _log(f"[slidedp] resuming from {out / CHECKPOINTS}: verifying the latest checkpoint")
+            remove_stale_temps(out / CHECKPOINTS)
+            resume_from, trainer_state = newest_usable_checkpoint(out, _check_resume_candidate, what="resuming")
+            for note in compare_resumed_config(resume_from, trainer_state, cfg):
+                _log(f"[slidedp] {note}")
+            plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
+        else:
+            _log(f"[slidedp] resume=true but {out} holds no checkpoint: starting from step 0")
 
     _log(f"[slidedp] loading model {cfg.model.model}")
     model, tokenizer = load_model_and_tokenizer(cfg)
@@ -313,6 +437,13 @@ def run(cfg: TrainConfig) -> dict:
         if len(val) == 0:
             _log(f"[slidedp] val_fraction={cfg.data.val_fraction}: too few rows ({len(data)}) to hold out any")
             train, val = data, None
+    if trainer_state is not None:
+        try:
+            train.load_state_dict(trainer_state["data"])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {resume_from}: its data position ({TRAINER_STATE} key 'data') does "
+                                  f"not fit this run's data: {exc}; config key 'data' or 'tokenizer' changed since "
+                                  "it was written") from None
     _log(f"[slidedp] data {cfg.data.data}: {len(train)} training rows"
          f"{f', {len(val)} validation rows' if val is not None else ''} of {cfg.training.seq_len} tokens "
          f"({'packed' if cfg.data.packing else 'padded'})")
@@ -333,7 +464,22 @@ def run(cfg: TrainConfig) -> dict:
         engine = api.compile(model, cfg.engine.budget, **kwargs)
     _log(engine.plan.summary())
     with engine:
+        # Everything has loaded: only now is the folder changed.
+        if overwrite:
+            _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
+            shutil.rmtree(out / CHECKPOINTS)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if trainer_state is None:
+            # A fresh run's generators start from the seed whatever loading the model consumed (a
+            # random init draws from them); a resumed run's are the checkpoint's (read_engine_state).
+            _seed_everything(cfg.training.seed)
         return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state)
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
@@ -343,8 +489,7 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
     val_loss = None
     consecutive_skips = 0  # steps skipped in a row for a non-finite gradient
     if trainer_state is not None:
-        read_engine_state(engine, resume_from, verify=False)  # verified before compiling
-        train.load_state_dict(trainer_state["data"])
+        read_engine_state(engine, resume_from, verify=False)  # verified before compiling; data position loaded
         start = int(trainer_state["step"])
         tokens_seen = int(trainer_state.get("tokens_seen", 0))
         val_loss = trainer_state.get("val_loss")

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -69,11 +70,11 @@ def test_signal_in_a_step_stops_at_the_boundary_with_a_checkpoint_and_resume_is_
 
 
 def test_external_sigint_to_the_slidedp_command(rel_model_dir, rel_data, tmp_path):
-    """The installed `slidedp` command, interrupted from outside while it trains (Ctrl-C); resuming
+    """The `slidedp` command (`python -m slidedp`), interrupted from outside while it trains (Ctrl-C); resuming
     to 2 steps past the stop gives bitwise the run that went there in one go."""
     out = tmp_path / "run"
     args = overrides(rel_model_dir, rel_data, out, "max_steps=100000", "save_every=0")  # constant lr after warm-up
-    proc = subprocess.Popen([str(REPO / ".venv" / "bin" / "slidedp"), "train", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "slidedp", "train", *args],
                             env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 240

@@ -145,14 +145,26 @@ def test_preset_model_with_random_init(tiny_model_dir, tiny_jsonl, tmp_path):
     assert hf["vocab_size"] == 49152 and hf["hidden_size"] == 64
 
 
-def test_resume_refuses_a_damaged_checkpoint(run_a, tiny_model_dir, tiny_jsonl, tmp_path):
+def test_resume_refuses_a_damaged_checkpoint(run_a, tiny_model_dir, tiny_jsonl, tmp_path, capsys):
+    """The newest checkpoint that verifies is used, each newer one named on stderr; none: refused."""
     a, _ = run_a
     out = tmp_path / "damaged"
     shutil.copytree(a, out)
-    layer = list_checkpoints(out)[-1][1] / "state" / "layer-00001.safetensors"
-    layer.write_bytes(layer.read_bytes()[:100])
+    for _, folder in list_checkpoints(out):
+        layer = folder / "state" / "layer-00001.safetensors"
+        layer.write_bytes(layer.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="state/layer-00001.safetensors has 100 bytes"):
         run(config(tiny_model_dir, tiny_jsonl[0], out, "resume=true", "max_steps=6"))
+    shutil.rmtree(out)
+    shutil.copytree(a, out)
+    layer = list_checkpoints(out)[-1][1] / "state" / "layer-00001.safetensors"
+    layer.write_bytes(layer.read_bytes()[:100])
+    capsys.readouterr()
+    summary = run(config(tiny_model_dir, tiny_jsonl[0], out, "resume=true", "max_steps=5"))
+    assert summary["start_step"] == 2
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step-00000004 (step 4): checkpoint" in err
+    assert "state/layer-00001.safetensors has 100 bytes" in err and "resuming from step-00000002" in err
 
 
 def test_resume_at_max_steps_does_nothing(run_a, tiny_model_dir, tiny_jsonl, tmp_path, capsys):
