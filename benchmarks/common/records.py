@@ -48,7 +48,11 @@ def git_commit() -> str | None:
 
 def commit_stamp(allow_dirty: bool = False) -> dict:
     """{"git_commit": HEAD, "dirty": bool}, for every record of a run. A tree with uncommitted changes
-    (records and READMEs aside) raises DirtyTreeError unless `allow_dirty`, and is then marked."""
+    (records and READMEs aside) raises DirtyTreeError unless `allow_dirty`, and is then marked.
+    Outside a git checkout (a copy of a clean checkout sent to a GPU machine), the commit is taken from
+    BENCH_GIT_COMMIT and the record says so ("commit_from": "BENCH_GIT_COMMIT")."""
+    if changed_files() is None and os.environ.get("BENCH_GIT_COMMIT"):
+        return {"git_commit": os.environ["BENCH_GIT_COMMIT"], "dirty": False, "commit_from": "BENCH_GIT_COMMIT"}
     changed = changed_files()
     dirty = bool(changed)
     if dirty and not allow_dirty:

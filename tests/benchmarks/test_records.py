@@ -46,4 +46,16 @@ def test_a_dirty_tree_is_refused_unless_allowed_and_then_marked(repo):
 
 def test_outside_git_no_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "REPO", tmp_path)
+    monkeypatch.delenv("BENCH_GIT_COMMIT", raising=False)
     assert records.commit_stamp() == {"git_commit": None, "dirty": False}
+
+
+def test_outside_git_the_commit_comes_from_the_environment_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "a" * 40)
+    assert records.commit_stamp() == {"git_commit": "a" * 40, "dirty": False, "commit_from": "BENCH_GIT_COMMIT"}
+
+
+def test_in_a_checkout_the_environment_is_ignored(repo, monkeypatch):
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "a" * 40)
+    assert records.commit_stamp()["git_commit"] != "a" * 40
