@@ -530,7 +530,8 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             bad(f"{at}.chunks must be an integer from 1 to numel ({d.numel!r}), got {d.chunks!r}")
         legal = ("keep", "recompute", "offload") if d.kind == BLOCK else ("resident",)
         if d.activation not in legal:
-            bad(f"{at}.activation must be {' or '.join(map(repr, legal))} for a {d.kind}, got {d.activation!r}")
+            bad(f"{at}.activation: activation policy {d.activation!r} is not one for a {d.kind} "
+                f"({' or '.join(map(repr, legal))})")
         for field_name, value, plain, routed in (("delivery", d.delivery, "replicated", "sharded"),
                                                  ("reduction", d.reduction, "cpu", "gpu")):
             if value not in (plain, routed):
