@@ -120,7 +120,7 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
     """Solve the plan; or check that a `given` plan was made for this model and workload."""
     if given is not None:
         check_plan_matches(given, graph, world_size=request.world_size, precision=request.precision,
-                           compiled_blocks=request.compile_blocks)
+                           compiled_blocks=request.compile_blocks, budget_bytes=request.budget.device_bytes)
         if given.early_order and not _early_allowed(request.world_size, request.max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
@@ -177,24 +177,36 @@ def _host_offload_bytes(graph: LayerGraph, precision: str, available: int | None
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
-                       compiled_blocks: bool | None = None) -> None:
-    """Refuse a plan made for another model, workload or world size, naming the difference
-    (`compiled_blocks` None: whatever the plan says)."""
+                       compiled_blocks: bool | None = None, budget_bytes: int | None = None) -> None:
+    """Refuse a plan made for another model, workload or world size, or whose fields do not hold
+    together or do not fit this model, naming the field (`compiled_blocks` None: whatever the plan
+    says; `budget_bytes`: the run's budget, which the plan's peak must fit)."""
     w = plan.workload
-    for name, planned, actual in (
-        ("model fingerprint", plan.model_fingerprint, graph.fingerprint()),
+    for name, planned, actual in (  # the workload first: the fingerprint depends on it
         ("batch_size", w.batch_size, graph.batch_size),
         ("seq_len", w.seq_len, graph.seq_len),
         ("world_size", w.world_size, world_size),
         ("precision", w.precision, precision),
         ("compile_blocks", w.compiled_blocks, w.compiled_blocks if compiled_blocks is None else compiled_blocks),
+        ("model fingerprint", plan.model_fingerprint, graph.fingerprint()),
     ):
         if planned != actual:
             raise ValueError(f"the plan was made for another workload: {name} is {planned!r} in the plan "
                              f"but {actual!r} here")
-    if not set(plan.device_state) <= {layer.id for layer in graph.layers}:
-        raise ValueError(f"the plan's device_state {list(plan.device_state)} must name layers of this model "
-                         f"(layer ids 0..{len(graph.layers) - 1})")
+    plan.validate(world_size)
+    if len(plan.decisions) != len(graph.layers):
+        raise ValueError(f"the plan is not valid: decisions: {len(plan.decisions)} layer decisions, but this model "
+                         f"has {len(graph.layers)} layers")
+    for i, (d, layer) in enumerate(zip(plan.decisions, graph.layers)):
+        for name, planned, actual in (("layer_id", d.layer_id, layer.id), ("name", d.name, layer.name),
+                                      ("kind", d.kind, layer.kind), ("numel", d.numel, layer.numel)):
+            if planned != actual:
+                raise ValueError(f"the plan is not valid: decisions[{i}].{name} is {planned!r} in the plan but "
+                                 f"{actual!r} in this model")
+    peak = plan.explanation.peak_device_bytes
+    if budget_bytes is not None and peak > budget_bytes:
+        raise ValueError(f"the plan is not valid: peak_device_bytes: the plan's peak {peak} bytes exceeds the "
+                         f"budget of {budget_bytes} bytes")
 
 
 def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,

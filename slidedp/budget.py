@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 
 _UNITS = {
@@ -10,6 +12,10 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# The largest budget accepted: 1 EiB a GPU, far beyond any device, and small enough that every sum
+# of the solver's integer model (int64 bytes, scheduler/search/cpsat.py) stays representable.
+MAX_BUDGET_BYTES = 2**60
+
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -24,6 +30,9 @@ class Budget:
             raise TypeError(f"Budget.device_bytes must be an int, got {type(self.device_bytes).__name__}")
         if self.device_bytes <= 0:
             raise ValueError(f"budget must be positive, got {self.device_bytes} bytes")
+        if self.device_bytes > MAX_BUDGET_BYTES:
+            raise ValueError(f"budget {_digits(self.device_bytes)} bytes is above the largest accepted, "
+                             f"{MAX_BUDGET_BYTES} bytes (2**60, 1 EiB) a GPU")
 
     @classmethod
     def parse(cls, value: "Budget | int | str") -> "Budget":
@@ -35,6 +44,8 @@ class Budget:
         if isinstance(value, int):
             return cls(value)
         if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"budget must be a finite number of bytes, got {value}")
             if not value.is_integer():
                 raise ValueError(f"budget in bytes must be a whole number, got {value}")
             return cls(int(value))
@@ -46,13 +57,23 @@ class Budget:
                     f"cannot parse budget {value!r}: expected a number with an optional unit "
                     "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '24GiB'"
                 )
-            return cls(int(float(m.group(1)) * _UNITS[unit]))
+            number = Decimal(m.group(1)) * _UNITS[unit]  # exact: no float overflow for 400 digits
+            if number > MAX_BUDGET_BYTES:
+                raise ValueError(f"budget {_digits(value.strip())} is above the largest accepted, "
+                                 f"{MAX_BUDGET_BYTES} bytes (2**60, 1 EiB) a GPU")
+            return cls(int(number))
         raise TypeError(
             f"budget must be a slidedp.Budget, bytes (int) or a string like '24GiB', got {type(value).__name__}"
         )
 
     def __str__(self) -> str:
         return format_bytes(self.device_bytes)
+
+
+def _digits(value) -> str:
+    """A value for a message, cut short when it is hundreds of digits long."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def format_bytes(n: float) -> str:

@@ -90,8 +90,18 @@ def _bench(args) -> int:
     return 0
 
 
+def _load_plan_warning(path) -> Plan:
+    """The plan of `path`, and a warning line on stderr for what compile would refuse of it."""
+    plan = Plan.load(path)
+    problems = plan.problems()
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"warning: compile would refuse {path}: {problems[0]}{more}", file=sys.stderr)
+    return plan
+
+
 def _inspect(args) -> int:
-    print(Plan.load(args.plan).summary())
+    print(_load_plan_warning(args.plan).summary())
     return 0
 
 
@@ -100,7 +110,7 @@ def _report(args) -> int:
 
     if not args.html and not args.trace:
         raise ValueError("nothing to write: give --html OUT.html and/or --trace OUT.json")
-    plan = Plan.load(args.plan)
+    plan = _load_plan_warning(args.plan)
     if not plan.timeline:
         print(f"note: {args.plan} has no predicted timeline (solver {plan.solver.get('method', '?')}); "
               "the report shows the totals and decisions only", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -19,18 +20,31 @@ class AdamW:
     no_decay_groups: bool = False
 
     def __post_init__(self):
+        """Each argument checked, as the config checks its keys: ValueError / TypeError naming it."""
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise TypeError(f"AdamW betas must be a pair (beta1, beta2), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))
         b1, b2 = self.betas
+        for name, value in (("lr", self.lr), ("betas[0]", b1), ("betas[1]", b2), ("eps", self.eps),
+                            ("weight_decay", self.weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"AdamW {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"AdamW {name} must be finite, got {value!r}")
         checks = {
-            "lr": self.lr >= 0.0,
-            "betas[0]": 0.0 <= b1 < 1.0,
-            "betas[1]": 0.0 <= b2 < 1.0,
-            "eps": self.eps >= 0.0,
-            "weight_decay": self.weight_decay >= 0.0,
+            "lr": (self.lr >= 0.0, ">= 0"),
+            "betas[0]": (0.0 <= b1 < 1.0, "in [0, 1)"),
+            "betas[1]": (0.0 <= b2 < 1.0, "in [0, 1)"),
+            "eps": (self.eps > 0.0, "> 0 (it keeps the update's division finite)"),
+            "weight_decay": (self.weight_decay >= 0.0, ">= 0"),
         }
-        for name, ok in checks.items():
+        for name, (ok, rule) in checks.items():
             if not ok:
-                raise ValueError(f"invalid AdamW {name}: lr={self.lr}, betas={self.betas}, eps={self.eps}, "
-                                 f"weight_decay={self.weight_decay}")
+                value = {"lr": self.lr, "betas[0]": b1, "betas[1]": b2, "eps": self.eps,
+                         "weight_decay": self.weight_decay}[name]
+                raise ValueError(f"AdamW {name} must be {rule}, got {value!r}")
+        if not isinstance(self.no_decay_groups, bool):
+            raise TypeError(f"AdamW no_decay_groups must be True or False, got {self.no_decay_groups!r}")
 
     def to_dict(self) -> dict:
         return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,

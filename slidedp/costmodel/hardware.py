@@ -8,7 +8,9 @@ docs/costmodel_history.md.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import MISSING, asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 # H2D efficiency by copy size as (bytes, fraction of the large-copy bandwidth), measured on the H200
@@ -64,23 +66,46 @@ class Hardware:
     attention_flops_per_s: float = 0.0
 
     def __post_init__(self):
+        """Every field checked (ValueError naming it): the right type, finite, > 0 for a rate, size or
+        count, >= 0 where the field's comment says 0 means "not known" or "none"."""
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"hardware field 'name' must be a non-empty string, got {self.name!r}")
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                value = int(value)  # 1.41e11 in a JSON profile
+                object.__setattr__(self, name, value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"hardware field {name!r} must be a whole number >= 1, got {value!r}")
+        for name, least in {**{n: "positive" for n in _POSITIVE_RATES}, **{n: "zero" for n in _ZERO_MEANS_UNKNOWN}}.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    value < 0 or (least == "positive" and value == 0):
+                rule = "> 0" if least == "positive" else ">= 0 (0: not known / none)"
+                raise ValueError(f"hardware field {name!r} must be a finite number {rule}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in _FRACTIONS:
+            if getattr(self, name) > 1:
+                raise ValueError(f"hardware field {name!r} is a fraction, at most 1, got {getattr(self, name)!r}")
         # JSON gives lists: keep the curve a tuple of pairs so profiles compare and hash alike.
-        curve = tuple((int(b), float(f)) for b, f in self.transfer_efficiency)
+        try:
+            curve = tuple((_whole(b), float(f)) for b, f in self.transfer_efficiency)
+        except (TypeError, ValueError):
+            curve = ()
         if not curve or any(b <= 0 or not 0 < f <= 1 for b, f in curve) or \
                 any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
-            raise ValueError(f"transfer_efficiency must be (bytes, fraction in (0, 1]) pairs by increasing "
-                             f"size, got {self.transfer_efficiency!r}")
+            raise ValueError(f"hardware field 'transfer_efficiency' must be (bytes, fraction in (0, 1]) pairs by "
+                             f"increasing size, got {self.transfer_efficiency!r}")
         object.__setattr__(self, "transfer_efficiency", curve)
-        by_threads = tuple((int(t), float(r)) for t, r in self.cpu_adamw_params_per_s_by_threads)
-        if any(t < 1 or not r > 0 for t, r in by_threads) or \
+        try:
+            by_threads = tuple((_whole(t), float(r)) for t, r in self.cpu_adamw_params_per_s_by_threads)
+        except (TypeError, ValueError):
+            by_threads = ((0, 0.0),)
+        if any(t < 1 or not 0 < r < math.inf for t, r in by_threads) or \
                 any(a[0] >= b[0] for a, b in zip(by_threads, by_threads[1:])):
-            raise ValueError(f"cpu_adamw_params_per_s_by_threads must be (threads >= 1, params/s > 0) pairs by "
-                             f"increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
+            raise ValueError(f"hardware field 'cpu_adamw_params_per_s_by_threads' must be (threads >= 1, params/s > 0) "
+                             f"pairs by increasing threads, got {self.cpu_adamw_params_per_s_by_threads!r}")
         object.__setattr__(self, "cpu_adamw_params_per_s_by_threads", by_threads)
-        for name in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency",
-                     "gpu_memory_bytes_per_s", "attention_flops_per_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         """JSON-native: the efficiency curve as lists, so a dict survives a JSON round trip unchanged."""
@@ -90,19 +115,56 @@ class Hardware:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Hardware":
+    def from_dict(cls, data: dict, where: str = "hardware profile") -> "Hardware":
+        """A profile from its JSON mapping; errors name `where` (the file) and the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a hardware profile is a JSON object, got {type(data).__name__}")
         fields = set(cls.__dataclass_fields__)
         unknown = set(data) - fields
         if unknown:
-            raise ValueError(f"unknown hardware profile keys: {sorted(unknown)}")
-        return cls(**data)
+            raise ValueError(f"{where}: unknown hardware profile keys: {sorted(unknown)}")
+        missing = [f.name for f in dataclass_fields(cls) if f.name not in data
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"{where}: hardware profile key(s) missing: {', '.join(map(repr, missing))}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> "Hardware":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"hardware profile {path}: not UTF-8 text (at byte {exc.start})") from None
+        except RecursionError:
+            raise ValueError(f"hardware profile {path}: not a hardware profile JSON file (nested too deeply)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware profile {path}: not a hardware profile JSON file ({exc})") from None
+        return cls.from_dict(data, where=f"hardware profile {path}")
+
+
+def _whole(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise ValueError(f"not a whole number: {value!r}")
+    return int(value)
+
+
+_POSITIVE_INTS = ("gpu_memory_bytes", "cpu_cores", "gpus_per_root_complex")
+_POSITIVE_RATES = ("matmul_flops_per_s", "block_efficiency", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                   "duplex_bytes_per_s", "host_dram_bytes_per_s", "cpu_adamw_params_per_s",
+                   "cpu_adamw_contended_fraction")
+# 0 means "none" (no GPU peer-to-peer) or "not known" (the field's comment says which figure stands in)
+_ZERO_MEANS_UNKNOWN = ("gpu_p2p_bytes_per_s", "host_block_fwd_s", "host_block_bwd_s", "head_efficiency",
+                       "compiled_block_efficiency", "gpu_memory_bytes_per_s", "cpu_adamw_backward_fraction",
+                       "attention_flops_per_s")
+# fractions of a rate left under contention (the efficiencies may exceed 1: calibrate measures them
+# against one matmul's rate)
+_FRACTIONS = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction")
 
 
 GiB = 2**30

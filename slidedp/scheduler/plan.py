@@ -31,11 +31,12 @@ share one pass over the weights.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from slidedp.budget import format_bytes
-from slidedp.ir.graph import BLOCK
+from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE
 
 SCHEMA_VERSION = 3
 
@@ -277,19 +278,34 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict, where: str = "the plan") -> "Plan":
+        """The plan of a JSON object; anything else (a number, a list, missing or misshapen keys) is
+        refused as "not a plan", naming `where`. The values are checked by `validate`."""
         if not isinstance(data, dict):
-            raise ValueError(f"a plan is a JSON object, not {type(data).__name__}")
+            raise ValueError(f"{where}: not a plan (a plan is a JSON object, got {type(data).__name__})")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ValueError(f"plan schema version {version!r} is not supported (this slidedp reads {SCHEMA_VERSION})")
+            raise ValueError(f"{where}: plan schema version {version!r} is not supported "
+                             f"(this slidedp reads {SCHEMA_VERSION})")
+        missing = [f.name for f in fields(cls) if f.name not in data and f.name != "explanation"]
+        if missing:
+            raise ValueError(f"{where}: not a plan (missing key(s) {', '.join(map(repr, missing))})")
         data = dict(data)
-        data["workload"] = Workload(**data["workload"])
-        data["schedule"] = Schedule.from_dict(data["schedule"])
-        data["explanation"] = Explanation.from_dict(data["explanation"]) if "explanation" in data else Explanation(
-            solver={"method": "unknown", "chosen_by": "unknown"}, predicted={}, memory={}, peak_device_bytes=0,
-            notes=("saved without its explanation: schedule only",))
-        return cls(**data)
+        key = "workload"
+        try:
+            data["workload"] = Workload(**data["workload"])
+            key = "schedule"
+            data["schedule"] = Schedule.from_dict(data["schedule"])
+            key = "explanation"
+            data["explanation"] = Explanation.from_dict(data["explanation"]) if "explanation" in data else \
+                Explanation(solver={"method": "unknown", "chosen_by": "unknown"}, predicted={}, memory={},
+                            peak_device_bytes=0, notes=("saved without its explanation: schedule only",))
+            key = "the plan's keys"
+            return cls(**data)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            what = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else \
+                " ".join(str(exc).split())
+            raise ValueError(f"{where}: not a plan ({key}: {what})") from None
 
     def save(self, path: str | Path, explanation: bool = True) -> None:
         """JSON; `explanation=False` writes the schedule alone (what `compile(plan=)` needs)."""
@@ -297,11 +313,37 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        """The plan of a JSON file; not UTF-8, not JSON, or not the shape of a plan: ValueError
+        naming the file. Its values are not checked here (`validate`; compile checks them)."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a plan JSON file (not UTF-8 at byte {exc.start})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: not a plan JSON file (nested too deeply)") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not a plan JSON file ({exc})") from exc
-        return cls.from_dict(data)
+            raise ValueError(f"{path}: not a plan JSON file ({exc})") from None
+        return cls.from_dict(data, where=str(path))
+
+    # -- self-consistency ---------------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> None:
+        """Refuse a plan whose own fields do not hold together, naming the field (ValueError): what
+        can be checked without the model. `world_size`: the run's, else the plan's workload's.
+        api.check_plan_matches adds what needs the model (layer ids, names, kinds, numel)."""
+        problems = self.problems(world_size)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ValueError(f"the plan is not valid: {problems[0]}{more}")
+
+    def problems(self, world_size: int | None = None) -> list[str]:
+        """What `validate` would refuse, one line each, "field: what is wrong" (empty: valid)."""
+        out: list[str] = []
+        try:
+            _check_plan(self, world_size, out)
+        except _Stop:
+            pass
+        return out
+
 
     # -- presentation (text only; HTML and traces: slidedp.report) ---------------------------
     def summary(self) -> str:
@@ -420,3 +462,142 @@ def _groups(decisions) -> list[list[LayerDecision]]:
         else:
             groups.append([d])
     return groups
+
+
+class _Stop(Exception):
+    """A problem after which the other checks cannot run."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
+    def bad(message: str, stop: bool = False) -> None:
+        out.append(message)
+        if stop:
+            raise _Stop
+
+    w = plan.workload
+    for name, least in (("batch_size", 1), ("seq_len", 2), ("world_size", 1), ("micro_batches", 1)):
+        value = getattr(w, name)
+        if not _is_int(value) or value < least:
+            bad(f"workload.{name} must be an integer >= {least}, got {value!r}")
+    if w.precision not in ("bf16", "fp32"):
+        bad(f"workload.precision must be 'bf16' or 'fp32', got {w.precision!r}")
+    if not isinstance(w.compiled_blocks, bool):
+        bad(f"workload.compiled_blocks must be true or false, got {w.compiled_blocks!r}")
+    if world_size is None:
+        world_size = w.world_size if _is_int(w.world_size) and w.world_size >= 1 else 1
+    if not isinstance(plan.model_fingerprint, str):
+        bad(f"model_fingerprint must be a string, got {plan.model_fingerprint!r}")
+    if not _is_int(plan.budget_bytes) or plan.budget_bytes <= 0:
+        bad(f"budget_bytes must be an integer > 0, got {plan.budget_bytes!r}")
+    if not isinstance(plan.hardware, dict):
+        bad(f"hardware must be a mapping of the profile's fields, got {type(plan.hardware).__name__}", stop=True)
+    peak = plan.explanation.peak_device_bytes
+    if not _is_int(peak) or peak < 0:
+        bad(f"peak_device_bytes must be an integer >= 0, got {peak!r}")
+    elif _is_int(plan.budget_bytes) and peak > plan.budget_bytes:
+        bad(f"peak_device_bytes: the plan's peak {format_bytes(peak)} ({peak} bytes) exceeds its budget "
+            f"{format_bytes(plan.budget_bytes)} ({plan.budget_bytes} bytes)")
+
+    s = plan.schedule
+    decisions = s.decisions
+    if not decisions:
+        bad("decisions: the plan has no layer decisions", stop=True)
+    n = len(decisions)
+    p2p = plan.hardware.get("gpu_p2p_bytes_per_s", 0)
+    routes_allowed = world_size > 1 and _is_number(p2p) and p2p > 0
+    kinds = [PROLOGUE] + [BLOCK] * (n - 2) + [EPILOGUE] if n >= 2 else [PROLOGUE]
+    for i, d in enumerate(decisions):
+        at = f"decisions[{i}]"
+        if not isinstance(d, LayerDecision):
+            bad(f"{at} must be a layer decision, got {type(d).__name__}", stop=True)
+        if d.layer_id != i or not _is_int(d.layer_id):
+            bad(f"{at}.layer_id must be {i} (one decision per layer, in order), got {d.layer_id!r}")
+        if not isinstance(d.name, str) or not d.name:
+            bad(f"{at}.name must be the layer's name, got {d.name!r}")
+        if d.kind != kinds[i]:
+            bad(f"{at}.kind must be {kinds[i]!r} (a prologue, the blocks, an epilogue), got {d.kind!r}")
+        if not _is_int(d.numel) or d.numel < 1:
+            bad(f"{at}.numel must be an integer >= 1, got {d.numel!r}")
+        if not _is_int(d.chunks) or d.chunks < 1 or (_is_int(d.numel) and d.chunks > d.numel):
+            bad(f"{at}.chunks must be an integer from 1 to numel ({d.numel!r}), got {d.chunks!r}")
+        legal = ("keep", "recompute", "offload") if d.kind == BLOCK else ("resident",)
+        if d.activation not in legal:
+            bad(f"{at}.activation: activation policy {d.activation!r} is not one for a {d.kind} "
+                f"({' or '.join(map(repr, legal))})")
+        for field_name, value, plain, routed in (("delivery", d.delivery, "replicated", "sharded"),
+                                                 ("reduction", d.reduction, "cpu", "gpu")):
+            if value not in (plain, routed):
+                bad(f"{at}.{field_name} must be {plain!r} or {routed!r}, got {value!r}")
+            elif value == routed and not routes_allowed:
+                bad(f"{at}.{field_name} {routed!r} needs several ranks and GPU peer-to-peer (world_size "
+                    f"{world_size}, gpu_p2p_bytes_per_s {p2p!r}); only {plain!r} here")
+        owners = d.owners
+        if not isinstance(owners, tuple) or (owners and _is_int(d.chunks) and len(owners) != d.chunks):
+            bad(f"{at}.owners must name one rank per chunk ({d.chunks!r}) or none, got {owners!r}")
+        elif any(not _is_int(o) or not 0 <= o < world_size for o in owners):
+            bad(f"{at}.owners must be ranks 0..{world_size - 1} (world_size {world_size}), got {list(owners)}")
+    if out:
+        raise _Stop
+
+    blocks = n - 2
+    if not _is_int(s.window) or not 1 <= s.window <= max(blocks, 1):
+        bad(f"window must be an integer from 1 to the number of blocks ({blocks}), got {s.window!r}")
+    else:
+        problem = _window_loads_problem(blocks, s.window, s.window_loads)
+        if problem:
+            bad(f"window_loads: {problem}")
+    ids = set(range(n))
+    if s.update_order and sorted(s.update_order) != list(range(n)):
+        bad(f"update_order must be every layer id 0..{n - 1} once, got {list(s.update_order)}")
+    for name in ("device_state", "early_order", "streamed_updates"):
+        value = getattr(s, name)
+        if any(not _is_int(v) or v not in ids for v in value) or len(set(value)) != len(value):
+            bad(f"{name} must be distinct layer ids 0..{n - 1}, got {list(value)}")
+    for a, b in (("early_order", "device_state"), ("streamed_updates", "device_state"),
+                 ("streamed_updates", "early_order")):
+        both = set(getattr(s, a)) & set(getattr(s, b))
+        if both:
+            bad(f"{a} and {b} must not share layers (state on the host vs on the device, updated once), "
+                f"both hold {sorted(both, key=str)}")
+    if s.early_order and world_size != 1:
+        bad(f"early_order: updates during the backward need one rank, the plan runs on {world_size}")
+    if not _is_int(s.loss_chunk_tokens) or s.loss_chunk_tokens < 0:
+        bad(f"loss_chunk_tokens must be an integer >= 0, got {s.loss_chunk_tokens!r}")
+
+
+def _window_loads_problem(n_blocks: int, window: int, loads) -> str | None:
+    """Why `loads` cannot run the 2N block visits in `window` slots (None: they can); the rule of
+    backend/lowering/weight_window.schedule_window, which the backend applies again."""
+    sequence = tuple(range(n_blocks)) + tuple(range(n_blocks - 1, -1, -1))
+    where: dict[int, int] = {}
+    by_position: dict[int, Load] = {}
+    for k, load in enumerate(loads):
+        if not isinstance(load, Load) or not all(_is_int(v) for v in (load.position, load.block, load.slot,
+                                                                        load.issue_after)):
+            return f"load {k} must be 4 integers [position, block, slot, issue_after], got {load!r}"
+        if not 0 <= load.position < len(sequence) or load.position in by_position:
+            return f"load {k}: position {load.position} is not a block visit 0..{len(sequence) - 1} of its own"
+        if k and load.position < loads[k - 1].position:
+            return f"load {k}: positions must increase, {load.position} after {loads[k - 1].position}"
+        if not -1 <= load.issue_after < load.position:
+            return f"load {k}: issue_after must be -1 or a visit before {load.position}, got {load.issue_after}"
+        by_position[load.position] = load
+    for p, block in enumerate(sequence):
+        load = by_position.get(p)
+        if load is not None:
+            if load.block != block or not 0 <= load.slot < window:
+                return (f"load at visit {p} must bring block {block} into one of {window} slots, "
+                        f"got block {load.block} into slot {load.slot}")
+            where = {b: slot for b, slot in where.items() if slot != load.slot}
+            where[block] = load.slot
+        if block not in where:
+            return f"block {block} is read at visit {p} but no load brings it"
+    return None

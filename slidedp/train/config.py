@@ -9,6 +9,7 @@ may name it flat (`lr: 1e-4`, `lr=1e-4`) or in its section (`optimizer: {lr: 1e-
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import get_type_hints
 
 from slidedp.budget import Budget
+
+
+MAX_SEED = 2**32 - 1
 
 
 def _check_at_least(section, *keys: str, least: int = 1) -> None:
@@ -49,6 +53,7 @@ class DataConfig:
     """On what. `data="stdlib"` makes the embedded default job."""
 
     data: str = "stdlib"  # "stdlib", or .txt/.jsonl/.parquet files and folders, comma-separated
+    encoding: str = "utf-8"  # of the .txt files, decoded strictly (JSONL is always UTF-8)
     packing: bool = True  # pack examples into full rows; false: one example a row, padded and masked
     max_rows: int = 0  # rows of data to use, 0: all (the stdlib default job uses 16)
     val_fraction: float = 0.0  # rows held out for the validation loss
@@ -58,7 +63,14 @@ class DataConfig:
         _check_at_least(self, "max_rows", "val_every", least=0)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
-        _check_text(self, "data")
+        _check_text(self, "data", "encoding")
+        try:
+            codec = codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"config key 'encoding': unknown text encoding {self.encoding!r} (e.g. utf-8, "
+                             "latin-1, cp1252)") from None
+        if not getattr(codec, "_is_text_encoding", True):
+            raise ValueError(f"config key 'encoding': {self.encoding!r} is not a text encoding")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,13 +81,16 @@ class TrainingConfig:
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int = 128
-    seed: int = 0
+    seed: int = 0  # 0 .. 2**32 - 1 (what torch, numpy and random all accept)
     max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
 
     def validate(self) -> None:
         _check_at_least(self, "max_steps", "batch_size", "grad_accum", "seq_len")
         _check_at_least(self, "max_skipped_steps", least=0)
         _check_at_least(self, "seq_len", least=2)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"config key 'seed' must be in 0..{MAX_SEED} (2**32 - 1, the range torch, numpy and "
+                             f"random all accept), got {self.seed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +130,8 @@ class OptimizerConfig:
         for key in ("lr", "weight_decay", "max_grad_norm", "adam_eps"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"config key {key!r} must be a finite number >= 0, got {getattr(self, key)}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"config key 'adam_eps' must be > 0 (it keeps AdamW's division finite), got {self.adam_eps}")
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
@@ -287,6 +304,41 @@ def _coerce(key: str, value, typ):
     return str(value)
 
 
+class DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list, path) -> dict:
+    """A JSON object's mapping; a key given twice is refused (json's default keeps the last)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"config file {path}: key {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def _unique_key_loader(yaml, path):
+    """A yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                    continue
+                if duplicate:
+                    raise DuplicateKeyError(f"config file {path}: key {key!r} is given twice "
+                                            f"(line {key_node.start_mark.line + 1})")
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
     """Defaults, then the YAML/TOML/JSON file, then `key=value` overrides (flat or dotted keys, as
     `lr=1e-4` or `optimizer.lr=1e-4`); unknown keys are refused."""
@@ -310,14 +362,20 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             import yaml
 
             try:
-                values = yaml.safe_load(text) or {}  # safe_load: plain values only, no Python objects
+                values = yaml.load(text, Loader=_unique_key_loader(yaml, path)) or {}  # a SafeLoader: plain values
             except yaml.YAMLError as exc:
                 raise ValueError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+            except RecursionError:
+                raise ValueError(f"config file {path}: not valid YAML (nested too deeply)") from None
         elif p.suffix == ".json":
             try:
-                values = json.loads(text)
+                values = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
+            except DuplicateKeyError:
+                raise
             except ValueError as exc:
                 raise ValueError(f"config file {path}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise ValueError(f"config file {path}: not valid JSON (nested too deeply)") from None
         else:
             raise ValueError(f"config file {path}: expected .yaml, .yml, .toml or .json")
         if not isinstance(values, dict):

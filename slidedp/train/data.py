@@ -68,7 +68,8 @@ def read_document(doc: Document) -> str:
     """Text of a document: a ``str`` is the text itself, an ``os.PathLike`` is a file to read.
 
     Python files are decoded as Python does (PEP 263 coding cookie, default UTF-8); undecodable
-    bytes are replaced rather than failing.
+    bytes are replaced rather than failing. For the standard library's sources of the default job
+    only: a user's ``.txt`` data is read strictly by ``sources.read_text_file``.
     """
     if isinstance(doc, str):
         return doc

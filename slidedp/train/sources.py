@@ -3,7 +3,8 @@
 Formats (an *example* is a text, every token trained, or a prompt and a completion, where the
 prompt's tokens get label -100 so that only the completion is trained):
 
-- ``.txt``: each file is one text.
+- ``.txt``: each file is one text, decoded strictly as ``encoding`` (config key, default UTF-8; a
+  leading UTF-8 BOM is dropped); undecodable bytes are refused, naming the file and the byte offset.
 - ``.jsonl``: one JSON object a line, with a ``text`` field, or ``prompt`` and ``completion``;
   blank lines are skipped.
 - ``.parquet``: a ``text`` column, or ``prompt`` and ``completion`` columns (needs ``pyarrow``,
@@ -32,6 +33,7 @@ rows) is dropped; if no row is left, the error says so.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 
-from slidedp.train.data import PackedDataset, _encode, _resolve_eos, read_document
+from slidedp.train.data import PackedDataset, _encode, _resolve_eos
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 
@@ -77,22 +79,56 @@ def find_data_files(spec: str) -> list[Path]:
 
 def _example(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion'")
-    if "text" in obj and obj["text"] is not None:
+        raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion', "
+                         f"got {_type_name(obj)}")
+    if "text" in obj and (obj["text"] is not None or not {"prompt", "completion"} <= set(obj)):
         text = obj["text"]
         if not isinstance(text, str):
-            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+            raise ValueError(f"{where}: 'text' must be a string, got {_type_name(text)}")
         if not text.strip():
             raise ValueError(f"{where}: 'text' is empty ({text!r}): nothing to train on")
         return Example(text, source=where)
     if "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise ValueError(f"{where}: 'prompt' and 'completion' must be strings")
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name!r} must be a string, got {_type_name(value)}")
         if not completion:
             raise ValueError(f"{where}: 'completion' is empty: nothing to train on")
         return Example(completion, prompt, source=where)
-    raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion' (found {sorted(obj)})")
+    raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion' (found {sorted(map(str, obj))})")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_encoding(encoding: str) -> str:
+    """`encoding` if Python knows it as a text encoding, else ValueError naming the config key."""
+    try:
+        info = codecs.lookup(encoding)
+    except (LookupError, TypeError, ValueError):
+        raise ValueError(f"config key 'encoding': unknown text encoding {encoding!r} (e.g. 'utf-8', 'latin-1', "
+                         "'cp1252')") from None
+    if not getattr(info, "_is_text_encoding", True):
+        raise ValueError(f"config key 'encoding': {encoding!r} is not a text encoding")
+    return encoding
+
+
+def read_text_file(path: Path, encoding: str = "utf-8") -> str:
+    """The text of a user's ``.txt`` file, decoded strictly as `encoding` (UTF-8: a leading BOM
+    dropped). Never guessed from the file's content (no coding comment is honoured); bytes that do
+    not decode are refused, naming the file and the byte offset."""
+    check_encoding(encoding)
+    data = Path(path).read_bytes()
+    utf8 = codecs.lookup(encoding).name == "utf-8"
+    try:
+        return data.decode("utf-8-sig" if utf8 else encoding)
+    except UnicodeDecodeError as exc:
+        offset = exc.start + (3 if utf8 and data.startswith(b"\xef\xbb\xbf") else 0)
+        raise ValueError(f"data file {path}: not valid {encoding} text at byte {offset} "
+                         f"({exc.reason}: {data[offset:offset + 4]!r}); give the file's encoding with the config "
+                         "key 'encoding', or convert it") from None
 
 
 def _jsonl_examples(path: Path) -> Iterator[Example]:
@@ -109,6 +145,9 @@ def _jsonl_examples(path: Path) -> Iterator[Example]:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply (an example is an object with 'text', or "
+                                 "'prompt' and 'completion')") from None
             yield _example(obj, where)
 
 
@@ -118,7 +157,10 @@ def _parquet_examples(path: Path) -> Iterator[Example]:
     except ImportError:
         raise ImportError(f"reading the parquet file {path} needs the package 'pyarrow': "
                           "pip install pyarrow") from None
-    f = pq.ParquetFile(path)
+    try:
+        f = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"data file {path}: not a readable parquet file ({' '.join(str(exc).split())})") from None
     names = set(f.schema_arrow.names)
     if "text" in names:
         columns = ["text"]
@@ -135,12 +177,13 @@ def _parquet_examples(path: Path) -> Iterator[Example]:
             row += 1
 
 
-def iter_examples(files: list[Path]) -> Iterator[Example]:
-    """Examples of every file, in order, read lazily; a file without any example is refused."""
+def iter_examples(files: list[Path], encoding: str = "utf-8") -> Iterator[Example]:
+    """Examples of every file, in order, read lazily; a file without any example is refused.
+    `encoding`: that of the ``.txt`` files (JSONL is UTF-8)."""
     for path in files:
         count = 0
         if path.suffix == ".txt":
-            text = read_document(path)
+            text = read_text_file(path, encoding)
             if text.strip():
                 count += 1
                 yield Example(text, source=f"data file {path}")
@@ -232,10 +275,11 @@ def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, pac
 
 
 def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True, max_rows: int | None = None,
-                 seed: int = 0) -> PackedDataset:
-    """A ``PackedDataset`` (with labels and masks where needed) from the files named by ``spec``."""
+                 seed: int = 0, encoding: str = "utf-8") -> PackedDataset:
+    """A ``PackedDataset`` (with labels and masks where needed) from the files named by ``spec``
+    (``.txt`` files decoded as `encoding`)."""
     files = find_data_files(spec)
-    rows = build_rows(iter_examples(files), tokenizer, seq_len, packing=packing, max_rows=max_rows)
+    rows = build_rows(iter_examples(files, encoding), tokenizer, seq_len, packing=packing, max_rows=max_rows)
     if rows["input_ids"].shape[0] == 0:
         raise ValueError(f"config key 'data': {spec} gives no row of {seq_len} tokens with a trained label "
                          f"({'packing' if packing else 'padding'}; rows whose labels are all -100 are dropped); "
@@ -243,5 +287,5 @@ def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = Tru
     return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"], attention_mask=rows["attention_mask"])
 
 
-__all__ = ["Example", "SUFFIXES", "build_rows", "find_data_files", "iter_examples", "load_dataset",
-           "tokenize_example"]
+__all__ = ["Example", "SUFFIXES", "build_rows", "check_encoding", "find_data_files", "iter_examples", "load_dataset",
+           "read_text_file", "tokenize_example"]

@@ -17,7 +17,8 @@ def edited_plan(model, *, activations, chunks, window, loss_chunk_tokens=None, c
                         micro_batches=2, compile_blocks=compile_blocks)
     policies = iter(activations)
     decisions = tuple(
-        dataclasses.replace(d, chunks=chunks, activation=next(policies) if d.kind == "block" else d.activation)
+        dataclasses.replace(d, chunks=chunks, activation=next(policies) if d.kind == "block" else d.activation,
+                            owners=())  # owners: one per chunk, or none (rank 0)
         for d in plan.decisions
     )
     n_blocks = sum(d.kind == "block" for d in decisions)

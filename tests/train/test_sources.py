@@ -78,7 +78,7 @@ def test_max_rows_stops_reading(tmp_path):
     ('{"txt": "a"}', "line 2: expected a 'text' field"),
     ('[1, 2]', "line 2: expected an object"),
     ('{"text": 5}', "line 2: 'text' must be a string"),
-    ('{"prompt": "a", "completion": 3}', "line 2: 'prompt' and 'completion' must be strings"),
+    ('{"prompt": "a", "completion": 3}', "line 2: 'completion' must be a string, got int"),
     ('{"text": "a"', "line 2: not valid JSON"),
     ('{"text": "   "}', "line 2: 'text' is empty"),
     ('{"prompt": "a", "completion": ""}', "line 2: 'completion' is empty"),

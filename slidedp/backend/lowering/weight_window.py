@@ -32,10 +32,10 @@ def schedule_window(n_blocks: int, window: int, loads: tuple[Load, ...]) -> Wind
         if p in load_at:
             load = load_at[p]
             if load.block != block or not 0 <= load.slot < window:
-                raise ValueError(f"window load {load} does not bring block {block} into one of {window} slots")
+                raise ValueError(f"window_loads: load {load} does not bring block {block} into one of {window} slots")
             where = {b: s for b, s in where.items() if s != load.slot}
             where[block] = load.slot
         if block not in where:
-            raise ValueError(f"block {block} is read at visit {p} but no window load brings it")
+            raise ValueError(f"window_loads: block {block} is read at visit {p} but no window load brings it")
         slot_of.append(where[block])
     return WindowSchedule(sequence, tuple(slot_of), tuple(loads))
