@@ -140,7 +140,7 @@ def load_data(cfg: TrainConfig, tokenizer):
     data, seq_len, seed = cfg.data, cfg.training.seq_len, cfg.training.seed
     if data.data != "stdlib":
         return load_dataset(data.data, tokenizer, seq_len, packing=data.packing, max_rows=data.max_rows or None,
-                            seed=seed)
+                            seed=seed, encoding=data.encoding)
     max_rows = data.max_rows or STDLIB_ROWS
     if data.packing:
         return stdlib_dataset(tokenizer, seq_len, max_rows=max_rows, seed=seed)

@@ -323,3 +323,20 @@ def test_parquet_rows_of_the_wrong_types_are_named(tmp_path):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(ValueError, match="junk.parquet: not a readable parquet file"):
         list(iter_examples([tmp_path / "junk.parquet"]))
+
+
+def test_the_train_job_decodes_txt_in_the_configured_encoding(tmp_path):
+    """`encoding` reaches the data of `slidedp train`: Latin-1 text is refused as UTF-8 and read as Latin-1."""
+    from slidedp.train.config import load_config
+    from slidedp.train.job import load_data
+    from tests.train.conftest import make_tokenizer
+
+    (tmp_path / "doc.txt").write_bytes(("the caf\u00e9 cr\u00e8me " * 200).encode("latin-1"))
+    tokenizer = make_tokenizer()
+    for encoding, ok in (("utf-8", False), ("latin-1", True)):
+        cfg = load_config(None, [f"data={tmp_path / 'doc.txt'}", f"encoding={encoding}", "seq_len=16"])
+        if ok:
+            assert len(load_data(cfg, tokenizer)) > 0
+        else:
+            with pytest.raises(ValueError, match="not valid utf-8"):
+                load_data(cfg, tokenizer)
