@@ -361,12 +361,15 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         elif p.suffix in (".yaml", ".yml"):
             import yaml
 
+            loader = _unique_key_loader(yaml, path)(text)  # a SafeLoader: plain values only
             try:
-                values = yaml.load(text, Loader=_unique_key_loader(yaml, path)) or {}  # a SafeLoader: plain values
+                values = loader.get_single_data() or {}
             except yaml.YAMLError as exc:
                 raise ValueError(f"config file {path}: not valid YAML ({' '.join(str(exc).split())})") from None
             except RecursionError:
                 raise ValueError(f"config file {path}: not valid YAML (nested too deeply)") from None
+            finally:
+                loader.dispose()
         elif p.suffix == ".json":
             try:
                 values = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
