@@ -2,7 +2,7 @@
 
 `h200-sxm` is measured (docs/design.md §6.2) and fitted to whole steps; the other presets derive
 from vendor figures and typical hosts (docs/design.md §6.3). How each fit was made:
-docs/costmodel_history.md.
+benchmarks/LOG.md, "Cost-model coefficients".
 """
 
 from __future__ import annotations

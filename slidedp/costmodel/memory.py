@@ -76,8 +76,8 @@ def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_
     log-softmax and its gradient.
     Backward of the final norm: tokens * hidden * (3 * elem + 6 * 4): a norm computed in fp32 (as
     Llama's and Qwen's RMSNorm upcast) keeps its fp32 input and its backward holds five fp32
-    temporaries at once (measured on Qwen3-4B at 262,144 tokens, docs/costmodel_history.md), beside
-    the gradient from the loss and the embedding output the model's own forward recomputes.
+    temporaries at once (measured on Qwen3-4B at 262,144 tokens; benchmarks/LOG.md), beside the
+    gradient from the loss and the embedding output the model's own forward recomputes.
     """
     chunk = min(loss_chunk_tokens, tokens)
     forward = tokens * hidden_size * (3 * elem_bytes + 4) + chunk * vocab_size * (2 * elem_bytes + 8)

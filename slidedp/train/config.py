@@ -13,9 +13,12 @@ import codecs
 import dataclasses
 import json
 import math
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import get_type_hints
+
+import yaml
 
 from slidedp.budget import Budget
 
@@ -318,7 +321,7 @@ def _unique_keys(pairs: list, path) -> dict:
     return out
 
 
-def _unique_key_loader(yaml, path):
+def _unique_key_loader(path):
     """A yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
     class UniqueKeyLoader(yaml.SafeLoader):
@@ -352,16 +355,12 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"config file {path}: cannot be read as UTF-8 text ({exc})") from None
         if p.suffix == ".toml":
-            import tomllib
-
             try:
                 values = tomllib.loads(text)
             except tomllib.TOMLDecodeError as exc:
                 raise ValueError(f"config file {path}: not valid TOML ({exc})") from None
         elif p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            loader = _unique_key_loader(yaml, path)(text)  # a SafeLoader: plain values only
+            loader = _unique_key_loader(path)(text)  # a SafeLoader: plain values only
             try:
                 values = loader.get_single_data() or {}
             except yaml.YAMLError as exc:

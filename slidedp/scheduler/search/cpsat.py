@@ -42,6 +42,7 @@ from slidedp.scheduler.decisions import (
 )
 from slidedp.scheduler.problem.footprint import terms
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
+from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.search.found import Found
 
@@ -504,8 +505,6 @@ def build_model(costs: ProblemCosts, window: int, budget_bytes: int, upper_bound
 def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars, d: Decisions) -> int:
     """Hint every variable with its value under decisions `d` (closed_form.py gives the times):
     the search starts from a complete, feasible solution. Returns its makespan."""
-    from slidedp.scheduler.oracles import closed_form
-
     cf = closed_form.evaluate(costs, d)
     values = list(_decision_values(costs, v, d))
     if v.any_offload is not None:
@@ -540,8 +539,6 @@ def solve_window(costs: ProblemCosts, window: int, budget_bytes: int, hint: Deci
     bounded by its makespan. Decisions other than the hint's are then pinned and re-solved
     (`pinned`): that objective must equal their simulated step time (asserted), and is reported.
     """
-    from slidedp.scheduler.oracles import closed_form
-
     upper = closed_form.evaluate(costs, hint).makespan if hint is not None and costs.options.hints else None
     m, data, v = build_model(costs, window, budget_bytes, upper)
     if upper is not None:
@@ -569,8 +566,6 @@ def solve_window(costs: ProblemCosts, window: int, budget_bytes: int, hint: Deci
 def pinned(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> tuple[int, list[int]]:
     """Solve the model with every decision pinned to `d` (OPTIMAL: a longest path). Returns its
     makespan, asserted equal to the simulated one, and the value of every model variable."""
-    from slidedp.scheduler.oracles.timeline import simulate
-
     simulated = simulate(costs, d, all_ranks=False).makespan
     m, data, v = build_model(costs, d.window, budget_bytes, simulated)
     for lit, value in _decision_values(costs, v, d):
