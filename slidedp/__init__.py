@@ -11,6 +11,7 @@ from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402
 from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError  # noqa: E402
 from slidedp.optim import AdamW  # noqa: E402
+from slidedp.options import CompileOptions  # noqa: E402
 from slidedp.scheduler.decisions import SolverOptions  # noqa: E402
 from slidedp.scheduler.plan import Plan  # noqa: E402
 
@@ -26,6 +27,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AdamW", "Budget", "Engine", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "SolverOptions",
+    "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "SolverOptions",
     "UnsupportedModelError", "WorkerError", "compile", "plan", "__version__",
 ]

@@ -23,6 +23,7 @@ from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
+from slidedp.options import CompileOptions, merge
 from slidedp.run.engine import Engine
 from slidedp.run.launch import (
     COMPUTE_DTYPES, Request, connect, from_rank0, in_engine_process, launch, launched_rank,
@@ -209,12 +210,13 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
                          f"budget of {budget_bytes} bytes")
 
 
-def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
-         device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
+         world_size: int = 1, device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
-         host_memory: int | str | None = None) -> Plan:
+         host_memory: int | str | None = None, options: CompileOptions | None = None) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
+    `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
     `host_memory` (bytes or e.g. "125GiB"): the host RAM available (MemAvailable) on the machine the
     plan is for, before compile allocates there: bounds activation offload and early updates' spare
@@ -222,12 +224,12 @@ def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size:
     `solver_options` (slidedp.SolverOptions): the values the solver may choose
     from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
     (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
-    if device == "auto":
-        device = "cpu" if hardware is None and not torch.cuda.is_available() else device
-    request = check_request(model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
-                            device=device, precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                            hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks,
-                            planning_only=True, host_memory=host_memory)
+    kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
+                             precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
+                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
+    if kw["device"] == "auto":
+        kw["device"] = "cpu" if kw["hardware"] is None and not torch.cuda.is_available() else "auto"
+    request = check_request(model, budget, **kw, planning_only=True, host_memory=host_memory)
     if solver_options is not None:
         if not isinstance(solver_options, SolverOptions):
             raise TypeError(f"solver_options must be a SolverOptions, got {type(solver_options).__name__}")
@@ -237,11 +239,14 @@ def plan(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size:
     return make_plan(request, trace(request, given), given, solver_options)
 
 
-def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_size: int = 1,
-            device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
+            world_size: int = 1, device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
-            compile_blocks: bool | None = None, weights=None) -> Engine:
+            compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
+
+    `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
+    compile_blocks), e.g. `compile(model, "24GiB", options=CompileOptions(batch_size=4, seq_len=2048))`.
 
     `weights`: where the initial weights come from (slidedp/run/weights.py): None, the model's own
     parameters; a safetensors checkpoint folder or a function fn(name, out) filling each fp32
@@ -261,10 +266,11 @@ def compile(model: nn.Module, budget, *, batch_size: int, seq_len: int, world_si
     instead: each calls `compile` and `step` with the same arguments and global batch, and
     takes its share of the rows; rank 0's process holds the host state, the others map it.
     """
-    request = check_request(model, budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
-                            device=device, precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                            hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks)
-    rank = launched_rank(world_size)
+    kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
+                             precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
+                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
+    request = check_request(model, budget, **kw)
+    rank = launched_rank(request.world_size)
     given = _given_plan(plan)
     graph = trace(request, given)
     the_plan = make_plan(request, graph, given)

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slidedp"
 # floor -> stages (a stage is a module or a package prefix under slidedp)
 FLOORS = (
     ("_version", "errors", "budget", "optim"),     # plain types every stage shares
+    ("options",),                                  # CompileOptions (holds an AdamW)
     ("ir",),                                       # model -> layer IR
     ("costmodel",),                                # hardware, memory and time of operations
     ("scheduler.plan",),                           # the Plan: plain data (schedule + explanation)

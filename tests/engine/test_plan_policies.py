@@ -123,3 +123,33 @@ def test_a_plan_for_another_machine_is_bounded_by_its_host_memory(monkeypatch):
         slidedp.plan(model, "1GiB", host_memory="lots", **kwargs)
     with pytest.raises(TypeError, match="compile"):
         slidedp.compile(model, "1GiB", host_memory="3GiB", **kwargs)
+
+
+def test_compile_options_are_the_keyword_arguments_as_one_value():
+    """options=CompileOptions(...) plans and trains as the same keyword arguments do; both at once, or
+    neither, is refused naming them."""
+    import torch
+
+    from tests.models import VOCAB
+
+    kwargs = dict(batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu", max_grad_norm=CLIP,
+                  optimizer=slidedp.AdamW(lr=LR, weight_decay=WD))
+    options = slidedp.CompileOptions(**kwargs)
+    by_kwargs = slidedp.plan(make_model("llama"), "1GiB", **kwargs)
+    by_options = slidedp.plan(make_model("llama"), "1GiB", options=options)
+    assert by_options.schedule == by_kwargs.schedule and by_options.workload == by_kwargs.workload
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for how in (dict(options=options), kwargs):
+        engine = slidedp.compile(make_model("llama"), "1GiB", **how)
+        losses.append([engine.step(batch) for _ in range(2)])
+        engine.close()
+    assert losses[0] == losses[1]
+    with pytest.raises(ValueError, match="seq_len given beside options"):
+        slidedp.plan(make_model("llama"), "1GiB", seq_len=SEQ, options=options)
+    with pytest.raises(ValueError, match="precision"):
+        slidedp.compile(make_model("llama"), "1GiB", precision="fp32", options=options)
+    with pytest.raises(TypeError, match="batch_size and seq_len must be given"):
+        slidedp.plan(make_model("llama"), "1GiB")
+    with pytest.raises(TypeError, match="CompileOptions"):
+        slidedp.plan(make_model("llama"), "1GiB", options=dict(kwargs))
