@@ -18,7 +18,7 @@ from torch import nn
 from slidedp._version import __version__
 from slidedp.backend.lowering.program import Program, lower
 from slidedp.backend.lowering.verify import verify_program
-from slidedp.budget import Budget
+from slidedp.budget import Budget, format_bytes
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import LayerGraph
@@ -28,7 +28,7 @@ from slidedp.run.engine import Engine
 from slidedp.run.launch import (
     COMPUTE_DTYPES, Request, connect, from_rank0, in_engine_process, launch, launched_rank,
 )
-from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_available_bytes, host_state_bytes
+from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_available_bytes
 from slidedp.run.weights import tie_meta_model
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
@@ -57,7 +57,7 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
                   max_grad_norm, hardware, micro_batches, compile_blocks, planning_only=False,
                   host_memory=None) -> Request:
     """Every argument checked (TypeError / ValueError naming it) and resolved; allocates nothing.
-    `host_memory` (plan only: compile measures its own machine): the RAM available where the plan runs."""
+    `host_memory`: the host RAM the plan may take (None: plan unbounded, compile what is available)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = Budget.parse(budget)
@@ -129,16 +129,28 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
         if streamed - set(range(len(graph.layers))) or streamed & elsewhere:
             raise ValueError(f"the plan's streamed_updates {given.streamed_updates} must be layer ids whose state "
                              "lives on the host and that are not updated early (device_state, early_order)")
+        budget, host = host_budget(request), given.explanation.peak_host_bytes
+        if budget is not None and host > budget:
+            raise ValueError(f"the plan takes {format_bytes(host)} ({host} bytes) of host memory (peak_host_bytes), "
+                             f"more than host_memory {format_bytes(budget)} ({budget} bytes)")
         return given
     hw, precision = request.hardware, request.precision
-    available = request.host_memory_bytes if request.planning_only else host_available_bytes()
     return solve_plan(graph, budget_bytes=request.budget.device_bytes, hardware=hw, world_size=request.world_size,
                       precision=precision, micro_batches=request.micro_batches, version=__version__,
                       compiled_blocks=_compile_blocks(request), options=solver_options,
-                      host_offload_bytes=_host_offload_bytes(graph, precision, available),
-                      early_host_bytes=_early_host_bytes(graph, precision, available)
-                      if _early_allowed(request.world_size, request.max_grad_norm) else None,
-                      streamed_updates=hw.gpu_memory_bytes_per_s > 0)
+                      early_host_bytes=1 << 62 if _early_allowed(request.world_size, request.max_grad_norm) else None,
+                      streamed_updates=hw.gpu_memory_bytes_per_s > 0, host_budget_bytes=host_budget(request))
+
+
+def host_budget(request: Request) -> int | None:
+    """The host RAM a plan may take (Explanation.peak_host_bytes, a hard constraint of the solver):
+    `host_memory` as given; else, for compile, what this machine has available less the preflight's
+    headroom (None: not known, or plan without host_memory: unbounded). On the CPU the ranks' "device"
+    buffers are host RAM too: compile's preflight counts them on top."""
+    if request.host_memory_bytes is not None or request.planning_only:
+        return request.host_memory_bytes
+    available = host_available_bytes()
+    return None if available is None else max(0, available - HOST_HEADROOM_BYTES)
 
 
 def lower_plan(graph: LayerGraph, plan: Plan) -> Program:
@@ -157,24 +169,6 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
     """Early updates (backend/runtime/early_updates.py) need the whole gradient only for its finite check:
     not with clipping, and they run on one rank in the engine's own process."""
     return max_grad_norm is None and in_engine_process(world_size)
-
-
-def _early_host_bytes(graph: LayerGraph, precision: str, available: int | None) -> int:
-    """Host RAM the spare state of early updates may take: what is `available` beyond the host state
-    and twice the preflight's headroom (not known: no limit; compile's preflight counts the spare
-    state against what the machine has)."""
-    if available is None:
-        return 1 << 62
-    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES)
-
-
-def _host_offload_bytes(graph: LayerGraph, precision: str, available: int | None) -> int | None:
-    """Host RAM that offloaded activations may take on the machine: half of what is `available`
-    beyond the host state compile will allocate and the preflight's headroom (None: unknown); the
-    other half stays for the rest of the process (the model as built, compile workers, data)."""
-    if available is None:
-        return None
-    return max(0, available - host_state_bytes(graph, precision=precision) - 2 * HOST_HEADROOM_BYTES) // 2
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
@@ -218,9 +212,12 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
-    `host_memory` (bytes or e.g. "125GiB"): the host RAM available (MemAvailable) on the machine the
-    plan is for, before compile allocates there: bounds activation offload and early updates' spare
-    state as compile would on that machine (None: unbounded; compile's preflight checks there).
+    `host_memory` (bytes or e.g. "125GiB"): the host RAM the plan may take on the machine it is for,
+    a hard constraint like the budget: everything host-side (`Explanation.host_memory`: the host
+    state as laid out, early updates' spare state, offloaded activations, pinned buffers) within it;
+    more optimizer state on the device where that is what fits (one rank); InfeasibleBudgetError
+    with `min_host_bytes` below the least any plan takes (None: unbounded; compile's preflight checks
+    there).
     `solver_options` (slidedp.SolverOptions): the values the solver may choose
     from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
     (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
@@ -242,7 +239,8 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
 def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
             world_size: int = 1, device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
-            compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None) -> Engine:
+            compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
+            host_memory: int | str | None = None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
@@ -252,6 +250,11 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     parameters; a safetensors checkpoint folder or a function fn(name, out) filling each fp32
     master, for a model built with its parameters on the meta device
     (`accelerate.init_empty_weights()`), read straight into the host state.
+
+    `host_memory` (bytes or e.g. "100GiB"): the host RAM the plan may take (see `plan`); None
+    (default): what this machine has available (MemAvailable, or the cgroup's limit) less the
+    preflight's headroom. The preflight then checks the plan's `peak_host_bytes` against what is
+    available.
 
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
@@ -269,7 +272,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
-    request = check_request(model, budget, **kw)
+    request = check_request(model, budget, **kw, host_memory=host_memory)
     rank = launched_rank(request.world_size)
     given = _given_plan(plan)
     graph = trace(request, given)

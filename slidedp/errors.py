@@ -12,15 +12,21 @@ class UnsupportedModelError(SlidedpError, TypeError):
 
 
 class InfeasibleBudgetError(SlidedpError, ValueError):
-    """No schedule fits the device-memory budget.
+    """No schedule fits the device-memory budget, or the host-memory budget.
 
-    `min_budget_bytes` is the smallest budget with which compile succeeds for the same workload.
+    `min_budget_bytes` is the smallest device budget with which compile succeeds for the same
+    workload; `min_host_bytes` the smallest host budget (`host_memory`) with which a plan exists under
+    this device budget (at least the host state in its leanest layout plus the pinned buffers; None
+    where not known), and `host_budget_bytes` the host budget planned for (None: unbounded).
     """
 
-    def __init__(self, message: str, *, min_budget_bytes: int, budget_bytes: int):
+    def __init__(self, message: str, *, min_budget_bytes: int, budget_bytes: int, min_host_bytes: int | None = None,
+                 host_budget_bytes: int | None = None):
         super().__init__(message)
         self.min_budget_bytes = int(min_budget_bytes)
         self.budget_bytes = int(budget_bytes)
+        self.min_host_bytes = None if min_host_bytes is None else int(min_host_bytes)
+        self.host_budget_bytes = None if host_budget_bytes is None else int(host_budget_bytes)
 
 
 class NonFiniteGradientError(SlidedpError, FloatingPointError):

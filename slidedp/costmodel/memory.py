@@ -82,3 +82,63 @@ def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_
     chunk = min(loss_chunk_tokens, tokens)
     forward = tokens * hidden_size * (3 * elem_bytes + 4) + chunk * vocab_size * (2 * elem_bytes + 8)
     return max(forward, tokens * hidden_size * (3 * elem_bytes + 6 * 4))
+
+
+# -- host RAM ---------------------------------------------------------------------------------------
+# The one count of host bytes: the host state's layout (backend/state/host_state.py plan_layout
+# allocates exactly host_state_bytes), the planner's host budget (scheduler) and compile's preflight
+# (run/preflight.py) all read it here.
+
+HOST_PAGE_BYTES = 4096  # every host array starts on a page
+HOST_STAGING_SLOTS = 4  # pinned gradient staging buffers per rank (backend/runtime/routes.py)
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
+
+
+def step_flag_ints(world_size: int, n_layers: int) -> int:
+    """int64 counters of the host state's control region (backend/state/step_flags.py)."""
+    return 1 + (world_size + 1) * n_layers
+
+
+def host_layer_bytes(numel: int, elem_bytes: int, *, lean: bool = False) -> int:
+    """One layer of the host state, page-aligned arrays: fp32 master (4 B per parameter), both AdamW
+    moments (8 B), the delivery copy in the compute dtype (2 B in bf16; none in fp32, where H2D reads
+    the master) and the gradient (elem B): 16 B per parameter in bf16. A lean layer (its optimizer
+    state on the device of a one-rank engine) keeps only master and delivery copy: 6 B in bf16."""
+    arrays = [numel * 4] + ([] if lean else [numel * 4, numel * 4])
+    arrays += [numel * elem_bytes] if elem_bytes != 4 else []
+    arrays += [] if lean else [numel * elem_bytes]
+    return sum(_page(a) for a in arrays)
+
+
+def host_spare_bytes(numel: int) -> int:
+    """The spare fp32 master and moments of a layer updated early (12 B per parameter)."""
+    return 3 * _page(numel * 4)
+
+
+def host_state_bytes(numels, elem_bytes: int, *, lean=(), spare=(), control_ints: int = 0) -> int:
+    """Bytes of the whole host state: every layer (`numels[i]` parameters; the indices in `lean` lean,
+    those in `spare` with a spare copy), then the control region of `control_ints` counters."""
+    lean, spare = set(lean), set(spare)
+    total = sum(host_layer_bytes(n, elem_bytes, lean=i in lean) + (host_spare_bytes(n) if i in spare else 0)
+                for i, n in enumerate(numels))
+    return max(total + _page(control_ints * 8), HOST_PAGE_BYTES)
+
+
+def host_staging_bytes(max_chunk_numel: int, elem_bytes: int, world_size: int) -> int:
+    """Pinned staging of the gradients on their way to the host: HOST_STAGING_SLOTS buffers of the
+    largest chunk per rank, in the gradient's dtype."""
+    return world_size * HOST_STAGING_SLOTS * max_chunk_numel * elem_bytes
+
+
+def host_memory(numels, elem_bytes: int, *, world_size: int, lean=(), spare=(), offloaded_bytes: int = 0,
+                max_chunk_numel: int = 0) -> dict[str, int]:
+    """Host RAM of a plan by category (bytes, all ranks): "state" (the host state with its control
+    region), "spare" (early updates' spare state), "offloaded_activations" (pinned, `offloaded_bytes`
+    for all ranks) and "pinned_buffers" (gradient staging). Their sum is the plan's peak_host_bytes."""
+    state = host_state_bytes(numels, elem_bytes, lean=lean, control_ints=step_flag_ints(world_size, len(numels)))
+    return {"state": state, "spare": sum(host_spare_bytes(numels[i]) for i in set(spare)),
+            "offloaded_activations": int(offloaded_bytes),
+            "pinned_buffers": host_staging_bytes(max_chunk_numel, elem_bytes, world_size)}

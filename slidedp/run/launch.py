@@ -48,7 +48,7 @@ class Request:
     micro_batches: int
     compile_blocks: bool | None  # None: as a given plan says
     planning_only: bool = False
-    host_memory_bytes: int | None = None  # (plan only) RAM available on the machine planned for
+    host_memory_bytes: int | None = None  # host RAM the plan may take (None: plan unbounded, compile what is available)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -2,10 +2,13 @@
 
 What compile allocates:
 
-- host RAM: the host state (fp32 master weights, both AdamW moments, the bf16 delivery copy and
-  the gradient of every layer, page-aligned: `backend.state.host_state.plan_layout`), pinned on CUDA by
-  registration (the same bytes, nothing more); on the CPU the "device" buffers of the plan (weight
-  window, activations, loss chunks: `plan.peak_device_bytes`) are host RAM too;
+- host RAM: the plan's `peak_host_bytes` (`Explanation.host_memory`, counted by
+  costmodel.memory.host_memory, the count the planner bounds by `host_memory`): the host state (fp32
+  master weights, both AdamW moments, the bf16 delivery copy and the gradient of every layer,
+  page-aligned, as `backend.state.host_state.plan_layout` lays it out; pinned on CUDA by registration,
+  the same bytes), early updates' spare state, offloaded activations and pinned staging buffers; on
+  the CPU the "device" buffers of the plan (weight window, activations, loss chunks:
+  `plan.peak_device_bytes`) are host RAM too;
 - /dev/shm: whatever is placed there (`shm_bytes`; the single-process host state is an anonymous
   `memfd`, which /dev/shm's size does not limit, so compile passes 0);
 - device memory: the plan's peak (`plan.peak_device_bytes`, at most the budget) against what
@@ -29,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slidedp.backend.state.host_state import plan_layout
 from slidedp.budget import format_bytes
+from slidedp.costmodel import memory as mem
 from slidedp.errors import InsufficientMemoryError
 
 #: Host RAM left for everything else of the process (the model's Python objects, the tokenizer,
@@ -135,10 +138,9 @@ def available_memory(device) -> Available:
 def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_layers=(), lean_layers=()) -> int:
     """Bytes of the host state `compile` makes for `graph` (bf16: with the delivery copy and bf16
     gradients; fp32: fp32 gradients, no delivery copy; a spare master and moments for the layers
-    updated early)."""
-    bf16 = precision == "bf16"
-    return plan_layout(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                       control_ints=control_ints, spare_layers=spare_layers, lean_layers=lean_layers)[2]
+    updated early): costmodel.memory.host_state_bytes, the count the planner uses."""
+    return mem.host_state_bytes([layer.numel for layer in graph.layers], 2 if precision == "bf16" else 4,
+                                lean=lean_layers, spare=spare_layers, control_ints=control_ints)
 
 
 def offloaded_activation_bytes(graph, plan) -> int:
@@ -149,15 +151,34 @@ def offloaded_activation_bytes(graph, plan) -> int:
                                              if policy.get(layer.id) == "offload")
 
 
+def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_layers=()) -> dict[str, int]:
+    """Host RAM of the plan by category, all ranks (costmodel.memory.host_memory): the plan's own
+    `host_memory` when it has one for this layout (the lean layers a one-rank plan assumes), else the
+    same count made here from its schedule (a plan saved without its explanation; a rank in a worker
+    process, whose host state is not lean)."""
+    planned_lean = tuple(plan.device_state) if plan.workload.world_size == 1 else ()
+    if plan.host_memory and tuple(sorted(lean_layers)) == tuple(sorted(planned_lean)) \
+            and world_size == plan.workload.world_size:
+        return dict(plan.host_memory)
+    return mem.host_memory([layer.numel for layer in graph.layers], 2 if precision == "bf16" else 4,
+                           world_size=world_size, lean=lean_layers, spare=plan.early_order,
+                           offloaded_bytes=world_size * offloaded_activation_bytes(graph, plan),
+                           max_chunk_numel=max((-(-d.numel // max(1, d.chunks)) for d in plan.decisions
+                                                if d.layer_id not in set(plan.device_state)), default=0))
+
+
 def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
                   lean_layers=()) -> Needs:
-    """What `compile` allocates for this graph and plan on this device: one host state (shared by
-    the ranks), and the plan's device peak per rank (host RAM when the ranks are CPU processes)."""
+    """What `compile` allocates for this graph and plan on this device: the plan's host memory
+    (`plan_host_memory`: one host state shared by the ranks, spare state, offloaded activations,
+    pinned buffers), and the plan's device peak per rank (host RAM when the ranks are CPU processes).
+    `control_ints` is implied by the plan (costmodel.memory.step_flag_ints) and kept for callers."""
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
-    return Needs(host_state_bytes=host_state_bytes(graph, precision=precision, control_ints=control_ints,
-                                                   spare_layers=plan.early_order, lean_layers=lean_layers),
-                 host_other_bytes=((device_bytes if on_cpu else 0) + offloaded_activation_bytes(graph, plan)) * world_size,
+    host = plan_host_memory(graph, plan, precision=precision, world_size=world_size, lean_layers=lean_layers)
+    return Needs(host_state_bytes=host["state"] + host["spare"],
+                 host_other_bytes=(device_bytes * world_size if on_cpu else 0) + host["offloaded_activations"]
+                 + host["pinned_buffers"],
                  device_bytes=0 if on_cpu else device_bytes)
 
 

@@ -36,8 +36,9 @@ class Problem:
     # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
     # prologue (solve.py).
     device_state: frozenset = frozenset()
-    # Host bytes the spare master and moments of early updates may take (backend/runtime/early_updates.py:
-    # one rank, no clipping); None: early updates are not allowed.
+    # Host bytes the spare master and moments of early updates may take together with the offloaded
+    # activations of all ranks (backend/runtime/early_updates.py: one rank, no clipping); None: early
+    # updates are not allowed.
     early_host_bytes: int | None = None
     # Host layers whose AdamW may run on the device at the step boundary, their state streamed up and
     # back down (backend/runtime/streamed_updates.py: each rank its own chunks; allowed where the device's

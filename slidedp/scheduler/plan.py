@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from slidedp.budget import format_bytes
@@ -178,6 +178,13 @@ class Explanation:
     # timeline event names, in order: the chain of ops that sets the step (each starts as the one
     # before it ends; their durations add up to the predicted step, scheduler/oracles/critical_path.py)
     critical_path: tuple[str, ...] = ()
+    # host RAM of the plan, all ranks (costmodel.memory.host_memory; 0 and {}: not known): the host
+    # state ("state": fp32 master, moments, delivery copy, gradient, page-aligned, lean for the layers
+    # whose optimizer state a one-rank engine keeps on the device), early updates' spare state
+    # ("spare"), offloaded activations ("offloaded_activations", pinned) and the pinned gradient
+    # staging ("pinned_buffers"); peak_host_bytes is their sum, held the whole step
+    peak_host_bytes: int = 0
+    host_memory: dict = field(default_factory=dict)
 
     def critical_events(self) -> tuple[TimelineEvent, ...]:
         """The timeline events of `critical_path`: for each name in turn, the earliest event of that
@@ -213,6 +220,7 @@ class Explanation:
             groups=tuple(GroupPrediction(**{**g, "layer_ids": tuple(g["layer_ids"])}) for g in data.get("groups", ())),
             alternatives=tuple(Alternative(**a) for a in data.get("alternatives", ())),
             critical_path=tuple(data.get("critical_path", ())),
+            peak_host_bytes=data.get("peak_host_bytes", 0), host_memory=dict(data.get("host_memory") or {}),
         )
 
     def to_dict(self) -> dict:
@@ -367,6 +375,7 @@ class Plan:
             f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
+            *([_host_line(self)] if self.peak_host_bytes else []),
             (f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
              "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
             *([f"  optimizer state on the device: {_blocks_label(self.decisions, self.device_state)} "
@@ -506,6 +515,10 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         bad(f"peak_device_bytes: the plan's peak {format_bytes(peak)} ({peak} bytes) exceeds its budget "
             f"{format_bytes(plan.budget_bytes)} ({plan.budget_bytes} bytes)")
 
+    host = plan.explanation.peak_host_bytes
+    if not _is_int(host) or host < 0:
+        bad(f"peak_host_bytes must be an integer >= 0, got {host!r}")
+
     s = plan.schedule
     decisions = s.decisions
     if not decisions:
@@ -601,3 +614,15 @@ def _window_loads_problem(n_blocks: int, window: int, loads) -> str | None:
         if block not in where:
             return f"block {block} is read at visit {p} but no load brings it"
     return None
+
+
+def _host_line(plan: "Plan") -> str:
+    """Host RAM of the plan, per parameter of the whole model, and by category."""
+    params = sum(d.numel for d in plan.decisions)
+    per_param = f" ({plan.peak_host_bytes / params:.2f} B per parameter)" if params else ""
+    names = {"state": "host state", "spare": "early updates' spare state",
+             "offloaded_activations": "offloaded activations", "pinned_buffers": "pinned buffers"}
+    parts = ", ".join(f"{names.get(k, k)} {format_bytes(v)}" for k, v in plan.host_memory.items() if v)
+    budget = plan.solver.get("host_budget_bytes")
+    return (f"  host memory: {format_bytes(plan.peak_host_bytes)}{per_param}"
+            + (f" of {format_bytes(budget)}" if budget else "") + (f": {parts}" if parts else ""))

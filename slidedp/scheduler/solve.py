@@ -20,7 +20,7 @@ from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
-from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes, host_fixed_memory
 from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
@@ -60,6 +60,21 @@ class Solution:
     streamed_tried: dict = field(default_factory=dict)  # streamed layers k -> step [s] (streamed.py)
 
 
+def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_decisions: Decisions,
+                      host_budget: int | None = None) -> InfeasibleBudgetError:
+    """The error of a device budget below the smallest schedule's peak (with the host bytes of that
+    schedule's problem: a plan needs them too)."""
+    sim = simulate(costs, min_decisions, all_ranks=False)
+    min_host = host_fixed_bytes(costs.problem, costs.options)
+    return InfeasibleBudgetError(
+        f"the device budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the "
+        f"{format_bytes(min_budget)} ({min_budget} bytes) that the smallest schedule needs "
+        f"({_largest_terms(sim.footprint.breakdown)}); give at least {min_budget} bytes, or plan fewer "
+        f"micro-batches or a smaller batch (host memory: that schedule needs at least "
+        f"{format_bytes(min_host)}, {min_host} bytes)",
+        min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=min_host, host_budget_bytes=host_budget)
+
+
 def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
 
@@ -68,13 +83,7 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     """
     min_budget, min_decisions, min_per_window = minimum_budget(costs)
     if budget_bytes < min_budget:
-        sim = simulate(costs, min_decisions, all_ranks=False)
-        raise InfeasibleBudgetError(
-            f"the device budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the "
-            f"{format_bytes(min_budget)} ({min_budget} bytes) that the smallest schedule needs "
-            f"({_largest_terms(sim.footprint.breakdown)}); give at least {min_budget} bytes, or plan fewer "
-            f"micro-batches or a smaller batch",
-            min_budget_bytes=min_budget, budget_bytes=budget_bytes)
+        raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
 
     # Heuristics: the baselines that fit, the least-memory decisions (which always fit), and a
     # local search from each of the two best distinct ones.
@@ -151,16 +160,21 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                precision: str = "bf16", micro_batches: int = 1, loss_chunk_tokens: int = 4096,
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
                compiled_blocks: bool = False, host_offload_bytes: int | None = None,
-               early_host_bytes: int | None = None, streamed_updates: bool = False) -> Plan:
+               early_host_bytes: int | None = None, streamed_updates: bool = False,
+               host_budget_bytes: int | None = None) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
-    offloaded activations take at most `host_offload_bytes` of host memory (None: no limit); early
-    updates (one rank, no clipping) may take `early_host_bytes` for their spare state (None: none);
-    `streamed_updates` lets the devices update some host layers (each rank its own chunks).
+    offloaded activations take at most `host_offload_bytes` of host memory per rank (None: no limit);
+    early updates (one rank, no clipping) may take `early_host_bytes` for their spare state, with the
+    offloaded activations of all ranks (None: no early updates); `streamed_updates` lets the devices
+    update some host layers (each rank its own chunks).
+    `host_budget_bytes` (None: unbounded) bounds everything the plan takes of host RAM, all ranks
+    together (Explanation.host_memory: host state, spare state, offloaded activations, pinned
+    buffers): a hard constraint like the device budget (InfeasibleBudgetError with min_host_bytes).
     Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates)
-    costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes)
+    costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
     solver = {
@@ -189,8 +203,11 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "wall_s": wall,
         "searches": _searches(sol, tried, costs.options),
     }
+    if host_budget_bytes is not None:
+        solver["host_budget_bytes"] = int(host_budget_bytes)
     plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver=solver, explain=explain)
+    assert host_budget_bytes is None or plan.peak_host_bytes <= host_budget_bytes, (plan.host_memory, host_budget_bytes)
     if explain and len(tried) > 1:
         chosen = (graph.prologue.id in plan.device_state, len(set(plan.device_state) - {graph.prologue.id}))
         plan = plan.replace(alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
@@ -245,7 +262,8 @@ def _device_state_alternative(tried: dict[tuple[bool, int], float], chosen: tupl
                        f"{a}: {tried[chosen] * 1e3:.1f} ms; {b}: {tried[other] * 1e3:.1f} ms. {why}")
 
 
-def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes: int
+def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes: int,
+                         host_budget: int | None = None
                          ) -> tuple[ProblemCosts, Solution, dict[tuple[bool, int], float]]:
     """Solve with the optimizer state of the first k blocks (and maybe the prologue) on the device,
     for the best choice; k = blocks + 1 puts the epilogue's there too.
@@ -259,68 +277,131 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     options.device_state_blocks fixes k (and _prologue, default no, the prologue), _prologue alone
     fixes the family searched; with neither, nothing goes to the device unless its bandwidth is known
     (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and
-    (if it fits) with it, k is searched over 0..k_max (the most whose state fits next to the
-    smallest schedule): first k_max * (0, 1/4, 1/2, 3/4, 1), then
-    the midpoints around the best, until neighbours are tried (ties: the smaller k, no prologue).
+    (if it fits) with it, k is searched over k_min..k_max (k_max: the most whose state fits next to
+    the smallest schedule; k_min: the fewest with which the host state fits `host_budget`, 0 without
+    one): first k_min + (k_max - k_min) * (0, 1/4, 1/2, 3/4, 1), then the midpoints around the best,
+    until neighbours are tried (ties: the smaller k, no prologue).
+
+    The host budget is a hard constraint: a choice whose fixed host bytes (host state, which a
+    one-rank engine keeps lean for the layers on the device, 10 bytes per parameter less in bf16, and
+    the pinned buffers: problem.costs.host_fixed_bytes) exceed it is skipped, and the rest of the
+    budget bounds the offloaded activations and early updates' spare state. No choice within both
+    budgets: InfeasibleBudgetError naming the smallest of each (min_host_bytes: the leanest choice
+    that fits the device budget).
     Returns the costs and solution of the best choice, and every (prologue, k) tried with its
     predicted step [s].
     """
     g = problem.graph
     prologue = g.prologue
     candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, after every block
-    results: dict[tuple[bool, int], tuple[ProblemCosts, Solution]] = {}
+    results: dict[tuple[bool, int], tuple[ProblemCosts, Solution] | None] = {}  # None: does not fit
     searching = False
 
-    def run(choice: tuple[bool, int]) -> None:
+    def problem_of(choice: tuple[bool, int]) -> Problem:
+        with_prologue, k = choice
+        ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
+        p = replace(problem, device_state=ids)
+        if host_budget is None:
+            return p
+        left = max(0, host_budget - host_fixed_bytes(p, options))
+        per_rank = left // p.world_size
+        return replace(p, host_offload_bytes=per_rank if p.host_offload_bytes is None else min(p.host_offload_bytes, per_rank),
+                       early_host_bytes=None if p.early_host_bytes is None else min(p.early_host_bytes, left))
+
+    def host_bytes(choice: tuple[bool, int]) -> int:
+        return host_fixed_bytes(problem_of(choice), options)
+
+    def host_fits(choice: tuple[bool, int]) -> bool:
+        return host_budget is None or host_bytes(choice) <= host_budget
+
+    def run(choice: tuple[bool, int], first: bool = False) -> None:
         if choice not in results:
-            with_prologue, k = choice
-            ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
-            costs = ProblemCosts(replace(problem, device_state=ids), options)
-            results[choice] = costs, solve(costs, budget_bytes)
+            costs = ProblemCosts(problem_of(choice), options)
+            try:
+                results[choice] = costs, solve(costs, budget_bytes)
+            except InfeasibleBudgetError as e:
+                if first:
+                    raise InfeasibleBudgetError(str(e), min_budget_bytes=e.min_budget_bytes, budget_bytes=budget_bytes,
+                                                min_host_bytes=e.min_host_bytes, host_budget_bytes=host_budget) from None
+                results[choice] = None  # its offloaded activations no longer fit the host: not a choice
+                return
             if searching:
                 log.info("plan: optimizer state of %s on the device: %.1f ms per step",
                          _device_state_label(choice), step_s(choice) * 1e3)
 
     def step_s(choice: tuple[bool, int]) -> float:
+        if results.get(choice) is None:
+            return float("inf")
         c, s = results[choice]
         return s.makespan * c.scale.tick_s
 
     def done(best: tuple[bool, int]):
         costs, sol = results[best]
-        return costs, sol, {c: step_s(c) for c in results}
+        return costs, sol, {c: step_s(c) for c in results if results[c] is not None}
+
+    def host_too_small(leanest: tuple[bool, int], min_budget: int) -> InfeasibleBudgetError:
+        need = host_bytes(leanest)
+        parts = host_fixed_memory(problem_of(leanest), options)
+        return InfeasibleBudgetError(
+            f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
+            f"({need} bytes) that the leanest plan needs (host state {format_bytes(parts['state'])} with the "
+            f"optimizer state of {_device_state_label(leanest)} on the device, pinned buffers "
+            f"{format_bytes(parts['pinned_buffers'])}); give host_memory at least {need} bytes, or a larger device "
+            f"budget to keep more optimizer state on the device (the device budget {format_bytes(budget_bytes)} "
+            f"needs at least {format_bytes(min_budget)}, {min_budget} bytes)",
+            min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=need, host_budget_bytes=host_budget)
 
     fixed_k, fixed_prologue = options.device_state_blocks, options.device_state_prologue
     if fixed_k is not None:
         if fixed_k > len(candidates):
             raise ValueError(f"device_state_blocks={fixed_k}, but the model has {len(g.blocks)} blocks "
                              f"(and {len(candidates) - len(g.blocks)} epilogue with parameters)")
-        run((bool(fixed_prologue), fixed_k))
-        return done((bool(fixed_prologue), fixed_k))
-    run((False, 0))  # the least memory: raises InfeasibleBudgetError if nothing fits
+        choice = (bool(fixed_prologue), fixed_k)
+        run(choice, first=True)
+        if not host_fits(choice):
+            raise host_too_small(choice, results[choice][1].min_budget_bytes)
+        return done(choice)
+    if host_fits((False, 0)):
+        run((False, 0), first=True)  # the least memory: raises InfeasibleBudgetError if nothing fits
+        min_budget = results[(False, 0)][1].min_budget_bytes
+    else:
+        costs0 = ProblemCosts(problem_of((False, 0)), options)
+        min_budget, min_decisions, _ = minimum_budget(costs0)
+        if budget_bytes < min_budget:
+            raise _device_too_small(costs0, budget_bytes, min_budget, min_decisions, host_budget)
     hw = problem.hardware
     if fixed_prologue is None and (hw.gpu_memory_bytes_per_s <= 0 or (
             problem.world_size > 1 and hw.gpu_p2p_bytes_per_s <= 0)):
+        if results.get((False, 0)) is None:
+            raise host_too_small((False, 0), min_budget)
         return done((False, 0))
-    costs, sol = results[(False, 0)]
-    spare = budget_bytes - sol.min_budget_bytes
+    elem = mem.DTYPE_BYTES[g.compute_dtype]
+    spare = budget_bytes - min_budget
     searching = True  # progress from here: a search takes several solves
-    log.info("plan: optimizer state of %s on the device: %.1f ms per step", _device_state_label((False, 0)),
-             step_s((False, 0)) * 1e3)
+    if results.get((False, 0)) is not None:
+        log.info("plan: optimizer state of %s on the device: %.1f ms per step", _device_state_label((False, 0)),
+                 step_s((False, 0)) * 1e3)
     families = [False, True] if fixed_prologue is None else [fixed_prologue]
+    leanest: list[tuple[bool, int]] = [(False, 0)]  # the choice of each family with the least host memory
     for with_prologue in families:
         numel = prologue.numel if with_prologue else 0
-        if with_prologue and (numel == 0 or mem.device_state_bytes(numel, costs.elem) > spare):
+        if with_prologue and (numel == 0 or mem.device_state_bytes(numel, elem) > spare):
             continue
         k_max = 0
         while k_max < len(candidates) and mem.device_state_bytes(
-                numel + sum(b.numel for b in candidates[: k_max + 1]), costs.elem) <= spare:
+                numel + sum(b.numel for b in candidates[: k_max + 1]), elem) <= spare:
             k_max += 1
+        leanest.append((with_prologue, k_max))
+        k_min = next((k for k in range(k_max + 1) if host_fits((with_prologue, k))), None)
+        if k_min is None:
+            continue  # no choice of this family fits the host budget
         if with_prologue:  # start where the blocks' best was, less the blocks the prologue's state displaces
-            best = min((c for c in results if not c[0]), key=lambda c: (step_s(c), c[1]))[1]
+            blocks_tried = [c for c in results if not c[0] and results[c] is not None]
+            best = min(blocks_tried, key=lambda c: (step_s(c), c[1]))[1] if blocks_tried else k_max
             shift = round(numel / (sum(b.numel for b in g.blocks) / len(g.blocks)))
-            starts = {k_max, max(0, min(k_max, best - shift))}
+            starts = {k_max, max(k_min, min(k_max, best - shift))}
         else:
-            starts = {round(k_max * f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)}
+            starts = {k_min + round((k_max - k_min) * f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)}
         for k in sorted(starts):
             run((with_prologue, k))
         while True:
@@ -333,7 +414,10 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
                 break
             for k in todo:
                 run((with_prologue, k))
-    return done(min(results, key=lambda c: (step_s(c), c[1], c[0])))
+    feasible = [c for c in results if results[c] is not None]
+    if not feasible:
+        raise host_too_small(min(leanest, key=lambda c: (host_bytes(c), c[1], c[0])), min_budget)
+    return done(min(feasible, key=lambda c: (step_s(c), c[1], c[0])))
 
 
 def _largest_terms(breakdown: dict) -> str:
@@ -390,6 +474,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
                           f"reductions {costs.options.reductions}")
     if any(c.delivery == SHARDED or c.reduction == GPU for c in decisions.layers):
         auto_notes.append("with sharded delivery or GPU reduction, rank r copies and updates the chunks it owns")
+    host = costs.host_memory(decisions)
     groups = group_predictions(costs, decisions, sim) if explain else ()
     alts = alternatives(costs, decisions, sim, budget_bytes) if explain else ()
     schedule = Schedule(
@@ -408,6 +493,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         memory=dict(sim.footprint.breakdown),
         peak_device_bytes=sim.peak_bytes,
         notes=tuple(notes) + tuple(auto_notes),
+        peak_host_bytes=sum(host.values()),
+        host_memory=host,
         timeline=timeline,
         memory_timeline=memory_timeline,
         groups=groups,

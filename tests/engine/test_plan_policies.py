@@ -95,34 +95,40 @@ def test_compile_blocks_defaults_off_on_the_cpu_and_on_for_gpu_plans():
 
 
 def test_a_plan_for_another_machine_is_bounded_by_its_host_memory(monkeypatch):
-    """plan(host_memory=) passes that machine's host RAM to the solver as compile passes this one's:
-    half of it beyond the host state and the preflight's headroom for offloaded activations, the
-    rest for early updates' spare state. Without it planning is unbounded; compile refuses it."""
+    """plan(host_memory=) passes that machine's host RAM to the solver as a hard constraint on all the
+    plan takes of it (host state, spare state, offloaded activations, pinned buffers), as compile
+    passes what this one has available less the preflight's headroom. Without it planning is
+    unbounded; below the least any plan takes it is refused with both numbers."""
     from slidedp import api
     from slidedp.run import preflight
 
     seen = []
 
     def spy(graph, **kwargs):
-        seen.append((graph, kwargs["host_offload_bytes"], kwargs["early_host_bytes"]))
+        seen.append((kwargs["host_budget_bytes"], kwargs["early_host_bytes"]))
         return real(graph, **kwargs)
 
     real = api.solve_plan
     monkeypatch.setattr(api, "solve_plan", spy)
     model = make_model("llama")
     kwargs = dict(batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu")
-    slidedp.plan(model, "1GiB", **kwargs)
-    assert seen[-1][1:] == (None, 1 << 62)  # max_grad_norm None on one rank: early updates allowed
-    slidedp.plan(model, "1GiB", host_memory="3GiB", **kwargs)
-    graph, offload, early = seen[-1]
-    spare = (3 << 30) - preflight.host_state_bytes(graph, precision="fp32") - 2 * preflight.HOST_HEADROOM_BYTES
-    assert spare > 0 and offload == spare // 2 and early == spare
-    assert slidedp.plan(model, "1GiB", host_memory=1 << 20, **kwargs) is not None  # too little: nothing offloaded
-    assert seen[-1][1:] == (0, 0)
+    free = slidedp.plan(model, "1GiB", **kwargs)
+    assert seen[-1] == (None, 1 << 62)  # max_grad_norm None on one rank: early updates allowed
+    assert free.peak_host_bytes == sum(free.host_memory.values()) > 0
+    plan = slidedp.plan(model, "1GiB", host_memory="3GiB", **kwargs)
+    assert seen[-1] == (3 << 30, 1 << 62) and plan.peak_host_bytes <= 3 << 30
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:  # too little: not even the host state fits
+        slidedp.plan(model, "1GiB", host_memory=1 << 16, **kwargs)
+    err = info.value
+    assert err.min_host_bytes > 1 << 16 and str(err.min_host_bytes) in str(err) and str(err.min_budget_bytes) in str(err)
+    assert slidedp.plan(model, "1GiB", host_memory=err.min_host_bytes, **kwargs).peak_host_bytes <= err.min_host_bytes
     with pytest.raises(ValueError, match="host_memory"):
         slidedp.plan(model, "1GiB", host_memory="lots", **kwargs)
-    with pytest.raises(TypeError, match="compile"):
-        slidedp.compile(model, "1GiB", host_memory="3GiB", **kwargs)
+    monkeypatch.setattr(api, "host_available_bytes", lambda: 5 << 30)
+    request = api.check_request(model, "1GiB", world_size=1, device="cpu", precision="fp32", optimizer=None,
+                                max_grad_norm=None, hardware=None, micro_batches=1, compile_blocks=None,
+                                batch_size=BATCH, seq_len=SEQ)
+    assert api.host_budget(request) == (5 << 30) - preflight.HOST_HEADROOM_BYTES  # compile: available less headroom
 
 
 def test_compile_options_are_the_keyword_arguments_as_one_value():

@@ -60,10 +60,41 @@ def test_needs_count_the_host_state_and_the_cpu_device_buffers():
     graph = build_layer_graph(model, batch_size=2, seq_len=16, compute_dtype=torch.float32)
     cpu = preflight.compile_needs(graph, plan, "cpu", precision="fp32")
     assert 4 * 4 * numel <= cpu.host_state_bytes < 4 * 4 * numel + 64 * 4096 * len(graph.layers)  # master, 2 moments, grad
-    assert cpu.host_other_bytes == plan.peak_device_bytes and cpu.device_bytes == 0
+    pinned = plan.host_memory["pinned_buffers"] + plan.host_memory["offloaded_activations"]
+    assert cpu.host_other_bytes == plan.peak_device_bytes + pinned and cpu.device_bytes == 0
+    assert cpu.host_state_bytes + pinned == plan.peak_host_bytes  # the plan's own figure
     bf16 = preflight.compile_needs(graph, plan, "cuda", precision="bf16")
     assert bf16.host_state_bytes > 3 * 4 * numel + 2 * 2 * numel - 1  # + bf16 delivery and bf16 gradient
-    assert bf16.device_bytes == plan.peak_device_bytes and bf16.host_other_bytes == 0
+    assert bf16.device_bytes == plan.peak_device_bytes and bf16.host_other_bytes > 0  # pinned staging
+    # a plan saved without its explanation: the same count, made from its schedule
+    bare = slidedp.Plan.from_dict(plan.to_dict(explanation=False))
+    again = preflight.compile_needs(graph, bare, "cpu", precision="fp32")  # (its peak_device_bytes: not known)
+    assert again.host_state_bytes == cpu.host_state_bytes and again.host_other_bytes == pinned
+
+
+def test_compile_checks_the_plans_host_figure(monkeypatch):
+    """compile's preflight counts the plan's peak_host_bytes (host state as laid out, pinned buffers);
+    compile(host_memory=) plans within it."""
+    seen = []
+    real = preflight.check_memory
+
+    def spy(needs, available, **kw):
+        seen.append(needs)
+        return real(needs, available, **kw)
+
+    monkeypatch.setattr(preflight, "check_memory", spy)
+    engine = slidedp.compile(make_model("llama"), "1GiB", batch_size=2, seq_len=16, device="cpu", precision="fp32",
+                             host_memory="1GiB")
+    try:
+        plan = engine.plan
+        assert plan.solver["host_budget_bytes"] == 1 << 30 and plan.peak_host_bytes <= 1 << 30
+        assert seen[-1].host_bytes == plan.peak_host_bytes + plan.peak_device_bytes  # + the CPU's "device" buffers
+        assert engine.host.nbytes == plan.host_memory["state"] + plan.host_memory["spare"]
+    finally:
+        engine.close()
+    with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget"):
+        slidedp.compile(make_model("llama"), "1GiB", batch_size=2, seq_len=16, device="cpu", precision="fp32",
+                        host_memory=1 << 16)
 
 
 def test_compile_refuses_before_allocating(monkeypatch):

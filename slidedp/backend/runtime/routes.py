@@ -39,17 +39,19 @@ import torch
 from slidedp.backend.lowering.program import chunk_bounds
 from slidedp.backend.state.step_flags import StepFlags
 from slidedp.backend.runtime.streams import Streams
+from slidedp.costmodel.memory import HOST_STAGING_SLOTS
 
 
 class Routes:
     def __init__(self, *, plan, host, streams: Streams, rank: int = 0, world_size: int = 1, comm=None,
-                 flags: StepFlags | None = None, staging_slots: int = 4):
+                 flags: StepFlags | None = None, staging_slots: int = HOST_STAGING_SLOTS):
         self.rank, self.world_size, self.comm, self.flags = rank, world_size, comm, flags
         self.host, self.streams = host, streams
         self.delivery = {d.layer_id: d.delivery for d in plan.decisions}
         # one rank in its own process (flags) follows the plan's route; in the engine's process, a copy
         self.reduction = {d.layer_id: d.reduction if flags is not None else "gpu" for d in plan.decisions}
         self.chunks = {d.layer_id: chunk_bounds(d.numel, d.chunks) for d in plan.decisions}
+        self._on_device = frozenset(plan.device_state)  # their gradients are never staged on the host
         self.owners = {d.layer_id: tuple(d.owners[c] if c < len(d.owners) else c % world_size
                                           for c in range(len(self.chunks[d.layer_id])))
                        for d in plan.decisions}
@@ -219,7 +221,8 @@ class Routes:
     def _take_slot(self) -> int:
         """A free staging buffer (chunk-sized, pinned on CUDA), allocated on first use."""
         if not self._staging:
-            biggest = max(hi - lo for chunks in self.chunks.values() for lo, hi in chunks)
+            # the largest chunk of a host layer (costmodel.memory.host_staging_bytes counts these buffers)
+            biggest = max(hi - lo for i, chunks in self.chunks.items() if i not in self._on_device for lo, hi in chunks)
             self._staging = [torch.empty(biggest, dtype=self._grad_dtype, pin_memory=self.streams.cuda)
                              for _ in range(self._staging_slots)]
             for i in range(self._staging_slots):

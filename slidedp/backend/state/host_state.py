@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slidedp.costmodel import memory as mem
 from slidedp.ir.graph import LayerGraph
 
-PAGE_BYTES = 4096
+PAGE_BYTES = mem.HOST_PAGE_BYTES
 
 
 def _align(n: int, to: int = PAGE_BYTES) -> int:
@@ -102,7 +103,11 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
             )
         )
     control = take(control_ints, "int64").offset_bytes
-    return layouts, control, max(cursor, PAGE_BYTES)
+    total = max(cursor, PAGE_BYTES)
+    if delivery_bf16 == (grad_dtype == "bfloat16"):  # the count the planner and the preflight use
+        assert total == mem.host_state_bytes([layer.numel for layer in graph.layers], 2 if delivery_bf16 else 4,
+                                             lean=lean_layers, spare=spare_layers, control_ints=control_ints)
+    return layouts, control, total
 
 
 class LayerArrays:

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from slidedp.costmodel import memory as mem
+
 
 class RankFailed(RuntimeError):
     """Another rank failed; this one stops."""
@@ -37,7 +39,7 @@ class StepFlags:
 
     @staticmethod
     def ints_needed(world_size: int, n_layers: int) -> int:
-        return 1 + (world_size + 1) * n_layers
+        return mem.step_flag_ints(world_size, n_layers)
 
     # -- failure --------------------------------------------------------------------------------
     def abort(self, rank: int) -> None:

@@ -284,6 +284,17 @@ class ProblemCosts:
         m = self.problem.micro_batches
         return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
 
+    def host_memory(self, d: Decisions) -> dict[str, int]:
+        """Host RAM of `d` by category, all ranks (costmodel.memory.host_memory): the host state as
+        laid out for this problem, the spare state of d's early updates, its offloaded activations
+        and the pinned staging of its largest chunk."""
+        g, W = self.problem.graph, self.problem.world_size
+        max_chunk = max((-(-layer.numel // c.chunks) for layer, c in zip(g.layers, d.layers)
+                         if layer.id not in self.problem.device_state), default=0)
+        return mem.host_memory([layer.numel for layer in g.layers], self.elem, world_size=W,
+                               lean=host_lean_layers(self.problem), spare=d.early_order,
+                               offloaded_bytes=W * self.host_offload_bytes(d), max_chunk_numel=max_chunk)
+
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
         """The device peak within the budget and the offloaded activations within host memory."""
         limit = self.problem.host_offload_bytes
@@ -318,3 +329,28 @@ class ProblemCosts:
             total += 2 * nbytes / hw.h2d_bytes_per_s + nbytes / hw.d2h_bytes_per_s
             total += ops.cpu_update_time_s(layer.numel, hw)
         return total
+
+
+def host_lean_layers(problem: Problem) -> frozenset:
+    """Layers whose host state is lean (no moments, no gradient: costmodel.memory.host_layer_bytes):
+    those whose optimizer state is on the device of a one-rank engine, which runs in the engine's own
+    process (with several ranks every layer keeps its full host state)."""
+    return problem.device_state if problem.world_size == 1 else frozenset()
+
+
+def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int]:
+    """Host RAM every plan of `problem` takes whatever its decisions (all ranks): the host state with
+    its control region, and the pinned gradient staging of the largest chunk of a host layer any
+    decisions can have (the fewest chunks: the smallest chunk multiple times the ranks). Early updates' spare state and
+    offloaded activations come on top, as the decisions choose them."""
+    g, W = problem.graph, problem.world_size
+    elem = DTYPE_BYTES[g.compute_dtype]
+    fewest = min(options.chunk_multiples) * W
+    return mem.host_memory([layer.numel for layer in g.layers], elem, world_size=W, lean=host_lean_layers(problem),
+                           max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
+                                                if layer.id not in problem.device_state), default=0))
+
+
+def host_fixed_bytes(problem: Problem, options: SolverOptions) -> int:
+    """The sum of host_fixed_memory."""
+    return sum(host_fixed_memory(problem, options).values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Decisions
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
@@ -33,17 +34,20 @@ def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[i
 
 
 def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
-    """Host bytes of the spare fp32 master and moments of every host layer the CPU updates."""
+    """Host bytes of the spare fp32 master and moments of every host layer the CPU updates
+    (page-aligned, as the host state lays them out: costmodel.memory.host_spare_bytes)."""
     g = costs.problem.graph
     skip = set(costs.problem.device_state) | set(d.streamed)
-    return sum(12 * layer.numel for layer in g.layers if layer.id not in skip)
+    return sum(mem.host_spare_bytes(layer.numel) for layer in g.layers if layer.id not in skip)
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
     """`d` with its best early order (None: early updates not allowed, or no host layer)."""
     limit = costs.problem.early_host_bytes
     n = costs.n_layers - len(costs.problem.device_state) - len(d.streamed)
-    if limit is None or n == 0 or spare_bytes(costs, d) > limit:
+    # the spare state shares the host RAM left beside the host state with d's offloaded activations
+    offloaded = costs.problem.world_size * costs.host_offload_bytes(d)
+    if limit is None or n == 0 or spare_bytes(costs, d) + offloaded > limit:
         return None
     tried: dict[int, tuple[Decisions, Simulation]] = {}
 
