@@ -104,9 +104,15 @@ class EngineConfig:
     precision: str = "auto"  # "auto" (bf16 on a GPU, fp32 on CPU) | "bf16" | "fp32"
     budget: str = "16GiB"  # GPU memory budget per rank
     world_size: int = 1  # data-parallel ranks
+    host_memory: str = ""  # host RAM the plan may take, e.g. "100GiB" ("": what is available)
 
     def validate(self) -> None:
         _check_at_least(self, "world_size")
+        if self.host_memory != "":
+            try:
+                Budget.parse(self.host_memory)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"config key 'host_memory': {exc}") from None
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"config key 'precision' must be auto, bf16 or fp32, got {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):

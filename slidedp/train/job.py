@@ -454,7 +454,8 @@ def _run_locked(cfg: TrainConfig, out: Path) -> dict:
                           weight_decay=opt.weight_decay, no_decay_groups=opt.no_decay_groups)
     kwargs = dict(batch_size=training.batch_size, seq_len=training.seq_len, world_size=cfg.engine.world_size,
                   device=device.type, precision=precision, micro_batches=training.grad_accum,
-                  max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model))
+                  max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model),
+                  host_memory=cfg.engine.host_memory or None)
     try:
         engine = api.compile(model, cfg.engine.budget, plan=plan, **kwargs)
     except ValueError as exc:

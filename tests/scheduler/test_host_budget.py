@@ -1,0 +1,68 @@
+"""Host RAM is a budget like device memory: plan(host_memory=) bounds everything the plan takes of it
+(host state as laid out, spare state, offloaded activations, pinned buffers), refuses below the least
+any plan takes (min_host_bytes, with the device minimum), and keeps optimizer state on the device
+where that is what fits (one rank)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import slidedp
+from slidedp.backend.state.host_state import plan_layout
+from slidedp.costmodel import memory as mem
+from slidedp.ir.build import build_layer_graph
+from tests.models import make_model
+
+KW = dict(batch_size=16, seq_len=4096, hardware="h200-sxm")
+
+
+def _meta_model():
+    cfg = Qwen3Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, vocab_size=8192,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_the_host_budget_moves_optimizer_state_to_the_device_and_binds():
+    model = _meta_model()
+    free = slidedp.plan(model, "60GiB", **KW)
+    assert free.peak_host_bytes == sum(free.host_memory.values()) and free.solver.get("host_budget_bytes") is None
+    tight = slidedp.plan(model, "60GiB", host_memory=free.peak_host_bytes - 1, **KW)
+    assert tight.peak_host_bytes <= free.peak_host_bytes - 1
+    assert set(tight.device_state) > set(free.device_state)  # more state on the device: a lean host layout
+    assert tight.host_memory["state"] < free.host_memory["state"]
+    line = next(x for x in tight.summary().splitlines() if "host memory" in x)
+    params = sum(d.numel for d in tight.decisions)
+    assert f"{tight.peak_host_bytes / params:.2f} B per parameter" in line
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        slidedp.plan(model, "60GiB", host_memory=10 << 20, **KW)
+    err = info.value
+    assert err.min_host_bytes > 10 << 20 and err.host_budget_bytes == 10 << 20
+    assert str(err.min_host_bytes) in str(err) and str(err.min_budget_bytes) in str(err)
+    at_min = slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes, **KW)  # achievable
+    assert at_min.peak_host_bytes <= err.min_host_bytes
+    with pytest.raises(slidedp.InfeasibleBudgetError):
+        slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes - 1, **KW)
+
+
+def test_without_device_state_the_host_state_must_fit_whole():
+    """The CPU profile (no device state): min_host_bytes is the whole
+    host state plus the pinned buffers, and planning at it succeeds."""
+    model = make_model("llama")
+    kw = dict(batch_size=2, seq_len=16, precision="fp32", device="cpu")
+    with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget") as info:
+        slidedp.plan(model, "1GiB", host_memory=1 << 16, **kw)
+    plan = slidedp.plan(model, "1GiB", host_memory=info.value.min_host_bytes, **kw)
+    assert plan.device_state == () and plan.peak_host_bytes <= info.value.min_host_bytes
+
+
+def test_one_host_byte_count():
+    """The host state's layout allocates exactly what costmodel.memory counts (the planner's and the
+    preflight's figure), lean and spare layers included."""
+    graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.bfloat16)
+    numels = [layer.numel for layer in graph.layers]
+    for lean, spare in (((), ()), ((0, 2), (1, 3)), ((), tuple(range(len(numels))))):
+        total = plan_layout(graph, delivery_bf16=True, grad_dtype="bfloat16", control_ints=9, spare_layers=spare,
+                            lean_layers=lean)[2]
+        assert total == mem.host_state_bytes(numels, 2, lean=lean, spare=spare, control_ints=9)
+    assert mem.host_layer_bytes(1 << 20, 2) == 16 << 20 and mem.host_layer_bytes(1 << 20, 2, lean=True) == 6 << 20
