@@ -29,7 +29,7 @@ from slidedp.run.launch import (
     COMPUTE_DTYPES, Request, connect, from_rank0, in_engine_process, launch, launched_rank,
 )
 from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_available_bytes
-from slidedp.run.weights import tie_meta_model
+from slidedp.run.weights import check_weights_source, tie_meta_model
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.solve import solve_plan
@@ -276,6 +276,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     rank = launched_rank(request.world_size)
     given = _given_plan(plan)
     graph = trace(request, given)
+    check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     the_plan = make_plan(request, graph, given)
     comm = rank_device = None
     if rank is not None:

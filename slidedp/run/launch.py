@@ -26,7 +26,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 from slidedp.run.engine import Engine, update_order
 from slidedp.run.preflight import check_compile
-from slidedp.run.weights import bind_parameters, check_weights_source, fill_masters
+from slidedp.run.weights import bind_parameters, fill_masters
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -94,7 +94,6 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     """Allocate the host state, load the weights and start the ranks; returns the Engine.
     `rank`/`comm`/`device`: this process's rank under a launcher (None: the engine drives them)."""
     model, world_size, dev = request.model, request.world_size, device or request.device
-    check_weights_source(model, graph, weights)
     bf16 = request.precision == "bf16"
     if dev.type == "cuda" and rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
