@@ -16,7 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, its training and the timing: identical in every harness."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=12,
+                   help="timed steps after one warm-up step (default 12: the first and the last aside, 10 steady "
+                        "steps; fewer than 10 marks the point)")
     p.add_argument("--no-warmup", action="store_true",
                    help="time from the first step (no warm-up step; for runs whose one step is long)")
     p.add_argument("--seed", type=int, default=0)
