@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common.model import MAX_GRAD_NORM, SHAPES
+from benchmarks.common.records import add_allow_dirty
 
 
 def grad_norm(value: str) -> float | None:
@@ -34,5 +35,5 @@ def add_record_args(p: argparse.ArgumentParser, readme_path: str) -> None:
     p.add_argument("--merge", action="store_true", help="keep the records in --out, replacing the points run now")
     p.add_argument("--readme", action="store_true", help="(re)write the marked section of the study's README.md")
     p.add_argument("--readme-path", default=readme_path)
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="run on a working tree with uncommitted changes (its records say \"dirty\": true)")
+    add_allow_dirty(p)
+
