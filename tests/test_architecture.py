@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slidedp"
 
 # floor -> stages (a stage is a module or a package prefix under slidedp)
 FLOORS = (
-    ("_version", "errors", "budget", "optim"),     # plain types every stage shares
+    ("_version", "errors", "budget", "optim", "logs"),  # plain types every stage shares; its logger
     ("options",),                                  # CompileOptions (holds an AdamW)
     ("ir",),                                       # model -> layer IR
     ("costmodel",),                                # hardware, memory and time of operations

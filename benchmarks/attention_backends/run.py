@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -149,9 +150,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--skip-block", action="store_true")
     p.add_argument("--out", required=True)
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     s = bench.SHAPES["4b"]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows, "seq": args.seq,
+    result = {**stamp, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows, "seq": args.seq,
               "attention": attention_rows(args.rows, args.seq, s["heads"], s["kv_heads"], s["head_dim"])}
     if not args.skip_block:
         result["block"] = block_rows(args.rows, args.seq)

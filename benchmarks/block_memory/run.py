@@ -22,6 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 
 def one_block_model(shape: str, device: str):
@@ -85,10 +86,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 65536, 262144])
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")
+    add_allow_dirty(p)
     args = p.parse_args(argv)
+    stamp = commit_stamp(args.allow_dirty)
     rows = []
     for seq in args.seq:
         row = {"seq": seq, **ir_counts(args.shape, seq)}
+        row.update(stamp)
         if args.device != "meta":
             row.update(measure(args.shape, seq, args.device))
             row["measured_over_charged"] = row["peak_bytes"] / row["charged_bytes"]

@@ -18,6 +18,7 @@ from pathlib import Path as _Path
 
 # run as a script: the repository root first (this checkout's slidedp and benchmarks package)
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import argparse
 import json
@@ -34,7 +35,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (smoke test, fp32)")
     p.add_argument("--out", type=Path, required=True)
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     base = calibrate.QWEN3_4B_BLOCK
     device = torch.device(args.device)
     rows = []
@@ -56,7 +59,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    args.out.write_text(json.dumps(dict(device=name, torch=torch.__version__, rows=rows), indent=1))
+    args.out.write_text(json.dumps(dict(**stamp, device=name, torch=torch.__version__, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

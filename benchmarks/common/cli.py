@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common.model import MAX_GRAD_NORM, SHAPES
+from benchmarks.common.records import add_allow_dirty
 
 
 def grad_norm(value: str) -> float | None:
@@ -16,7 +17,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, its training and the timing: identical in every harness."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=12,
+                   help="timed steps after one warm-up step (default 12: the first and the last aside, 10 steady "
+                        "steps; fewer than 10 marks the point)")
     p.add_argument("--no-warmup", action="store_true",
                    help="time from the first step (no warm-up step; for runs whose one step is long)")
     p.add_argument("--seed", type=int, default=0)
@@ -32,5 +35,5 @@ def add_record_args(p: argparse.ArgumentParser, readme_path: str) -> None:
     p.add_argument("--merge", action="store_true", help="keep the records in --out, replacing the points run now")
     p.add_argument("--readme", action="store_true", help="(re)write the marked section of the study's README.md")
     p.add_argument("--readme-path", default=readme_path)
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="run on a working tree with uncommitted changes (its records say \"dirty\": true)")
+    add_allow_dirty(p)
+

@@ -63,6 +63,12 @@ def commit_stamp(allow_dirty: bool = False) -> dict:
     return {"git_commit": git_commit(), "dirty": dirty}
 
 
+def add_allow_dirty(parser) -> None:
+    """--allow-dirty, for every study's run.py: its records carry commit_stamp(args.allow_dirty)."""
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="run on a working tree with uncommitted changes (its records say \"dirty\": true)")
+
+
 def host_description() -> dict:
     mem = None
     with contextlib.suppress(OSError):

@@ -19,6 +19,7 @@ from benchmarks.common.hostmem import HostMemSampler, proc_status, reset_vm_hwm
 from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, batches, build_model,
                                      empty_model, enable_checkpointing, init_value, n_params)
 from benchmarks.common.records import host_description
+from benchmarks.common.steady import steady_fields
 
 # -- one (system, tokens) point in this process ---------------------------------------------
 
@@ -122,10 +123,10 @@ class Point:
             self.sync()
             end = time.perf_counter()
             times[-1] += end - prev
-            measured = (end - start) / self.args.steps
+            measured = (end - start) / self.args.steps  # every timed step, the first and the final flush included
             norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in self.grad_norms]
             self.record.update(
-                measured_step_s=measured, step_times_s=times, tokens_per_s=self.args.tokens / measured,
+                measured_step_s=measured, step_times_s=times, **steady_fields(times, self.args.tokens),
                 losses=losses, grad_norms=[float(n) for n in norms],
             )
             if self.cuda:
@@ -395,7 +396,8 @@ def worker(args, record: dict, point_cls=None, sampler=None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a record
         record["error"] = error_text(exc)
         record["traceback"] = traceback.format_exc()[-4000:]
-        for key in ("tokens_per_s", "measured_step_s", "peak_device_bytes", "peak_host_bytes"):
+        for key in ("tokens_per_s", "measured_step_s", "median_step_s", "mean_step_s", "peak_device_bytes",
+                    "peak_host_bytes"):
             record[key] = None
         traceback.print_exc()
         code = 1

@@ -38,6 +38,7 @@ if str(_REPO) not in sys.path:
 
 # Import the optimizer first so it picks Numba's threading layer before anything else.
 from slidedp.backend.kernels import cpu_adamw  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import numba  # noqa: E402
 import torch  # noqa: E402
@@ -84,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     ap.add_argument("--json", default=str(_REPO / "benchmarks" / "cpu_adamw" / "results" / f"{dt.date.today()}-cpu-adamw.json"),
                     help="JSON record list to append to ('' to skip)")
+    add_allow_dirty(ap)
     args = ap.parse_args(argv)
     n = _parse_count(args.params)
     threads = args.threads
     if n < 1 or threads < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--params, --threads and --repeats must be >= 1, --warmup >= 0")
+    stamp = commit_stamp(args.allow_dirty)  # before measuring: a dirty tree is refused at once
 
     cpu_adamw.set_num_threads(threads)
     cpu_adamw.threading_layer()  # launch Numba's pool first: it must not change torch's threads
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                       date=date, command=command, repeats=args.repeats, warmup=args.warmup,
                       numba_version=numba.__version__, torch_version=torch.__version__,
                       threading_layer=cpu_adamw.threading_layer(),
-                      load_avg_1min=round(load_1min, 2))
+                      load_avg_1min=round(load_1min, 2), **stamp)
         records = [dict(system=name, gparams_per_s=round(rates[name], 4),
                         ratio_vs_torch_fused=round(rates[name] / rates[torch_name], 3),
                         median_s=round(medians[name], 5),

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import slidedp  # noqa: E402
 
@@ -147,7 +148,9 @@ def main() -> None:
                    help="record the allocator's history from compile through the first step; write it and "
                         "what is live at its peak (memory_peak.py)")
     p.add_argument("--out-dir", required=True)
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = dict(bench.SHAPES["4b"], blocks=args.blocks)
@@ -157,7 +160,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = bench.build_model("diag", dtype=torch.bfloat16, device="cpu", init_device=torch.device("cuda"), seed=0)
     torch.cuda.empty_cache()
-    results = {"blocks": args.blocks, "build_s": time.perf_counter() - t0, "points": []}
+    results = {**stamp, "blocks": args.blocks, "build_s": time.perf_counter() - t0, "points": []}
     hardware = args.hardware
     if hardware.endswith(".json"):
         hardware = slidedp.Hardware.load(hardware) if hasattr(slidedp.Hardware, "load") else hardware

@@ -15,6 +15,7 @@ from pathlib import Path as _Path
 
 # run as a script: the repository root first (this checkout's slidedp and benchmarks package)
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import argparse
 import copy
@@ -182,9 +183,11 @@ def main() -> None:
     p.add_argument("--hardware", default=None, help="a preset name or a calibrated profile JSON")
     p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--out", required=True)
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     result = correctness(args) if args.what == "correctness" else throughput(args)
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+    meta = {**stamp, "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "result": result}, f, indent=1)

@@ -17,6 +17,7 @@ from pathlib import Path as _Path
 
 # run as a script: the repository root first (this checkout's slidedp and benchmarks package)
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import argparse
 import json
@@ -61,14 +62,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget", default="4GiB")
     p.add_argument("--out", required=True)
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32000, (args.rows, args.seq), generator=gen) for _ in range(args.steps)]
     a = train(False, batches, args)
     b = train(True, batches, args)
     rel = max(float((b["state"][k] - a["state"][k]).norm() / a["state"][k].norm().clamp_min(1e-12)) for k in a["state"])
     result = {
-        "command": "python benchmarks/gpu_worker_path/run.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        **stamp,
+        "command": "python benchmarks/gpu_worker_path/run.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k not in ("out", "allow_dirty")),
         "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
         "in_process": {k: a[k] for k in ("losses", "step_s")},
         "worker_process": {k: b[k] for k in ("losses", "step_s", "worker_processes")},

@@ -23,6 +23,7 @@ from pathlib import Path as _Path
 
 # run as a script: the repository root first (this checkout's slidedp and benchmarks package)
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import argparse
 import json
@@ -53,7 +54,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--matmul-flops-per-s", type=float, default=786e12)
     ap.add_argument("--out")
+    add_allow_dirty(ap)
     a = ap.parse_args()
+    stamp = commit_stamp(a.allow_dirty)
     T, H, V = a.tokens, a.hidden, a.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = (torch.randn(T, H, device="cuda", generator=g)).bfloat16()
@@ -103,7 +106,7 @@ def main() -> None:
     fused_s = records[0]["seconds"]
     for r in records:
         r["time_vs_fused"] = r["seconds"] / fused_s
-    result = dict(tokens=T, hidden=H, vocab=V, repeats=a.repeats, device=torch.cuda.get_device_name(),
+    result = dict(**stamp, tokens=T, hidden=H, vocab=V, repeats=a.repeats, device=torch.cuda.get_device_name(),
                   torch=torch.__version__, fp32_out_matmul=lce._FP32_OUT_MATMUL.get("cuda"), records=records)
     if a.out:
         with open(a.out, "w") as f:

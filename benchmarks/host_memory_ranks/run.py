@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.hostmem import smaps_bytes  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 
 def measure(world_size: int, args) -> dict:
@@ -79,10 +80,12 @@ def main() -> None:
     p.add_argument("--budget", default="64GiB", help="per-rank device budget; 'min': the smallest plannable")
     p.add_argument("--out")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure one world size
+    add_allow_dirty(p)
     args = p.parse_args()
     if args.one is not None:
         print(json.dumps(measure(args.one, args)))
         return
+    stamp = commit_stamp(args.allow_dirty)
     records = []
     for w in args.world_sizes:  # each in a fresh process, so nothing of one run is counted in the next
         cmd = [sys.executable, __file__, "--one", str(w), "--blocks", str(args.blocks), "--hidden", str(args.hidden),
@@ -94,7 +97,7 @@ def main() -> None:
     base = records[0]["pss_bytes_total"]
     for r in records:
         r["ratio_to_first"] = r["pss_bytes_total"] / base
-    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": time.strftime("%Y-%m-%d"),
+    result = {**stamp, "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "date": time.strftime("%Y-%m-%d"),
               "hardware": f"{os.cpu_count()} CPU cores, no GPU", "records": records}
     print(json.dumps(result, indent=1))
     if args.out:

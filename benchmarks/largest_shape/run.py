@@ -23,6 +23,7 @@ from pathlib import Path as _Path
 
 # run as a script: the repository root first (this checkout's slidedp and benchmarks package)
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import argparse
 import json
@@ -46,7 +47,9 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--device-state", default="0", help="device memory for optimizer state, e.g. 100GiB")
+    add_allow_dirty(p)
     args = p.parse_args(argv)
+    stamp = commit_stamp(args.allow_dirty)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from slidedp.budget import Budget, format_bytes
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
           f"largest that fits: {largest['shape'] if largest else 'none'}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"available_host_bytes": available, "headroom_bytes": HOST_HEADROOM_BYTES,
+            json.dump({**stamp, "available_host_bytes": available, "headroom_bytes": HOST_HEADROOM_BYTES,
                        "device_state_bytes": on_device_bytes,
                        "shapes": rows, "largest": largest and largest["shape"]}, f, indent=1)
     return 0

@@ -83,7 +83,10 @@ same in every system and for every number of GPUs (rank r takes the r-th share o
 Step time: 1 warm-up step (= training step 1), then `--steps` timed steps between two
 synchronisations on rank 0 (FSDP2: CUDA synchronisation and a barrier of every rank; slidedp: its
 step returns when every rank has finished, and its last asynchronous CPU update is waited for inside
-the timed region). peak_device_bytes: torch.cuda.max_memory_allocated after the build, the largest
+the timed region). measured_step_s is the mean of every timed step; median_step_s, mean_step_s and
+tokens_per_s (from the median) are over the steady steps, those but the first and the last
+(benchmarks/common/steady.py; "steady_steps", "steady_rule"); fewer than 10 steady steps: "few_steps":
+true, marked in the table (default --steps 12). peak_device_bytes: torch.cuda.max_memory_allocated after the build, the largest
 over the ranks (per rank in peak_device_bytes_per_rank). peak_host_bytes: the peak of the summed
 proportional set size (PSS, /proc/PID/smaps_rollup) of the point's process and every process it
 started, sampled every second and at the ends of the timed region: a page shared by n processes
@@ -132,6 +135,7 @@ from benchmarks.common.child import run_child  # noqa: E402
 from benchmarks.common.cli import add_model_args, add_record_args  # noqa: E402
 from benchmarks.common.hostmem import TreeSampler  # noqa: E402
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
+from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.tables import gib as _gib, num as _num, update_readme  # noqa: E402
 
 SYSTEMS = ("slidedp", "fsdp2_cpu_offload", "fsdp2_gpu")
@@ -706,22 +710,24 @@ def render_table(records: list[dict]) -> str:
                                           r.get("world_size") or 1))
     head = ["shape", "system", "route", "GPUs", "tokens/step", "tokens/GPU", "tokens/s", "strong eff.", "weak eff.",
             "vs FSDP2 offload", "peak device GiB (max rank)", "peak host GiB (PSS, all processes)", "host vs 1 GPU",
-            "step s measured / predicted", "measured / predicted", "loss step 1"]
+            "step s median / predicted", "measured / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = r.get("tokens_per_s")
-        speed = r["error"].splitlines()[0][:100] if r.get("error") else _num(tps, ",.0f")
+        step_s, mark = step_figure(r)
+        speed = r["error"].splitlines()[0][:100] if r.get("error") else _num(tps, ",.0f") + mark
         losses = r.get("losses") or []
         vs = idx.vs_offload(r)
         cells = [str(r.get("shape")), NAMES.get(r["system"], r["system"]), _route_cell(r), str(r.get("world_size")),
                  f"{r['tokens_per_step']:,}", f"{r['tokens_per_rank']:,}", speed,
                  _num(idx.strong(r), ".0%"), _num(idx.weak(r), ".0%"), "–" if vs is None else f"{vs:.2f}x",
                  _gib(r.get("peak_device_bytes")), _gib(r.get("peak_host_bytes")), _num(idx.host_growth(r), ".2f"),
-                 f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}",
-                 _ratio(r.get("measured_step_s"), r.get("predicted_step_s")),
+                 f"{_num(step_s, '.3f')}{mark if step_s is not None else ''} / {_num(r.get('predicted_step_s'), '.3f')}",
+                 _ratio(step_s, r.get("predicted_step_s")),
                  _num(losses[0] if losses else None, ".5f")]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    note = marks_note(rows)
+    return "\n".join(lines) + (f"\n\n{note}." if note else "")
 
 
 def render_targets(records: list[dict]) -> str:
@@ -757,7 +763,8 @@ def render_targets(records: list[dict]) -> str:
         growth = [g for g in (idx.host_growth(r) for r in rs if (r.get("world_size") or 1) > 1) if g is not None]
         if growth:
             host.append(f"{label(key)} at most {max(growth):.2f}x {verdict(max(growth) <= 1 + HOST_FLAT_TOLERANCE)}")
-        errs = [r["measured_step_s"] / r["predicted_step_s"] - 1 for r in rs if r.get("predicted_step_s")]
+        errs = [step_figure(r)[0] / r["predicted_step_s"] - 1 for r in rs
+                if r.get("predicted_step_s") and step_figure(r)[0]]
         if errs:
             worst = max(errs, key=abs)
             pred.append(f"{label(key)} worst {worst:+.0%} {verdict(abs(worst) <= PREDICTION_TOLERANCE)}")
@@ -806,7 +813,9 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         "of the point (shared host state counted once), sampled every second; host vs 1 GPU at the same tokens "
         "per GPU. FSDP2: fully_shard per block and on the root over all GPUs, bf16 parameters and fp32 reduction, "
         "activation checkpointing, fused AdamW; CPU offload with pinned memory. Each point ran in its own "
-        "processes, one after the other; 1 warm-up step, then the timed steps."
+        "processes, one after the other; 1 warm-up step, then the timed steps. Tokens/s and step time: the median "
+        "over the steady steps, the timed steps but the first (no earlier CPU update to wait for) and the last "
+        "(the final flush)."
     )
     lines += ["", textwrap.fill(notes, width=100, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)

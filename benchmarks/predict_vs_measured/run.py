@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 from slidedp.costmodel.hardware import resolve_hardware  # noqa: E402
 from slidedp.ir.build import build_layer_graph  # noqa: E402
@@ -50,7 +51,9 @@ def main() -> None:
     p.add_argument("--plans", required=True, help="path template with {tokens} (and {shape})")
     p.add_argument("--hardware", default="h200-sxm")
     p.add_argument("--out")
+    add_allow_dirty(p)
     args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
     hw = resolve_hardware(args.hardware, "cuda" if args.hardware == "auto" else "cpu")
     no_update = dataclasses.replace(hw, cpu_adamw_params_per_s=1e18)
     records = [r for r in json.loads(Path(args.records).read_text())
@@ -104,7 +107,7 @@ def main() -> None:
                      f"{row['predicted_pass_s']:.3f} | {row['predicted_in_run_s']:.3f} |")
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"hardware": hw.to_dict(), "records": args.records,
+        Path(args.out).write_text(json.dumps({**stamp, "hardware": hw.to_dict(), "records": args.records,
                                               "rows": rows}, indent=1) + "\n")
 
 

@@ -56,7 +56,11 @@ process group with `CPUOffloadPolicy(pin_memory=False)`.
 Measured per point: 1 warm-up step, then `--steps` timed steps between two device synchronisations
 (slidedp's asynchronous CPU update of the warm-up step is waited for before the timed region, that of
 the last timed step inside it, so the region holds exactly `--steps` steps and updates);
-measured_step_s is their mean, tokens_per_s = tokens_per_step / measured_step_s.
+measured_step_s is their mean. The first timed step is short (no earlier update to wait for) and the
+last includes the final flush, so the figures reported are over the steady steps, the timed steps but
+the first and the last (benchmarks/common/steady.py; the record's "steady_rule" says which):
+median_step_s, mean_step_s, steady_steps, tokens_per_s = tokens_per_step / median_step_s. A point with
+fewer than 10 steady steps says "few_steps": true and is marked in the table (default --steps 12).
 peak_device_bytes is `torch.cuda.max_memory_allocated()` from after the build to the end.
 peak_host_bytes is the process's peak resident set size (VmHWM) over the same window: the counter is
 reset after the build by writing 5 to /proc/self/clear_refs (the build's transient copies are in
@@ -76,7 +80,6 @@ import datetime
 import json
 import shlex
 import signal
-import statistics
 import sys
 import tempfile
 import textwrap
@@ -92,6 +95,7 @@ from benchmarks.common.cli import add_model_args, add_record_args  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
 from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, qwen3_config)  # noqa: E402,F401
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
+from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
 from benchmarks.common.tables import gib as _gib, num as _num, update_readme as _update_readme  # noqa: E402
 SYSTEMS = ("slidedp", "slidedp_eager", "gpu_resident", "fsdp2_cpu_offload")
@@ -158,13 +162,6 @@ def drive(args) -> int:
 NAMES = {"slidedp": "slidedp", "slidedp_eager": "slidedp, eager blocks", "gpu_resident": "GPU-resident", "fsdp2_cpu_offload": "FSDP2 + CPU offload"}
 
 
-def steady_step_s(record: dict) -> float | None:
-    """Median of the timed steps but the last (which also waits for slidedp's final CPU update, which a
-    longer run hides behind its next step); None with fewer than three timed steps."""
-    times = record.get("step_times_s") or []
-    return statistics.median(times[:-1]) if len(times) >= 3 else None
-
-
 def render_table(records: list[dict]) -> str:
     """Markdown table of the records: one row per (shape, tokens, system), ratios against each baseline
     of the same shape, tokens per step and clipping (records without max_grad_norm clipped at 1.0;
@@ -183,7 +180,7 @@ def render_table(records: list[dict]) -> str:
     by_point = {(shape(r), r["tokens_per_step"], r["system"], clip(r)): r for r in records}
     head = ["shape"] * several + ["tokens/step", "system", "budget GiB", "tokens/s"] + [
         f"vs {NAMES[b]}" for b in BASELINES] + [
-        "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s measured / predicted", "loss step 1"]
+        "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s median / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = r.get("tokens_per_s")
@@ -191,14 +188,13 @@ def render_table(records: list[dict]) -> str:
         for b in BASELINES:
             base = by_point.get((shape(r), r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
             ratios.append(f"{tps / base:.2f}x" if tps and base else "–")
+        figure, mark = step_figure(r)
         if r.get("error"):
             speed = r["error"].splitlines()[0][:80]
         else:
-            speed = _num(tps, ",.0f")
+            speed = _num(tps, ",.0f") + mark
         losses = r.get("losses") or []
-        step_s = f"{_num(r.get('measured_step_s'), '.3f')} / {_num(r.get('predicted_step_s'), '.3f')}"
-        if steady_step_s(r) is not None:
-            step_s += f" (steady {steady_step_s(r):.3f})"
+        step_s = f"{_num(figure, '.3f')}{mark if figure is not None else ''} / {_num(r.get('predicted_step_s'), '.3f')}"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
         name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
         if r.get("slidedp_micro_rows", 1) > 1:
@@ -209,7 +205,8 @@ def render_table(records: list[dict]) -> str:
                                         _gib(r.get("host_used_bytes")),
                                         step_s, _num(losses[0] if losses else None, ".5f")]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    note = marks_note(rows)
+    return "\n".join(lines) + (f"\n\n{note}." if note else "")
 
 
 def render_section(records: list[dict], out_path: Path | str | None = None) -> str:
@@ -253,8 +250,9 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         "autocast, fused AdamW on the GPU, activation checkpointing of every block. FSDP2: `fully_shard` per "
         "block and on the root, `CPUOffloadPolicy(pin_memory=True)`, bf16 parameters / fp32 reduction, AdamW "
         "on the CPU, activation checkpointing of every block. Optimizers as run: " + "; ".join(optimizers) + ". "
-        "Tokens/s over the timed steps after one warm-up step (slidedp's last asynchronous CPU update "
-        "included); steady: the median of the timed steps but the last. Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
+        "Tokens/s and step time: the median over the steady steps, the timed steps after one warm-up step but "
+        "the first (no earlier CPU update to wait for) and the last (which waits for slidedp's final "
+        "asynchronous CPU update). Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
         "process's VmHWM after the build (slidedp's shared-memory host state counts); host used = the machine's "
         "MemTotal - MemAvailable above its value when the point's process started, which also counts pinned "
         "buffers that the CUDA driver maps outside RSS. Ratios: tokens/s over the baseline's at the same tokens "

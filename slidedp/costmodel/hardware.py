@@ -13,6 +13,8 @@ from dataclasses import MISSING, asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
+from slidedp.logs import warn_once
+
 # H2D efficiency by copy size as (bytes, fraction of the large-copy bandwidth), measured on the H200
 # host (docs/design.md §6.2: 2.4 GB/s at 64 KiB up to 54 at 64 MiB, against 55 for large copies).
 # Other hosts scale the same curve to their own bandwidth until calibrated.
@@ -237,7 +239,15 @@ def resolve_hardware(hardware: "Hardware | str | None", device: str) -> Hardware
             for key, preset in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", "a100-sxm"), ("4090", "rtx4090")):
                 if key in name:
                     return replace(PRESETS[preset], gpu_memory_bytes=int(props.total_memory))
+            warn_once(("hardware", name),
+                      "unknown GPU %r: the step-time model uses the h100-sxm preset's figures (with this GPU's "
+                      "memory); measure this machine with `slidedp calibrate --out hw.json`, then pass "
+                      "hardware=\"hw.json\" (--hardware hw.json)", name)
             return replace(PRESETS["h100-sxm"], name=name, gpu_memory_bytes=int(props.total_memory))
+        warn_once(("hardware", "cpu"),
+                  "no GPU: the step-time model uses the 'cpu' preset, nominal figures for tests and CI, not "
+                  "measured on this machine; measure it with `slidedp calibrate --out hw.json`, then pass "
+                  "hardware=\"hw.json\" (--hardware hw.json)")
         return PRESETS["cpu"]
     if isinstance(hardware, str):
         if hardware in PRESETS:

@@ -13,7 +13,6 @@ own forward (`forward_ops`). If export fails, the module structure above stands 
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -38,9 +37,9 @@ from slidedp.ir.blocks import (
 from slidedp.ir.compiled_saved import compiled_saved_bytes
 from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, ExportGroups, export_layer_groups_or_reason
 from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE, Layer, LayerCosts, LayerGraph, ParamInfo
+from slidedp.logs import warn_once
 
 _NO_DECAY_CLASSES = ("Norm", "Embedding")
-log = logging.getLogger(__name__)
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -278,7 +277,9 @@ def build_layer_graph(
         model, blocks_path, n_blocks, batch_size, seq_len, block_output=block_kind["kind"]
     )
     if groups is None:
-        log.info("torch.export of %s failed, using the module structure: %s", type(model).__name__, why)
+        warn_once(("torch.export", type(model).__name__, why),
+                  "torch.export of %s failed (%s): the IR falls back to the module structure (trace_method "
+                  "'module', no forward_ops)", type(model).__name__, why)
     else:
         _check_export(model, groups, blocks_path, n_blocks)
 

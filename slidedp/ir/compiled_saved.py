@@ -20,13 +20,12 @@ RNG seed and offset (tests/ir/test_compiled_saved.py).
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-log = logging.getLogger(__name__)
+from slidedp.logs import warn_once
 
 
 def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> int | None:
@@ -71,8 +70,10 @@ def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args
     try:
         traced(*inputs)
     except Exception as exc:  # noqa: BLE001 - an estimate; the eager count stands in
-        log.info("AOTAutograd could not trace %s (%s: %s); using the eager saved-tensor count",
-                 type(block).__name__, type(exc).__name__, exc)
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        warn_once(("aot-autograd", type(block).__name__, why),
+                  "AOTAutograd could not trace %s (%s); the plan counts its eager saved tensors instead, "
+                  "likely more than the compiled block keeps", type(block).__name__, why)
         return None
     return seen.get("bytes")
 

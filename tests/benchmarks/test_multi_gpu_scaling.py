@@ -65,7 +65,10 @@ def check_record(bench, r: dict, world_size: int) -> None:
     assert not missing, (r["system"], missing)
     assert r["world_size"] == world_size and r["tokens_per_step"] == 128 and r["tokens_per_rank"] == 128 // world_size
     assert r["micro_batches_per_rank"] == 4 // world_size and r["modes"] == ["strong"]
-    assert r["measured_step_s"] > 0 and r["tokens_per_s"] == pytest.approx(128 / r["measured_step_s"])
+    # one timed step: it is the steady figure too, marked as too few
+    assert r["measured_step_s"] > 0 and r["median_step_s"] == r["mean_step_s"] == pytest.approx(r["measured_step_s"])
+    assert r["tokens_per_s"] == pytest.approx(128 / r["median_step_s"])
+    assert r["steady_steps"] == 1 and r["few_steps"] is True
     assert len(r["losses"]) == 2 and len(r["grad_norms"]) == 2
     # host memory: the summed PSS of the point's processes, every rank counted
     assert r["peak_host_bytes"] > 0 and len(r["host_pss_bytes_per_process"]) >= world_size
@@ -200,7 +203,8 @@ def synthetic_records() -> list[dict]:
         return {"shape": "4b", "system": system, "route": route, "world_size": w, "tokens_per_step": tokens,
                 "tokens_per_rank": tokens // w, "tokens_per_s": tps, "measured_step_s": tokens / tps if tps else None,
                 "predicted_step_s": predicted, "peak_host_bytes": host, "losses": [12.0] if tps else None,
-                "error": error, "modes": list(modes), "date": "2026-01-01", "command": "python multi_gpu_scaling.py"}
+                "error": error, "modes": list(modes), "date": "2026-01-01", "command": "python multi_gpu_scaling.py",
+                "median_step_s": tokens / tps if tps else None, "steady_steps": 10, "few_steps": False}
 
     return [
         rec("slidedp", "auto", 1, 65536, 15000.0, host=70 << 30, predicted=4.2),
@@ -223,17 +227,23 @@ def test_readme_table_renders(two_ranks, tmp_path):
     targets = bench.render_targets(records)
     assert "4b sharded/gpu at 65,536 tokens/step 85% missed" in targets and "lowest 2.14x" in targets and "at most 1.29x missed" in targets
     assert "4b auto worst" in targets and "met" in targets
+    assert "*" not in table and "†" not in table  # 10 steady steps each: unmarked
+    few = [{**records[2], "steady_steps": 3, "few_steps": True}, {k: v for k, v in records[3].items()
+                                                                  if k not in ("median_step_s", "steady_steps")}]
+    marked = bench.render_table(few)
+    assert "| 51,000* |" in marked and "| 7,000† |" in marked
+    assert "fewer than 10 steady steps" in marked and "before steady-state figures" in marked
 
     section = bench.render_section(two_ranks[1] + records, tmp_path / "records.json")
     assert bench.render_table(two_ranks[1] + records) in section and two_ranks[1][0]["command"] in section
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nbefore\n\n<!-- single_gpu_throughput:begin -->\nother\n<!-- single_gpu_throughput:end -->\n")
-    tables.update_readme(readme, "first", bench.README_BEGIN, bench.README_END)
-    assert readme.read_text().endswith(f"{bench.README_BEGIN}\nfirst\n{bench.README_END}\n")  # appended at the end
+    tables.update_readme(readme, "placeholder-section", bench.README_BEGIN, bench.README_END)
+    assert readme.read_text().endswith(f"{bench.README_BEGIN}\nplaceholder-section\n{bench.README_END}\n")  # appended at the end
     tables.update_readme(readme, section, bench.README_BEGIN, bench.README_END)  # replaced, the rest kept
     text = readme.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- single_gpu_throughput:begin -->\nother\n<!-- single_gpu_throughput:end -->")
-    assert text.count(bench.README_BEGIN) == 1 and "first" not in text and section in text
+    assert text.count(bench.README_BEGIN) == 1 and "placeholder-section" not in text and section in text
 
     json_path = tmp_path / "records.json"
     json_path.write_text(json.dumps(records))

@@ -32,7 +32,7 @@ def smoke(tmp_path_factory):
 
 def run_smoke(out: Path, *systems: str, merge: bool = False, extra: list[str] = ()):
     cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--tokens", "64",
-           "--systems", *systems, "--steps", "1", "--timeout-s", "120", "--out", str(out), "--allow-dirty",
+           "--systems", *systems, "--steps", "3", "--timeout-s", "120", "--out", str(out), "--allow-dirty",
            *extra]
     proc = subprocess.run(cmd + (["--merge"] if merge else []), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
@@ -45,10 +45,15 @@ def check_record(bench, r: dict) -> None:
     missing = [k for k in bench.REQUIRED_KEYS if k not in r]
     assert not missing, (r["system"], missing)
     assert r["tokens_per_step"] == 64 and r["micro_batches"] == 2 and r["device"] == "cpu"
-    assert r["measured_step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["measured_step_s"])
+    # 3 timed steps: the mean of all of them, and one steady step (the first and the final flush aside)
+    times = r["step_times_s"]
+    assert len(times) == 3 and r["measured_step_s"] == pytest.approx(sum(times) / 3)
+    assert r["steady_steps"] == 1 and r["median_step_s"] == r["mean_step_s"] == times[1] > 0
+    assert r["tokens_per_s"] == pytest.approx(64 / r["median_step_s"])
+    assert r["few_steps"] is True and "the first left out" in r["steady_rule"]
     assert r["peak_host_bytes"] > 0 and r["host_used_bytes"] is not None
     assert r["peak_device_bytes"] is None  # no device memory on the CPU
-    assert len(r["losses"]) == 2 and len(r["step_times_s"]) == 1
+    assert len(r["losses"]) == 4
     assert "single_gpu_throughput/run.py" in r["command"] and len(r["date"]) == 10
     assert len(r["git_commit"]) == 40 and isinstance(r["dirty"], bool)
 
@@ -113,12 +118,12 @@ def test_readme_table_from_records(smoke, tmp_path):
 
     readme = tmp_path / "README.md"
     readme.write_text("# Benchmarks\n\nbefore\n")
-    bench.update_readme(readme, "first")
+    bench.update_readme(readme, "placeholder-section")
     bench.update_readme(readme, section)  # replaces between the markers, keeps the rest
     text = readme.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n")
     assert text.count(bench.README_BEGIN) == 1 and text.count(bench.README_END) == 1
-    assert "first" not in text and table in text
+    assert "placeholder-section" not in text and table in text
 
     json_path = tmp_path / "records.json"
     json_path.write_text(json.dumps(records))
@@ -140,10 +145,36 @@ def test_ratios_only_within_a_shape():
     assert "| 0.50x |" in rows["| 4b", "4,096", "slidedp"] and "0.25x" not in table
     assert "x |" not in rows["| 8b", "4,096", "slidedp"]  # no 8b baseline: no ratio
     assert "shape" not in bench.render_table(records[:2])  # one shape: no shape column
-    # steady: the median of the timed steps but the last (which waits for the final CPU update)
-    timed = {**records[0], "measured_step_s": 1.5, "step_times_s": [1.0, 1.2, 2.3]}
-    assert "| 1.500 / – (steady 1.100) |" in bench.render_table([timed])
-    assert "steady" not in bench.render_table([{**timed, "step_times_s": [1.0, 2.0]}])
+
+
+
+def test_steady_figures_and_their_marks_in_the_table():
+    from benchmarks.common.steady import steady_fields
+
+    bench = load_script()
+    times = [0.5] + [1.0] * 5 + [1.2] * 5 + [3.0]  # --steps 12: a short first, a last with the flush
+    f = steady_fields(times, 4096)
+    assert f["steady_steps"] == 10 and f["few_steps"] is False
+    assert f["median_step_s"] == 1.1 and f["mean_step_s"] == pytest.approx(1.1) and f["tokens_per_s"] == 4096 / 1.1
+    assert steady_fields([1.0, 2.0], 64)["steady_steps"] == 2  # under 3 timed steps: all of them, marked
+    assert steady_fields([1.0, 2.0], 64)["few_steps"] is True
+    import argparse
+
+    from benchmarks.common.cli import add_model_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    assert parser.parse_args([]).steps == 12  # by default 10 steady steps: unmarked
+    base = {"system": "slidedp", "shape": "4b", "tokens_per_step": 4096, "predicted_step_s": 1.0}
+    steady = {**base, "measured_step_s": 1.25, **f}
+    table = bench.render_table([steady])
+    assert "| 3,724 |" in table and "| 1.100 / 1.000 |" in table and "*" not in table and "†" not in table
+    few = {**base, "measured_step_s": 1.5, **steady_fields([1.0, 1.2, 2.3], 4096)}
+    table = bench.render_table([few])
+    assert "| 1.200* / 1.000 |" in table and "| 3,413* |" in table and "fewer than 10 steady steps" in table
+    old = {**base, "measured_step_s": 1.5, "tokens_per_s": 4096 / 1.5, "step_times_s": [1.0, 1.2, 2.3]}
+    table = bench.render_table([old])  # a record from before the steady fields: its mean, marked
+    assert "| 1.500† / 1.000 |" in table and "| 2,731† |" in table and "before steady-state figures" in table
 
 
 def test_failures_become_records(tmp_path):

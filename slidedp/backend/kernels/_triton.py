@@ -26,6 +26,8 @@ from types import SimpleNamespace
 
 import torch
 
+from slidedp.logs import warn_once
+
 try:
     import triton
     import triton.language as tl
@@ -54,8 +56,18 @@ def library_interpreted() -> bool:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels may run on these tensors (see the module docstring)."""
-    if triton is None or not tensors or library_interpreted() != interpreting():
+    """Whether the kernels may run on these tensors (see the module docstring). CUDA tensors that
+    cannot have their kernel (no Triton, or Triton imported in the other TRITON_INTERPRET mode) take
+    the PyTorch reference with a one-time warning; CPU tensors take it quietly (the expected path)."""
+    if not tensors:
+        return False
+    if triton is None or library_interpreted() != interpreting():
+        if all(t.is_cuda for t in tensors):
+            why = "Triton is not installed" if triton is None else \
+                f"Triton was imported with TRITON_INTERPRET={'1' if library_interpreted() else '0'}, " \
+                f"and it is now {os.environ.get('TRITON_INTERPRET', 'unset')!r}"
+            warn_once(("triton", why), "GPU kernels (fused head + loss, gradient packing) fall back to their "
+                      "PyTorch references, slower and with more memory: %s", why)
         return False
     if all(t.is_cuda for t in tensors):
         return True

@@ -55,6 +55,7 @@ from typing import NamedTuple
 import torch
 
 from slidedp.backend.kernels._triton import cdiv, kernel, tl, use_triton
+from slidedp.logs import warn_once
 
 IGNORE_INDEX = -100
 BLOCK_T, BLOCK_V, BLOCK_H = 64, 128, 64  # tl.dot needs every tile side >= 16
@@ -400,8 +401,12 @@ def _matmul_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumu
             torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=torch.float32, out=out)
             _FP32_OUT_MATMUL[kind] = True
             return
-        except (RuntimeError, TypeError):  # no such kernel for this device (a RuntimeError), or an older torch
+        except (RuntimeError, TypeError) as exc:  # no such kernel for this device (a RuntimeError), or an older torch
             _FP32_OUT_MATMUL[kind] = False
+            if kind == "cuda":  # expected on the CPU, where torch has no such kernel
+                warn_once(("fp32-out-matmul", kind), "fused head + loss: torch.addmm(out_dtype=float32) failed "
+                          "on %s (%s: %s); bf16 products are rounded to bf16 before they are summed into the "
+                          "fp32 weight gradient", kind, type(exc).__name__, str(exc).strip().split("\n")[0])
     if accumulate:
         out.add_(a @ b)
     else:
