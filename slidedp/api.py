@@ -67,8 +67,9 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
         raise ValueError("seq_len must be >= 2 (a next-token loss needs two tokens)")
     world_size = _positive_int("world_size", world_size)
     micro_batches = _positive_int("micro_batches", micro_batches)
-    if precision not in COMPUTE_DTYPES:
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if precision != "auto" and precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
+    check_positions(model, seq_len)
     if optimizer is None:
         optimizer = AdamW()
     if not isinstance(optimizer, AdamW):
@@ -84,11 +85,50 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
         except (TypeError, ValueError) as e:
             raise type(e)(f"host_memory: {e}") from None
     dev = _resolve_device(device)
+    hw = resolve_hardware(hardware, dev.type)
+    if precision == "auto":  # bf16 on a GPU, fp32 on the CPU (planning: for a GPU hardware profile, bf16)
+        on_gpu = dev.type == "cuda" or (planning_only and hw.name != "cpu")
+        precision = "bf16" if on_gpu else "fp32"
     return Request(model=model, budget=budget, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
                    device=dev, precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                   hardware=resolve_hardware(hardware, dev.type), micro_batches=micro_batches,
+                   hardware=hw, micro_batches=micro_batches,
                    compile_blocks=compile_blocks, planning_only=planning_only,
                    host_memory_bytes=host_memory_bytes)
+
+
+def position_limit(config) -> tuple[int | None, str]:
+    """(the longest sequence the model's config allows, how it was found), or (None, why not) when
+    there is no bound to check: no `max_position_embeddings`, or a RoPE scaling whose reach is
+    not a plain product (dynamic NTK scaling)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return None, "no max_position_embeddings"
+    scaling = getattr(config, "rope_scaling", None)
+    if not isinstance(scaling, dict):
+        scaling = None
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None or rope_type in (None, "default"):
+        return limit, f"max_position_embeddings = {limit}"
+    factor = scaling.get("factor")
+    if rope_type == "dynamic" or isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        return None, f"rope_scaling {rope_type}"
+    original = scaling.get("original_max_position_embeddings") or limit
+    scaled = max(limit, int(original * factor))
+    return scaled, f"{original} positions x rope_scaling {rope_type} factor {factor:g} = {scaled}"
+
+
+def check_positions(model, seq_len: int) -> None:
+    """Refuse a `seq_len` beyond the positions the model's config allows (`max_position_embeddings`,
+    scaled by its `rope_scaling` where that is a plain factor), naming both numbers. A model
+    without a config (a hand-written one) is not checked."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    limit, how = position_limit(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} is beyond the {limit} positions the model was made for ({how}); "
+                         f"use seq_len <= {limit}, or a model whose config sets rope_scaling for longer "
+                         "sequences")
 
 
 def _given_plan(plan) -> Plan | None:
@@ -106,6 +146,13 @@ def _compile_blocks(request: Request) -> bool:
     if request.compile_blocks is not None:
         return request.compile_blocks
     return request.device.type == "cuda" or (request.planning_only and request.hardware.name != "cpu")
+
+
+def _plans_precision(kw: dict, given: Plan | None) -> dict:
+    """precision "auto" with a given plan: the plan's."""
+    if given is not None and kw.get("precision") == "auto":
+        return {**kw, "precision": given.workload.precision}
+    return kw
 
 
 def trace(request: Request, given: Plan | None = None) -> LayerGraph:
@@ -205,13 +252,14 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
 
 
 def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
-         world_size: int = 1, device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+         world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
          host_memory: int | str | None = None, options: CompileOptions | None = None) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
+    `precision` "auto" (default): bf16 for a GPU hardware profile (or the GPU here), fp32 for the CPU.
     `host_memory` (bytes or e.g. "125GiB"): the host RAM the plan may take on the machine it is for,
     a hard constraint like the budget: everything host-side (`Explanation.host_memory`: the host
     state as laid out, early updates' spare state, offloaded activations, pinned buffers) within it;
@@ -226,18 +274,19 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
     if kw["device"] == "auto":
         kw["device"] = "cpu" if kw["hardware"] is None and not torch.cuda.is_available() else "auto"
-    request = check_request(model, budget, **kw, planning_only=True, host_memory=host_memory)
     if solver_options is not None:
         if not isinstance(solver_options, SolverOptions):
             raise TypeError(f"solver_options must be a SolverOptions, got {type(solver_options).__name__}")
         if plan is not None:
             raise ValueError("solver_options and plan exclude each other: a given plan is not solved again")
     given = _given_plan(plan)
+    request = check_request(model, budget, **_plans_precision(kw, given), planning_only=True,
+                            host_memory=host_memory)
     return make_plan(request, trace(request, given), given, solver_options)
 
 
 def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
-            world_size: int = 1, device: str = "auto", precision: str = "bf16", optimizer: AdamW | None = None,
+            world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
             compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
             host_memory: int | str | None = None) -> Engine:
@@ -259,6 +308,9 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
 
+    `precision`: "auto" (default) bf16 on a GPU, fp32 on the CPU (with a given plan: the plan's);
+    "bf16" or "fp32".
+
     `compile_blocks`: run every block through `torch.compile` (backend/runtime/executor.py), and plan
     with the hardware's compiled block rate; None (default): as a given plan says, else on CUDA
     devices but not on the CPU, where compiling costs more than it saves.
@@ -272,9 +324,9 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
-    request = check_request(model, budget, **kw, host_memory=host_memory)
-    rank = launched_rank(request.world_size)
     given = _given_plan(plan)
+    request = check_request(model, budget, **_plans_precision(kw, given), host_memory=host_memory)
+    rank = launched_rank(request.world_size)
     graph = trace(request, given)
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     the_plan = make_plan(request, graph, given)

@@ -70,6 +70,18 @@ class Budget:
         return format_bytes(self.device_bytes)
 
 
+def parse_with_unit(value, key: str) -> Budget:
+    """A budget as the command line and the train config take it: a number with a unit ("24GiB",
+    "512MiB", "24000000000B"). A bare number is refused naming `key` (in the Python API an int
+    is bytes, but `budget=24` at the command line is meant as 24 GiB far more often than as 24 bytes)."""
+    budget = Budget.parse(value if isinstance(value, str) else str(value))
+    m = _PATTERN.match(str(value))
+    if m is not None and not m.group(2):
+        raise ValueError(f"{key} {str(value).strip()} has no unit: write {str(value).strip()}GiB (or MiB, GB, ..., "
+                         f"B for bytes)")
+    return budget
+
+
 def _digits(value) -> str:
     """A value for a message, cut short when it is hundreds of digits long."""
     text = str(value)

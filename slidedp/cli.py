@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
 
+from slidedp.budget import parse_with_unit
+from slidedp.costmodel.hardware import PRESETS as HARDWARE_PRESETS
 from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted, WorkerError
 from slidedp.scheduler.plan import Plan
+from slidedp.train.config import keys_help
+from slidedp.train.shapes import PRESETS as MODEL_PRESETS
 
 # Each subcommand imports what it alone needs when it runs (torch, transformers, the solver, the
 # train job, the profiler, the report), so that `slidedp --help`, `inspect` and the others start
@@ -27,8 +32,8 @@ def _train(args) -> int:
 def _export(args) -> int:
     from slidedp.train.export import export_checkpoint
 
-    folder, step = export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite)
-    print(f"exported {folder} (step {step}) to {args.out_dir}: load it with "
+    folder, step = export_checkpoint(args.checkpoint, args.out_dir, overwrite=args.overwrite, dtype=args.dtype)
+    print(f"exported {folder} (step {step}, {args.dtype}) to {args.out_dir}: load it with "
           f"AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
 
@@ -48,6 +53,7 @@ def _model_from_spec(spec: str):
 def _plan(args) -> int:
     from slidedp import api
 
+    parse_with_unit(args.budget, "--budget")
     model = _model_from_spec(args.model)
     plan = api.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
@@ -66,6 +72,7 @@ def _bench(args) -> int:
     from slidedp.profiler.bench import run_bench, to_json
     from slidedp.train.shapes import preset_config
 
+    parse_with_unit(args.budget, "--budget")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -90,8 +97,24 @@ def _bench(args) -> int:
     return 0
 
 
+def _looks_like_a_plan(path) -> None:
+    """Refuse, in one line, a folder or a JSON file that is no plan at all (another JSON object:
+    a config, a trainer state); what Plan.load says of a damaged plan stays its own."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a plan file (a plan is the JSON that `slidedp plan` writes)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return  # Plan.load names what is wrong with it
+    if isinstance(data, dict) and "schema_version" not in data and "schedule" not in data:
+        raise ValueError(f"{path} is not a slidedp plan (a JSON object without schema_version or schedule; a "
+                         "plan is the JSON that `slidedp plan` or Plan.save writes)")
+
+
 def _load_plan_warning(path) -> Plan:
     """The plan of `path`, and a warning line on stderr for what compile would refuse of it."""
+    _looks_like_a_plan(path)
     plan = Plan.load(path)
     problems = plan.problems()
     if problems:
@@ -133,38 +156,54 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _presets(names) -> str:
+    return ", ".join(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slidedp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    model_help = (f"a local Hugging Face folder (a Hub model: download it first) or a preset shape with random "
+                  f"weights: {_presets(MODEL_PRESETS)}")
+    hardware_help = f"a preset ({_presets(HARDWARE_PRESETS)}) or a hardware profile JSON (slidedp calibrate)"
 
-    p = sub.add_parser("train", help="fine-tune a model (no arguments: the embedded SmolLM2 default job)")
+    p = sub.add_parser("train", help="fine-tune a model (no arguments: the embedded SmolLM2 default job)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Fine-tune a model: defaults, then the config file, then key=value overrides. "
+                                   "A key may be given flat (lr=1e-4) or in its section (optimizer.lr=1e-4).",
+                       epilog="config keys (section: key = default: meaning):\n" + keys_help())
     p.add_argument("config", nargs="?", help="YAML/TOML/JSON config file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (the keys below)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("export", help="a checkpoint (or a run folder's latest) to a Hugging Face folder")
     p.add_argument("checkpoint", help="a checkpoint folder, or a run's output_dir (its latest checkpoint)")
     p.add_argument("out_dir", help="the Hugging Face folder to write (not inside a run or checkpoint folder)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is not empty")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="the weights' dtype: bf16 (default, as the model was trained to run) or fp32 (the master "
+                        "weights exactly, twice the size)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("plan", help="solve a plan offline (no GPU needed) and write it as JSON")
-    p.add_argument("model", help="a local Hugging Face folder or a preset shape (e.g. qwen3-14b)")
-    p.add_argument("--budget", required=True)
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--precision", default="bf16")
-    p.add_argument("--hardware", default=None, help="preset name or hardware profile JSON")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--budget", required=True, help="device-memory budget per GPU, with a unit (e.g. 24GiB)")
+    p.add_argument("--batch-size", type=int, required=True, help="rows (sequences) per micro-batch and rank")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches sharing one pass over the weights (default 1)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto (default): bf16 for a GPU hardware profile, fp32 for the CPU")
+    p.add_argument("--hardware", default=None, help=hardware_help + " (default: cpu)")
     p.add_argument("--host-memory", default=None,
                    help="host RAM available on the machine the plan is for (e.g. 500GiB): bounds activation "
                         "offload there (default: unbounded)")
-    p.add_argument("--out", default="plan.json")
+    p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("inspect", help="print a plan's summary")
-    p.add_argument("plan")
+    p.add_argument("plan", help="plan JSON (from `slidedp plan` or Plan.save)")
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("report", help="draw a plan: self-contained HTML report and/or Chrome trace JSON")
@@ -174,24 +213,29 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("calibrate", help="measure this machine into a hardware profile JSON (for --hardware)")
-    p.add_argument("--out", default="hardware.json")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--out", default="hardware.json", help="where to write the profile (default hardware.json)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="what to measure")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes, rougher figures")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")
-    p.add_argument("model", help="a local Hugging Face folder or a preset shape (random init, e.g. llama-tiny)")
-    p.add_argument("--budget", required=True, help="slidedp's device-memory budget")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("model", help=model_help)
+    p.add_argument("--budget", required=True, help="slidedp's device-memory budget, with a unit (e.g. 40GiB)")
+    p.add_argument("--batch-size", type=int, default=1, help="rows per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per row")
     p.add_argument("--tokens", type=int, nargs="+", required=True, help="tokens per step (multiples of batch x seq)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to run (default auto)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--hardware", default=None, help="preset name or hardware profile JSON (default: detected)")
+    p.add_argument("--hardware", default=None, help=hardware_help + " (default: detected)")
     p.add_argument("--out", help="write the records and ratios here (JSON)")
     p.set_defaults(func=_bench)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = _unknown_command(argv, sub.choices)
+    if unknown is not None:
+        print(unknown, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     _show_progress()
     # A config file given as `key=value` belongs to the overrides.
@@ -199,6 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     return _run_command(args)
+
+
+def _unknown_command(argv: list[str], commands) -> str | None:
+    """One line for a first word that is no subcommand, with the closest ones (None: it is one)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is None or first in commands or (argv and argv[0].startswith("-")):
+        return None
+    close = difflib.get_close_matches(first, commands, n=2)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return f"slidedp: error: unknown command {first!r}: {hint}(commands: {', '.join(commands)})"
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -16,7 +16,7 @@ class CompileOptions:
     seq_len: int  # tokens per row
     world_size: int = 1  # data-parallel ranks on this host
     device: str = "auto"  # "auto" | "cuda" | "cpu"
-    precision: str = "bf16"  # "bf16" | "fp32"
+    precision: str = "auto"  # "auto" (bf16 on a GPU, fp32 on the CPU) | "bf16" | "fp32"
     optimizer: AdamW | None = None  # None: AdamW()
     max_grad_norm: float | None = None  # exact global clipping; None: none
     hardware: object = None  # a preset name, a profile path, a Hardware, or None (detected)

@@ -24,7 +24,6 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["max_stepz=3"], "unknown config key"),
     (["max_steps=three"], "'max_steps' must be an integer"),
     (["lr=fast"], "'lr' must be a number"),
-    (["resume=maybe"], "'resume' must be true or false"),
     (["max_steps=0"], "'max_steps' must be >= 1"),
     (["precision=fp8"], "'precision'"),
     (["novalue"], "key=value"),
@@ -128,3 +127,104 @@ def test_cli_budget_and_skip_keys_in_config(tmp_path):
     assert load_config(None, ["max_skipped_steps=0", "budget=512MiB"]).engine.budget == "512MiB"
     with pytest.raises(ValueError, match="config key 'budget': cannot parse budget"):
         load_config(None, ["budget=big"])
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_lists_every_config_key_with_its_default_and_meaning(capsys):
+    from dataclasses import fields
+
+    from slidedp.train.config import SECTIONS
+
+    text = _help(capsys, "train")
+    for section, typ in SECTIONS.items():
+        for f in fields(typ):
+            assert f.metadata.get("help"), f"config key {f.name!r} has no help"
+            line = next((l for l in text.splitlines() if l.strip().startswith(f"{f.name} = ")), None)
+            assert line is not None, f.name
+            assert f.metadata["help"].split()[0] in line, line
+    assert "budget = 16GiB:" in text and "resume = false:" in text
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+def test_plan_and_bench_flags_have_help_and_list_the_presets(command, capsys):
+    import argparse
+
+    from slidedp.costmodel.hardware import PRESETS as HW
+    from slidedp.train.shapes import PRESETS as SHAPES
+
+    text = " ".join(_help(capsys, command).split())
+    for name in [*SHAPES, *HW]:
+        assert name in text, name
+    captured = {}
+    real = argparse.ArgumentParser.parse_args
+
+    def spy(self, args=None, namespace=None):
+        captured["parser"] = self
+        return real(self, args, namespace)
+
+    import unittest.mock
+    with unittest.mock.patch.object(argparse.ArgumentParser, "parse_args", spy), pytest.raises(SystemExit):
+        main([command, "--help"])
+    sub = captured["parser"]._subparsers._group_actions[0].choices[command]
+    for action in sub._actions:
+        assert action.help, f"{command} {action.option_strings or action.dest} has no help"
+
+
+def test_resume_is_true_false_or_a_folder():
+    assert load_config(None, ["resume=yes"]).checkpoint.resume is True
+    assert load_config(None, ["resume=runs/a/checkpoints/step-00000004"]).checkpoint.resume == \
+        "runs/a/checkpoints/step-00000004"
+    with pytest.raises(TypeError, match="'resume' must be true, false or a checkpoint folder"):
+        TrainConfig.from_dict({"resume": 3})
+
+
+def test_unknown_command_and_config_key_say_did_you_mean(capsys):
+    assert main(["trian"]) == 2
+    assert "did you mean 'train'?" in capsys.readouterr().err
+    assert main(["train", "max_step=3"]) == 2
+    err = capsys.readouterr().err
+    assert "max_step (did you mean 'max_steps'?)" in err and len(err.strip().splitlines()) == 1
+
+
+def test_inspect_of_a_file_that_is_not_a_plan_says_so_in_one_line(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"lr": 1e-4, "max_steps": 3}))
+    for path, words in ((config, "is not a slidedp plan"), (tmp_path, "is a folder, not a plan file")):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_a_hub_id_as_model_says_to_download_it_first(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "Qwen/Qwen3-4B", "--budget", "24GiB", "--batch-size", "1", "--seq-len", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen3-4B looks like a Hugging Face Hub id" in err and "download" in err
+    assert main(["train", "model=Qwen/Qwen3-4B", f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "config key 'model': Qwen/Qwen3-4B looks like a Hugging Face Hub id" in err
+
+
+def test_precision_auto_in_the_api_as_in_the_cli():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import slidedp
+    from slidedp.train.shapes import preset_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config("llama-tiny"))
+    assert slidedp.plan(model, "8GiB", batch_size=1, seq_len=16, hardware="h100-sxm").workload.precision == "bf16"
+    cpu = slidedp.plan(model, "8GiB", batch_size=1, seq_len=16, hardware="cpu")
+    assert cpu.workload.precision == "fp32"
+    assert slidedp.CompileOptions(batch_size=1, seq_len=16).precision == "auto"
+    engine = slidedp.compile(AutoModelForCausalLM.from_config(preset_config("llama-tiny")), "1GiB", batch_size=1,
+                             seq_len=16, device="cpu")
+    assert engine.precision == "fp32"  # fp32 on the CPU
+    engine.close()

@@ -558,13 +558,22 @@ def read_master_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 # Hugging Face export
 
 
-def save_hf(model, weights: dict[str, torch.Tensor], out: str | os.PathLike) -> None:
-    """`save_pretrained` of `model` with `weights` (name -> tensor) in place of its own parameters.
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def save_hf(model, weights: dict[str, torch.Tensor], out: str | os.PathLike, *, dtype: str = "fp32",
+            tokenizer=None) -> None:
+    """`save_pretrained` of `model` with `weights` (name -> tensor) in place of its own parameters,
+    in `dtype` ("bf16" or "fp32": the floating-point weights and the config's `dtype`), with the
+    `tokenizer` beside them when given. The files get the usual permissions (0666 less the umask:
+    readable by others as any file the user writes), not the 0600 that `save_pretrained` leaves.
 
     `model` may live on the meta device (a skeleton from `hf_skeleton`). A model loaded from a
     quantized file (GGUF) cannot be saved as is: a skeleton is built from its config without
     `quantization_config`, and the weights are saved through that one.
     """
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be 'bf16' or 'fp32', got {dtype!r}")
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise TypeError(f"{type(model).__name__} is not a Hugging Face model (no save_pretrained): "
                         "use engine.state_dict() to get its weights")
@@ -577,11 +586,32 @@ def save_hf(model, weights: dict[str, torch.Tensor], out: str | os.PathLike) -> 
     missing = sorted(names - set(weights))
     if missing:
         raise CheckpointError(f"no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]}")
-    state = {n: w.detach() for n, w in weights.items() if n in names}
+    to = EXPORT_DTYPES[dtype]
+    state = {n: w.detach().to(to) if w.is_floating_point() else w.detach() for n, w in weights.items() if n in names}
     for name, tensor in model.state_dict().items():  # persistent buffers, saved as the model has them
         state.setdefault(name, tensor)
-    Path(out).mkdir(parents=True, exist_ok=True)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    config_file = out / "config.json"
+    if config_file.is_file():  # the dtype the weights are in (save_pretrained writes the model's own)
+        config = json.loads(config_file.read_text())
+        config["dtype"] = str(to).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    usual_permissions(out)
+
+
+def usual_permissions(folder: Path) -> None:
+    """Every file under `folder` to 0666 less the process's umask (the permissions of a file the
+    user creates; 0644 under the common umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(folder).rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def hf_skeleton(config):

@@ -246,9 +246,13 @@ class Engine:
         if self._launched_rank() is not None:
             self.runner.comm.barrier()
 
-    def export_hf(self, dir) -> None:
-        """A `save_pretrained` folder of the model with the fp32 master weights (Hugging Face models)."""
+    def export_hf(self, dir, *, tokenizer=None, dtype: str | None = None) -> None:
+        """A `save_pretrained` folder of the model (Hugging Face models), with `tokenizer` saved beside
+        it when given; the weights in `dtype`: "bf16", or "fp32" (the master weights exactly), None:
+        the engine's precision (as the model was trained to run). Files readable by others (0666
+        less the umask)."""
         self._check_open()
+        dtype = self.precision if dtype is None else dtype
         self.runner.sync_host()
         weights: dict[str, torch.Tensor] = {}
         for layer in self.graph.layers:
@@ -258,7 +262,7 @@ class Engine:
                     weights[name] = views[p.name]
         for name, p in self.model.named_parameters(remove_duplicate=False):
             weights.setdefault(name, p.detach().float().cpu())
-        save_hf(self.model, weights, dir)
+        save_hf(self.model, weights, dir, dtype=dtype, tokenizer=tokenizer)
 
 
 def _empty_host_cache() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import difflib
 import json
 import math
 import tomllib
@@ -20,10 +21,15 @@ from typing import get_type_hints
 
 import yaml
 
-from slidedp.budget import Budget
+from slidedp.budget import parse_with_unit
 
 
 MAX_SEED = 2**32 - 1
+
+
+def _key(default, help: str):
+    """A config key: its default and its one-line meaning (`slidedp train --help` lists them)."""
+    return field(default=default, metadata={"help": help})
 
 
 def _check_at_least(section, *keys: str, least: int = 1) -> None:
@@ -44,8 +50,9 @@ def _check_text(section, *keys: str) -> None:
 class ModelConfig:
     """What to train. `model="smollm2"` makes the embedded default job."""
 
-    model: str = "smollm2"  # "smollm2", a local Hugging Face folder, or a preset shape (random init)
-    tokenizer: str = ""  # "": the model folder's own ("smollm2" for a preset); or a folder, or "smollm2"
+    model: str = _key("smollm2", "smollm2, a local Hugging Face folder (download a Hub model first), or a "
+                                 "preset shape with random weights (llama-tiny, qwen3-0.6b, ...)")
+    tokenizer: str = _key("", "a folder or smollm2; empty: the model folder's own (smollm2 for a preset)")
 
     def validate(self) -> None:
         _check_text(self, "model")
@@ -55,12 +62,13 @@ class ModelConfig:
 class DataConfig:
     """On what. `data="stdlib"` makes the embedded default job."""
 
-    data: str = "stdlib"  # "stdlib", or .txt/.jsonl/.parquet files and folders, comma-separated
-    encoding: str = "utf-8"  # of the .txt files, decoded strictly (JSONL is always UTF-8)
-    packing: bool = True  # pack examples into full rows; false: one example a row, padded and masked
-    max_rows: int = 0  # rows of data to use, 0: all (the stdlib default job uses 16)
-    val_fraction: float = 0.0  # rows held out for the validation loss
-    val_every: int = 0  # validation loss every this many steps (and at the end); 0: at the end only
+    data: str = _key("stdlib", "stdlib (the default job's text), or .txt/.jsonl/.parquet files and folders, "
+                               "comma-separated")
+    encoding: str = _key("utf-8", "text encoding of the .txt files, decoded strictly (JSONL is always UTF-8)")
+    packing: bool = _key(True, "pack examples into full rows; false: one example a row, padded and masked")
+    max_rows: int = _key(0, "rows of data to use; 0: all (16 for stdlib)")
+    val_fraction: float = _key(0.0, "fraction of the rows held out for the validation loss")
+    val_every: int = _key(0, "validation loss every this many steps (and at the end); 0: at the end only")
 
     def validate(self) -> None:
         _check_at_least(self, "max_rows", "val_every", least=0)
@@ -80,12 +88,13 @@ class DataConfig:
 class TrainingConfig:
     """The step and the length of the run."""
 
-    max_steps: int = 24
-    batch_size: int = 4  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    seq_len: int = 128
-    seed: int = 0  # 0 .. 2**32 - 1 (what torch, numpy and random all accept)
-    max_skipped_steps: int = 10  # abort after this many consecutive steps skipped for non-finite gradients; 0: never
+    max_steps: int = _key(24, "optimizer steps of the run")
+    batch_size: int = _key(4, "rows (sequences) per micro-batch")
+    grad_accum: int = _key(1, "micro-batches per optimizer step")
+    seq_len: int = _key(128, "tokens per row (at most the model's max_position_embeddings)")
+    seed: int = _key(0, "data order and random init, 0 .. 2**32 - 1")
+    max_skipped_steps: int = _key(10, "stop after this many consecutive steps skipped for a non-finite "
+                                      "gradient; 0: never")
 
     def validate(self) -> None:
         _check_at_least(self, "max_steps", "batch_size", "grad_accum", "seq_len")
@@ -100,17 +109,17 @@ class TrainingConfig:
 class EngineConfig:
     """Where and how the engine runs."""
 
-    device: str = "auto"  # "auto" | "cuda" | "cpu"
-    precision: str = "auto"  # "auto" (bf16 on a GPU, fp32 on CPU) | "bf16" | "fp32"
-    budget: str = "16GiB"  # GPU memory budget per rank
-    world_size: int = 1  # data-parallel ranks
-    host_memory: str = ""  # host RAM the plan may take, e.g. "100GiB" ("": what is available)
+    device: str = _key("auto", "auto, cuda or cpu")
+    precision: str = _key("auto", "auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32")
+    budget: str = _key("16GiB", "GPU memory budget per rank, with a unit (24GiB, 512MiB)")
+    world_size: int = _key(1, "data-parallel ranks (GPUs, or CPU processes)")
+    host_memory: str = _key("", "host RAM the plan may take, with a unit (100GiB); empty: what is available")
 
     def validate(self) -> None:
         _check_at_least(self, "world_size")
         if self.host_memory != "":
             try:
-                Budget.parse(self.host_memory)
+                parse_with_unit(self.host_memory, "host_memory")
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"config key 'host_memory': {exc}") from None
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -118,7 +127,7 @@ class EngineConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"config key 'device' must be auto, cuda or cpu, got {self.device!r}")
         try:
-            Budget.parse(self.budget)
+            parse_with_unit(self.budget, "budget")
         except (TypeError, ValueError) as exc:
             raise ValueError(f"config key 'budget': {exc}") from None
 
@@ -127,13 +136,13 @@ class EngineConfig:
 class OptimizerConfig:
     """AdamW."""
 
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    no_decay_groups: bool = True  # no weight decay on norms, biases and embeddings
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0: no clipping
+    lr: float = _key(1e-4, "AdamW learning rate (the peak of the schedule)")
+    weight_decay: float = _key(0.0, "AdamW weight decay")
+    no_decay_groups: bool = _key(True, "no weight decay on norms, biases and embeddings")
+    adam_beta1: float = _key(0.9, "AdamW beta1")
+    adam_beta2: float = _key(0.999, "AdamW beta2")
+    adam_eps: float = _key(1e-8, "AdamW epsilon (> 0)")
+    max_grad_norm: float = _key(1.0, "global gradient-norm clipping; 0: none")
 
     def validate(self) -> None:
         for key in ("lr", "weight_decay", "max_grad_norm", "adam_eps"):
@@ -150,9 +159,9 @@ class OptimizerConfig:
 class ScheduleConfig:
     """The learning rate over the steps (from `optimizer.lr`, to `min_lr` at `training.max_steps`)."""
 
-    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" (decay to min_lr at max_steps)
-    warmup_steps: int = 0  # linear warm-up from 0 to lr over these steps
-    min_lr: float = 0.0
+    lr_schedule: str = _key("constant", "constant, linear or cosine (decay to min_lr at max_steps)")
+    warmup_steps: int = _key(0, "linear warm-up from 0 to lr over these steps")
+    min_lr: float = _key(0.0, "the learning rate the linear or cosine decay ends at")
 
     def validate(self) -> None:
         _check_at_least(self, "warmup_steps", least=0)
@@ -166,25 +175,28 @@ class ScheduleConfig:
 class CheckpointConfig:
     """The run folder and its checkpoints."""
 
-    output_dir: str = "runs/default"
-    save_every: int = 0  # checkpoint every this many steps (and always at the end); 0: at the end only
-    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
-    resume: bool = False  # continue from the latest checkpoint in output_dir (start fresh if none)
-    overwrite: bool = False  # a fresh run may delete the checkpoints already in output_dir
+    output_dir: str = _key("runs/default", "the run folder (config, metrics, checkpoints)")
+    save_every: int = _key(0, "a checkpoint every this many steps (and always at the end); 0: at the end only")
+    keep_last: int = _key(2, "checkpoints kept in output_dir/checkpoints")
+    resume: bool | str = _key(False, "true: continue from the latest checkpoint in output_dir (start fresh if "
+                                     "none); a checkpoint folder: continue from that one")
+    overwrite: bool = _key(False, "a fresh run may delete the checkpoints already in output_dir")
 
     def validate(self) -> None:
         _check_at_least(self, "keep_last")
         _check_at_least(self, "save_every", least=0)
         _check_text(self, "output_dir")
+        if isinstance(self.resume, str):
+            _check_text(self, "resume")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
     """What the run reports while it trains."""
 
-    log_every: int = 1  # a stderr line every this many steps
-    progress: bool = True  # progress bar (tqdm when installed)
-    tensorboard: bool = True  # TensorBoard scalars when the tensorboard package is installed
+    log_every: int = _key(1, "a stderr line every this many steps")
+    progress: bool = _key(True, "progress bar (tqdm when installed)")
+    tensorboard: bool = _key(True, "TensorBoard scalars when the tensorboard package is installed")
 
     def validate(self) -> None:
         _check_at_least(self, "log_every")
@@ -228,6 +240,17 @@ assert len(SECTION_OF) == sum(len(fields(t)) for t in SECTIONS.values()), "a key
 _HINTS: dict[str, type] = {k: v for typ in SECTIONS.values() for k, v in get_type_hints(typ).items()}
 
 
+def keys_help() -> str:
+    """Every config key, by section, with its default and meaning (`slidedp train --help`)."""
+    lines = []
+    for section, typ in SECTIONS.items():
+        lines.append(f"{section}:")
+        for f in fields(typ):
+            default = json.dumps(f.default) if not isinstance(f.default, str) else (f.default or '""')
+            lines.append(f"  {f.name} = {default}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
 def _normalize(values: dict, where: str) -> dict:
     """Flat key -> value, from a mapping of flat keys (`lr`), sections (`optimizer: {lr: ...}`) and
     dotted keys (`optimizer.lr`). A section name that is also a key (`model`, `data`) is the section
@@ -255,6 +278,9 @@ def _normalize(values: dict, where: str) -> dict:
             dotted = name if section is None else f"{section}.{name}"
             if name not in SECTION_OF or (section is not None and SECTION_OF[name] != section):
                 hint = f" ({name!r} belongs in section {SECTION_OF[name]!r})" if name in SECTION_OF else ""
+                close = difflib.get_close_matches(name, SECTION_OF, n=1) if name not in SECTION_OF else []
+                if close:
+                    hint = f" (did you mean {close[0]!r}?)"
                 unknown.append(dotted + hint)
                 continue
             if name in flat:
@@ -282,6 +308,14 @@ def _build(flat: dict) -> TrainConfig:
 def _coerce(key: str, value, typ):
 
     """A value of the schema's type, from a file value or an override string; errors name the key."""
+    if key == "resume":  # true/false, or a checkpoint folder
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            if value.strip().lower() in ("true", "false", "1", "0", "yes", "no", ""):
+                return value.strip().lower() in ("true", "1", "yes")
+            return value
+        raise TypeError(f"config key 'resume' must be true, false or a checkpoint folder, got {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -19,7 +19,8 @@ from pathlib import Path
 from transformers import AutoConfig, GenerationConfig
 
 from slidedp.run.checkpoint import (
-    HF_DIR, MANIFEST, CheckpointError, hf_skeleton, read_engine_meta, read_master_weights, save_hf, verify_checkpoint,
+    HF_DIR, MANIFEST, CheckpointError, hf_skeleton, read_engine_meta, read_master_weights, save_hf, usual_permissions,
+    verify_checkpoint,
 )
 from slidedp.train.job import list_checkpoints, newest_usable_checkpoint
 from slidedp.train.runlock import is_run_folder, run_folder_lock, run_folder_of
@@ -62,14 +63,18 @@ def check_export_target(out: Path, *, overwrite: bool) -> None:
                              "it, or choose another folder")
 
 
-def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> tuple[Path, int]:
-    """Write the Hugging Face folder `out` from a checkpoint (or a run's newest usable one);
-    returns (checkpoint, step).
+def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+                      dtype: str = "bf16") -> tuple[Path, int]:
+    """Write the Hugging Face folder `out` from a checkpoint (or a run's newest usable one), its
+    weights in `dtype` ("bf16", as the model was trained to run, or "fp32", the master weights
+    exactly); returns (checkpoint, step). The files are readable by others (0666 less the umask).
 
     The source's run folder is locked while it is read (runlock.py). The folder is written into a
     temporary sibling and renamed into place at the end: a failed or killed export leaves `out`
     as it was (an existing one is replaced only with `overwrite`)."""
     src, out = Path(src), Path(out)
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"export dtype must be 'bf16' or 'fp32', got {dtype!r}")
     check_export_target(out, overwrite=overwrite)
     run_dir = run_folder_of(src)
     with run_folder_lock(run_dir, what="slidedp export") if run_dir is not None else contextlib.nullcontext():
@@ -86,10 +91,11 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, overwri
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            save_hf(model, read_master_weights(folder), tmp)
+            save_hf(model, read_master_weights(folder), tmp, dtype=dtype)
             for f in sorted(hf.iterdir()):
                 if f.is_file() and f.name not in ("config.json", "generation_config.json"):
                     shutil.copy2(f, tmp / f.name)
+            usual_permissions(tmp)
             _replace_folder(tmp, out)
         finally:
             if tmp.exists():

@@ -11,7 +11,8 @@ The run's folder (`output_dir`):
     tensorboard/                   when the tensorboard package is installed
 
 A checkpoint is written every `save_every` steps and at the end; the last `keep_last` are kept.
-`resume=true` continues from the newest checkpoint that verifies (newer ones skipped are named on
+`resume=PATH` continues from that checkpoint folder (verified the same way; a folder that is not a
+checkpoint is refused, naming it). `resume=true` continues from the newest checkpoint that verifies (newer ones skipped are named on
 stderr) exactly: the same weights, moments, AdamW step, learning rate, data position and RNG
 state, so N steps + resume + N steps give bitwise the same result as 2N steps (CPU, fp32). Keys
 changed on resume: `compare_resumed_config`. `overwrite=true` deletes the old checkpoints only
@@ -60,7 +61,7 @@ from slidedp.train.metrics import (
 )
 from slidedp.train.runlock import CHECKPOINTS, run_folder_lock
 from slidedp.train.schedule import lr_at, schedule_state
-from slidedp.train.shapes import PRESETS, preset_config
+from slidedp.train.shapes import PRESETS, preset_config, refuse_hub_id
 from slidedp.train.smollm2 import ensure_smollm2
 from slidedp.train.sources import Example, build_rows, load_dataset
 
@@ -107,6 +108,7 @@ def load_model_and_tokenizer(cfg: TrainConfig):
         model = AutoModelForCausalLM.from_config(preset_config(cfg.model.model), dtype=torch.float32)
     else:
         folder = Path(cfg.model.model).expanduser()
+        refuse_hub_id(cfg.model.model, "config key 'model'")
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"config key 'model': {cfg.model.model} is neither a Hugging Face folder (no "
                                     f"config.json) nor 'smollm2' nor a preset ({', '.join(PRESETS)})")
@@ -417,7 +419,18 @@ def _run_locked(cfg: TrainConfig, out: Path) -> dict:
     trainer_state = None
     resume_from = None
     plan = None
-    if cfg.checkpoint.resume:
+    if isinstance(cfg.checkpoint.resume, str):  # a chosen checkpoint folder
+        resume_from = Path(cfg.checkpoint.resume).expanduser()
+        if not (resume_from / MANIFEST).is_file():
+            raise CheckpointError(f"config key 'resume': {cfg.checkpoint.resume} is not a slidedp checkpoint "
+                                  f"folder (no {MANIFEST}); give a checkpoints/step-NNNNNNNN folder, or "
+                                  "resume=true for the latest checkpoint of output_dir")
+        _log(f"[slidedp] resuming from {resume_from}: verifying it")
+        trainer_state = _check_resume_candidate(resume_from)
+        for note in compare_resumed_config(resume_from, trainer_state, cfg):
+            _log(f"[slidedp] {note}")
+        plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
+    elif cfg.checkpoint.resume:
         if existing:
             _log(f"[slidedp] resuming from {out / CHECKPOINTS}: verifying the latest checkpoint")
             remove_stale_temps(out / CHECKPOINTS)
@@ -430,6 +443,7 @@ def _run_locked(cfg: TrainConfig, out: Path) -> dict:
 
     _log(f"[slidedp] loading model {cfg.model.model}")
     model, tokenizer = load_model_and_tokenizer(cfg)
+    api.check_positions(model, cfg.training.seq_len)  # before the data is cut into rows of seq_len
     data = load_data(cfg, tokenizer)
     train, val = (data, None)
     if cfg.data.val_fraction > 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import transformers
+from pathlib import Path
 
 # name: (config class, hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
 PRESETS = {
@@ -18,10 +18,24 @@ PRESETS = {
 }
 
 
+def refuse_hub_id(spec: str, what: str = "model") -> None:
+    """A Hugging Face Hub id (`Qwen/Qwen3-4B`: one slash, no such folder here) is refused with how to
+    get the folder: slidedp reads local folders only and assumes no network access."""
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and all(spec.split("/")) \
+            and not Path(spec).exists():
+        raise FileNotFoundError(
+            f"{what}: {spec} looks like a Hugging Face Hub id, but slidedp reads local folders only (no "
+            f"download): fetch the model first, e.g. `huggingface-cli download {spec} --local-dir "
+            f"{spec.split('/')[1]}` on a machine with network access, and give that folder")
+
+
 def preset_config(name: str):
     """The transformers config of a preset shape; a clear error lists the presets."""
+    refuse_hub_id(name)
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: a local Hugging Face folder or one of {', '.join(PRESETS)}")
+    import transformers  # only when a preset is built: the command line lists PRESETS without it
+
     cls, hidden, inter, layers, heads, kv, head_dim, vocab, tied = PRESETS[name]
     return getattr(transformers, cls)(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,

@@ -261,3 +261,76 @@ def test_export_of_a_truncated_checkpoint_names_the_file(finished_run, tmp_path,
     layer.write_bytes(layer.read_bytes()[:50])
     assert main(["export", str(ck), str(tmp_path / "hf")]) == 2
     assert "state/layer-00002.safetensors has 50 bytes" in error_line(capsys, "export")
+
+
+# -- silent risks: sequences beyond the model's positions, budgets without a unit -----------------
+
+def _meta_llama(**config):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, **config)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_seq_len_beyond_the_models_positions_is_refused_naming_both_numbers():
+    import slidedp
+
+    smollm2_like = _meta_llama(max_position_embeddings=8192)  # SmolLM2's limit
+    with pytest.raises(ValueError, match=r"seq_len 9000 is beyond the 8192 positions"):
+        slidedp.plan(smollm2_like, "24GiB", batch_size=1, seq_len=9000, hardware="h100-sxm")
+    with pytest.raises(ValueError, match=r"seq_len 9000 is beyond the 8192 positions"):
+        slidedp.compile(smollm2_like, "24GiB", batch_size=1, seq_len=9000, device="cpu")
+    # a rope_scaling setting extends it: to the scaled limit where that is a plain factor
+    yarn = _meta_llama(max_position_embeddings=8192, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 8192})
+    from slidedp.api import check_positions
+
+    check_positions(yarn, 32768)
+    with pytest.raises(ValueError, match=r"seq_len 40000 is beyond the 32768 positions .*factor 4"):
+        check_positions(yarn, 40000)
+    check_positions(_meta_llama(max_position_embeddings=8192, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+                    100_000)
+    check_positions(_meta_llama(max_position_embeddings=8192), 8192)  # the limit itself is fine
+
+
+def test_plan_command_refuses_seq_len_beyond_the_presets_positions(capsys):
+    assert main(["plan", "qwen3-14b", "--budget", "40GiB", "--batch-size", "1", "--seq-len", "100000",
+                 "--hardware", "h100-sxm"]) == 2
+    line = error_line(capsys, "plan")
+    assert "seq_len 100000" in line and "40960" in line
+
+
+def test_train_refuses_seq_len_beyond_the_models_positions(rel_model_dir, rel_data, tmp_path, capsys):
+    assert train(rel_model_dir, rel_data, tmp_path, "seq_len=300") == 2  # the tiny model allows 256
+    line = error_line(capsys)
+    assert "seq_len 300" in line and "256" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "budget=24"],
+    ["plan", "llama-tiny", "--budget", "24", "--batch-size", "1", "--seq-len", "8"],
+    ["bench", "llama-tiny", "--budget", "24", "--seq-len", "8", "--tokens", "8"],
+])
+def test_a_budget_without_a_unit_is_refused_at_the_command_line(command, capsys):
+    assert main(command) == 2
+    line = error_line(capsys, command[0])
+    assert "24 has no unit" in line and "24GiB" in line
+    assert ("'budget'" if command[0] == "train" else "--budget") in line
+
+
+def test_a_budget_in_bytes_stays_bytes_in_python_and_explicit_at_the_command_line():
+    from slidedp.budget import Budget
+
+    assert Budget.parse(24).device_bytes == 24
+    assert load_config(None, ["budget=2000000000B"]).engine.budget == "2000000000B"
+    with pytest.raises(ValueError, match="config key 'budget': budget 24 has no unit"):
+        load_config(None, ["budget=24"])
+    path_values = {"budget": 24}  # a YAML/JSON number
+    from slidedp.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="has no unit"):
+        TrainConfig.from_dict(path_values)

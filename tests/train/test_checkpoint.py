@@ -220,3 +220,34 @@ def test_safetensors_writer_round_trip(tmp_path):
     assert torch.equal(dst, tensors["a"])
     with pytest.raises(CheckpointError, match="expected"):
         ckpt.read_safetensors_into(tmp_path / "x.safetensors", {"a": torch.empty(4)})
+
+
+def test_export_hf_writes_the_tokenizer_in_the_dtype_asked_readable_by_others(tmp_path):
+    import os
+    import stat
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.train.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    engine = compile_model(make_model("llama", tied=True))
+    engine.step(batches(1)[0])
+    state = engine.state_dict()
+    engine.export_hf(tmp_path / "fp32", tokenizer=tok)  # the engine's precision: fp32
+    engine.export_hf(tmp_path / "bf16", dtype="bf16")
+    with pytest.raises(ValueError, match="'bf16' or 'fp32'"):
+        engine.export_hf(tmp_path / "fp8", dtype="fp8")
+    engine.close()
+    assert AutoTokenizer.from_pretrained(tmp_path / "fp32")("def add").input_ids == tok("def add").input_ids
+    exact = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    for name, p in half.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, state[name].bfloat16()), name
+    for name, p in exact.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, state[name]), name
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [*(tmp_path / "fp32").iterdir(), *(tmp_path / "bf16").iterdir()]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f

@@ -73,8 +73,8 @@ def test_dotted_and_flat_overrides(tmp_path):
                                    r"section 'schedule'\)"),
     (["model.lr=1"], r"model.lr \('lr' belongs in section 'optimizer'\)"),
     (["optimizr.lr=1"], r"unknown config key\(s\): optimizr.lr \('lr' belongs in section 'optimizer'\)"),
-    (["optimizer.lrr=1"], r"unknown config key\(s\): optimizer.lrr \(known"),
-    (["lrr=1"], r"unknown config key\(s\): lrr \(known"),
+    (["optimizer.lrr=1"], r"unknown config key\(s\): optimizer.lrr \(did you mean 'lr'\?\) \(known"),
+    (["lrr=1"], r"unknown config key\(s\): lrr \(did you mean 'lr'\?\) \(known"),
     (["optimizer=1"], "config section 'optimizer' must be a mapping"),
 ])
 def test_key_in_the_wrong_section_or_unknown_is_refused_naming_it(overrides, words):

@@ -96,13 +96,18 @@ def test_export_from_checkpoint_loads_and_generates(run_a, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, _ = run_a
-    assert main(["export", str(out), str(tmp_path / "hf")]) == 0  # a run folder: its latest checkpoint
+    assert main(["export", str(out), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0  # a run folder: its latest
     assert "step 4" in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     weights = read_master_weights(list_checkpoints(out)[-1][1])
     for name, p in model.named_parameters():
         assert torch.equal(p, weights[name]), name
+    assert main(["export", str(out), str(tmp_path / "bf16")]) == 0  # default: bf16, as trained to run
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    for name, p in half.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, weights[name].bfloat16()), name
+    assert all((f.stat().st_mode & 0o044) == 0o044 for f in (tmp_path / "bf16").iterdir())  # readable by others
     prompt = tok("Question 3: what is", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == prompt.input_ids.shape[1] + 5
@@ -191,3 +196,27 @@ def test_resume_reuses_the_plan_of_a_sectioned_or_old_flat_checkpoint_config(run
         changed = config(tiny_model_dir, tiny_jsonl[0], out, "batch_size=1")
         assert _reusable_plan(ckpt, dict(state, config=old), changed, cpu, "fp32") is None
     assert _reusable_plan(ckpt, dict(state, config={"lr": "fast"}), cfg, cpu, "fp32") is None
+
+
+def test_resume_from_a_chosen_checkpoint(run_a, tiny_model_dir, tiny_jsonl, tmp_path, capsys):
+    """resume=PATH continues from that checkpoint (not the latest), verified like the latest; a folder
+    that is not a checkpoint is refused naming it."""
+    a, summary_a = run_a
+    step2 = dict(list_checkpoints(a))[2]
+    b = tmp_path / "b"
+    resumed = run(config(tiny_model_dir, tiny_jsonl[0], b, f"resume={step2}"))
+    assert resumed["start_step"] == 2 and resumed["losses"] == summary_a["losses"][2:]
+    wa, wb = read_master_weights(list_checkpoints(a)[-1][1]), read_master_weights(list_checkpoints(b)[-1][1])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    assert main(["train", *[f"{k}={v}" for k, v in (("model", tiny_model_dir), ("data", tiny_jsonl[0]),
+                                                   ("output_dir", tmp_path / "c"), ("resume", tiny_model_dir),
+                                                   ("seq_len", 32), ("device", "cpu"))]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"config key 'resume': {tiny_model_dir} is not a slidedp checkpoint folder" in err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(step2, broken)
+    (broken / "engine.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="engine.json"):
+        run(config(tiny_model_dir, tiny_jsonl[0], tmp_path / "d", f"resume={broken}"))
