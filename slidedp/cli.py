@@ -25,7 +25,7 @@ def _train(args) -> int:
     from slidedp.train.config import load_config
     from slidedp.train.job import run
 
-    run(load_config(args.config, args.overrides))
+    run(load_config(args.config, args.overrides), verbose=args.verbose)
     return 0
 
 
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="config keys (section: key = default: meaning):\n" + keys_help())
     p.add_argument("config", nargs="?", help="YAML/TOML/JSON config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides (the keys below)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the plan's whole summary (every decision and why) before the first step; "
+                        "without it, 3 lines (the run folder's plan.json has it all: slidedp inspect RUN/plan.json)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("export", help="a checkpoint (or a run folder's latest) to a Hugging Face folder")
