@@ -150,9 +150,11 @@ def _calibrate(args) -> int:
     from slidedp.profiler.calibrate import calibrate
 
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
-    profile.save(args.out)
-    print(json.dumps(profile.to_dict(), indent=2))
-    print(f"\nhardware profile written to {args.out} (use it with --hardware {args.out})")
+    profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
+    print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
+          f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
+          f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
+    print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     return 0
 
 
