@@ -25,7 +25,7 @@ def _train(args) -> int:
     from slidedp.train.config import load_config
     from slidedp.train.job import run
 
-    run(load_config(args.config, args.overrides))
+    run(load_config(args.config, args.overrides), verbose=args.verbose)
     return 0
 
 
@@ -150,9 +150,11 @@ def _calibrate(args) -> int:
     from slidedp.profiler.calibrate import calibrate
 
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
-    profile.save(args.out)
-    print(json.dumps(profile.to_dict(), indent=2))
-    print(f"\nhardware profile written to {args.out} (use it with --hardware {args.out})")
+    profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
+    print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
+          f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
+          f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
+    print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     return 0
 
 
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                        epilog="config keys (section: key = default: meaning):\n" + keys_help())
     p.add_argument("config", nargs="?", help="YAML/TOML/JSON config file")
     p.add_argument("overrides", nargs="*", help="key=value overrides (the keys below)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print the plan's whole summary (every decision and why) before the first step; "
+                        "without it, 3 lines (the run folder's plan.json has it all: slidedp inspect RUN/plan.json)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("export", help="a checkpoint (or a run folder's latest) to a Hugging Face folder")

@@ -1,6 +1,8 @@
 """Measure the running machine into a `Hardware` profile (`slidedp calibrate`).
 
-One function per measurement: each warms up, times a few repeats and keeps the median. The pure
+One function per measurement: each warms up, then torch.utils.benchmark's adaptive_autorange times
+blocks of calls until their spread (IQR / median) is under 10% or a time limit passes, and keeps the
+median; a measurement whose spread stays above 10% is warned about once (`Timings`). The pure
 helpers at the top turn those timings into the profile's fields (rates, the transfer-efficiency
 curve, AdamW by threads) and are what the tests check exactly, on synthetic timings.
 
@@ -18,12 +20,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
+import timeit
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from torch.utils import benchmark
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config
@@ -35,6 +38,7 @@ from slidedp.backend.state.device_state import adamw_piece_
 from slidedp.costmodel.hardware import Hardware
 from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM, transfer_efficiency
 from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, attention_flops
+from slidedp.logs import warn_once
 from slidedp.optim import AdamW
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -156,26 +160,66 @@ def default_sizes(cuda: bool, quick: bool) -> Sizes:
 # -- timing --------------------------------------------------------------------------------------
 
 
-def _time_s(fn: Callable[[], None], cuda: bool, *, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `fn()`: CUDA events on the current stream on CUDA, else wall clock."""
+SPREAD_WARN = 0.10  # IQR / median above which a measurement is called unstable
+# Seconds one measurement may take (torch.utils.benchmark's adaptive_autorange stops earlier once its
+# IQR / median is under SPREAD_WARN): full and --quick calibrations.
+MAX_RUN_S, QUICK_MAX_RUN_S = 2.0, 0.3
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measurement: the median seconds of a call, the spread (IQR / median) and the calls timed."""
+
+    label: str
+    median_s: float
+    spread: float
+    calls: int
+
+
+class Timings:
+    """Every measurement of one calibration, and a warning for each whose spread is large."""
+
+    def __init__(self, max_run_s: float = MAX_RUN_S, say: Progress | None = None):
+        self.max_run_s, self.say, self.all = max_run_s, say, []
+
+    def add(self, t: Timing) -> None:
+        self.all.append(t)
+        if t.spread > SPREAD_WARN:
+            warn_once(("calibrate", t.label, id(self)),
+                      "calibrate: %s varied by %.0f%% (IQR/median over %d calls, median %.4g ms): the machine may "
+                      "be busy; its figure is rougher, calibrate again on an idle machine", t.label, 100 * t.spread,
+                      t.calls, t.median_s * 1e3)
+
+    def unstable(self) -> list[Timing]:
+        return [t for t in self.all if t.spread > SPREAD_WARN]
+
+
+_timings = Timings()  # where _time_s records (calibrate() installs its own)
+
+
+def measure(fn: Callable[[], None], cuda: bool, *, label: str, warmup: int = 1,
+            max_run_s: float = MAX_RUN_S) -> Timing:
+    """Median and spread of `fn()` by torch.utils.benchmark's adaptive_autorange: blocks of calls
+    are timed until their IQR / median is under SPREAD_WARN (at least 4 blocks) or `max_run_s` has
+    passed. On CUDA the timer synchronizes the device; otherwise wall clock alone (so that copies
+    queued on the device, as the contended AdamW measurement wants, are not waited for)."""
     for _ in range(warmup):
         fn()
-    times = []
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return median_s(times)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, label=label,
+                            **({} if cuda else {"timer": timeit.default_timer}))
+    m = timer.adaptive_autorange(threshold=SPREAD_WARN, min_run_time=min(0.05, max_run_s), max_run_time=max_run_s)
+    calls = m.number_per_run * len(m.raw_times)
+    return Timing(label, median_s([m.median]), float(m.iqr / m.median) if m.median > 0 else 0.0, calls)
+
+
+def _time_s(fn: Callable[[], None], cuda: bool, *, repeats: int, warmup: int = 1, label: str | None = None) -> float:
+    """Median seconds of `fn()` (`measure`), recorded with its spread in the calibration's Timings.
+    `repeats` is kept for the callers' signatures: the number of calls is adaptive now."""
+    del repeats
+    t = measure(fn, cuda, label=label or getattr(fn, "__name__", "measurement"), warmup=warmup,
+                max_run_s=_timings.max_run_s)
+    _timings.add(t)
+    return t.median_s
 
 
 # -- measurements ----------------------------------------------------------------------------------
@@ -188,7 +232,7 @@ def measure_matmul_flops_per_s(device: torch.device, n: int, *, repeats: int) ->
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    seconds = _time_s(lambda: torch.mm(a, b, out=out), cuda, repeats=max(repeats, 5), warmup=2)
+    seconds = _time_s(lambda: torch.mm(a, b, out=out), cuda, repeats=max(repeats, 5), warmup=2, label="matmul")
     return 2.0 * n**3 / seconds
 
 
@@ -263,7 +307,7 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
 
     if compiled:
         step()  # compile outside the timing
-    return _time_s(step, cuda, repeats=repeats)
+    return _time_s(step, cuda, repeats=repeats, label="block fwd+bwd")
 
 
 def attention_flops_fwd_bwd(shape: BlockShape) -> tuple[int, int]:
@@ -288,8 +332,9 @@ def measure_attention_s(device: torch.device, shape: BlockShape, *, repeats: int
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     with torch.no_grad():
-        forward_s = _time_s(forward, cuda, repeats=repeats)
-    return forward_s, _time_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), cuda, repeats=repeats)
+        forward_s = _time_s(forward, cuda, repeats=repeats, label="attention fwd")
+    return forward_s, _time_s(lambda: torch.autograd.grad(forward(), (q, k, v), grad), cuda, repeats=repeats,
+                               label="attention fwd+bwd")
 
 
 class CopyBuffers:
@@ -334,13 +379,14 @@ def measure_h2d_by_size(buffers: CopyBuffers, sizes: Sequence[int], *, repeats: 
             for i in range(k):
                 buffers.h2d(i * size, size)
 
-        samples.append((size, _time_s(batch, buffers.cuda, repeats=repeats) / k))
+        samples.append((size, _time_s(batch, buffers.cuda, repeats=repeats,
+                                              label=f"H2D {format_bytes(size)}") / k))
     return samples
 
 
 def measure_d2h_s(buffers: CopyBuffers, *, repeats: int) -> float:
     """Seconds of one D2H copy of the whole buffer (pinned destination on CUDA)."""
-    return _time_s(buffers.d2h, buffers.cuda, repeats=repeats)
+    return _time_s(buffers.d2h, buffers.cuda, repeats=repeats, label="D2H")
 
 
 def measure_duplex_s(buffers: CopyBuffers, *, repeats: int) -> float:
@@ -350,7 +396,7 @@ def measure_duplex_s(buffers: CopyBuffers, *, repeats: int) -> float:
     memcpy one after the other, as the CPU backend runs its copy "streams" in order.
     """
     if not buffers.cuda:
-        return _time_s(lambda: (buffers.h2d(), buffers.d2h()), False, repeats=repeats)
+        return _time_s(lambda: (buffers.h2d(), buffers.d2h()), False, repeats=repeats, label="duplex")
     current, up, down = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
 
     def both():
@@ -361,7 +407,7 @@ def measure_duplex_s(buffers: CopyBuffers, *, repeats: int) -> float:
         current.wait_stream(up)
         current.wait_stream(down)
 
-    return _time_s(both, True, repeats=repeats)
+    return _time_s(both, True, repeats=repeats, label="duplex")
 
 
 def measure_host_dram_bytes_per_s(nbytes: int, *, repeats: int) -> float:
@@ -371,7 +417,7 @@ def measure_host_dram_bytes_per_s(nbytes: int, *, repeats: int) -> float:
     try:
         src = torch.ones(nbytes // 4, dtype=torch.float32)
         dst = torch.zeros_like(src)
-        seconds = _time_s(lambda: dst.copy_(src), False, repeats=repeats)
+        seconds = _time_s(lambda: dst.copy_(src), False, repeats=repeats, label="host DRAM copy")
     finally:
         torch.set_num_threads(threads)
     return 2.0 * src.numel() * 4 / seconds
@@ -399,7 +445,8 @@ def measure_adamw_s(state: AdamwState, threads: Sequence[int], *, repeats: int) 
     bf16 weights out) over the whole state, for each thread count."""
     torch_threads = torch.get_num_threads()  # Numba's OpenMP pool may share torch's setting
     try:
-        return [(t, _time_s(lambda t=t: state.step(t), False, repeats=repeats)) for t in threads]
+        return [(t, _time_s(lambda t=t: state.step(t), False, repeats=repeats,
+                                 label=f"CPU AdamW {t} threads")) for t in threads]
     finally:
         torch.set_num_threads(torch_threads)
 
@@ -424,7 +471,7 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     done[1].record(down)
     torch_threads = torch.get_num_threads()
     try:
-        seconds = _time_s(lambda: state.step(threads), False, repeats=repeats)
+        seconds = _time_s(lambda: state.step(threads), False, repeats=repeats, label="CPU AdamW contended")
     finally:
         torch.set_num_threads(torch_threads)
     overlapped = not (done[0].query() or done[1].query())
@@ -441,7 +488,7 @@ def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeat
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16, device=device)
     steps, opt = [torch.tensor(1.0, device=device)], AdamW()
     seconds = _time_s(lambda: adamw_piece_(master, exp_avg, exp_avg_sq, grad, steps, opt, clip=0.5),
-                      device.type == "cuda", repeats=repeats)
+                      device.type == "cuda", repeats=repeats, label="device AdamW")
     return numel * DEVICE_ADAMW_BYTES_PER_PARAM / seconds
 
 
@@ -459,7 +506,7 @@ def measure_gpu_p2p_bytes_per_s(nbytes: int, *, repeats: int) -> float | None:
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
 
-    return nbytes / _time_s(copy, False, repeats=repeats)
+    return nbytes / _time_s(copy, False, repeats=repeats, label="GPU-to-GPU copy")
 
 
 def host_memory_bytes() -> int:
@@ -491,7 +538,23 @@ def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress |
     model_shape: the transformer block whose fwd+bwd gives block_efficiency (a BlockShape or its
     fields as a dict); default a Qwen3-4B block at 4096 tokens on CUDA, a tiny one on the CPU.
     """
+    global _timings
     say = progress or (lambda line: None)
+    previous, _timings = _timings, Timings(QUICK_MAX_RUN_S if quick else MAX_RUN_S, say)
+    try:
+        hw = _calibrate(device, quick, say, model_shape)
+        unstable = _timings.unstable()
+        worst = max(_timings.all, key=lambda t: t.spread, default=None)
+        if worst is not None:
+            say(f"spread          {len(_timings.all)} measurements, medians of adaptive repeats; largest IQR/median "
+                f"{100 * worst.spread:.1f}% ({worst.label})"
+                + (f"; {len(unstable)} above {SPREAD_WARN:.0%}: rougher figures" if unstable else ""))
+        return hw
+    finally:
+        _timings = previous
+
+
+def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware:
     dev = resolve_device(device)
     cuda = dev.type == "cuda"
     sizes = default_sizes(cuda, quick)

@@ -198,12 +198,14 @@ def memory_chart(plan: "Plan", axis: TimeAxis) -> dict:
     }
 
 
-def group_decisions(decisions: "tuple[LayerDecision, ...]") -> list[dict]:
-    """Consecutive layers of one kind with identical decisions, as one table row each."""
+def group_decisions(decisions: "tuple[LayerDecision, ...]", device_state=(), streamed=()) -> list[dict]:
+    """Consecutive layers of one kind with identical decisions (where their optimizer state lives
+    and updates included), as one table row each."""
+    where = {i: "device" for i in device_state} | {i: "streamed" for i in streamed}
     groups: list[list] = []
     for d in decisions:
-        key = (d.kind, d.chunks, d.activation, d.delivery, d.reduction)
-        if groups and key == _key(groups[-1][0]):
+        key = (*_key(d), where.get(d.layer_id, "host"))
+        if groups and key == (*_key(groups[-1][0]), where.get(groups[-1][0].layer_id, "host")):
             groups[-1].append(d)
         else:
             groups.append([d])
@@ -215,9 +217,15 @@ def group_decisions(decisions: "tuple[LayerDecision, ...]") -> list[dict]:
             "label": label, "ids": f"{first.layer_id}" if len(group) == 1 else f"{first.layer_id}–{last.layer_id}",
             "count": len(group), "kind": first.kind, "params": f"{sum(d.numel for d in group):,}",
             "chunks": first.chunks, "activation": first.activation, "delivery": first.delivery,
-            "reduction": first.reduction,
+            "reduction": first.reduction, "optimizer": OPTIMIZER_WHERE[where.get(first.layer_id, "host")],
         })
     return rows
+
+
+OPTIMIZER_WHERE = {"host": "host (CPU AdamW)", "device": "device-resident",
+                   "streamed": "streamed (updated on the device)"}
+# solver entries whose values are seconds though their keys do not say so
+_SECONDS = ("candidates", "device_state_tried", "streamed_tried")
 
 
 def _key(d) -> tuple:
@@ -226,6 +234,15 @@ def _key(d) -> tuple:
 
 def _value(key: str, value) -> str:
     """A predicted or solver value for display: seconds in ms/s, numbers compact, the rest as text."""
+    if isinstance(value, dict):
+        hint = "_s" if key in _SECONDS else ""
+        return ", ".join(f"{k}: {_value(k if not hint else k + hint, v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "; ".join(_value(key, v) for v in value)
+    if isinstance(value, float) and key in ("relative_gap",):
+        return f"{100 * value:.2f}%"
+    if value is None:
+        return "–"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if key.endswith("_s"):
@@ -306,7 +323,12 @@ def render_html(plan: "Plan") -> str:
         no_memory_timeline=NO_MEMORY_TIMELINE,
         colours=list(KIND_COLOURS.items()),
         kinds=[(k, KIND_COLOURS[k]) for k in OP_KINDS if k in used_kinds],
-        decisions=group_decisions(plan.decisions),
+        decisions=group_decisions(plan.decisions, plan.device_state, plan.streamed_updates),
+        alternatives=[{"decision": a.decision, "chosen": a.chosen, "runner_up": a.runner_up,
+                       "chosen_step": format_time(a.chosen_step_s),
+                       "runner_up_step": "does not fit" if a.runner_up_step_s is None
+                       else format_time(a.runner_up_step_s),
+                       "reason": a.reason} for a in plan.alternatives],
         notes=plan.notes,
     )
 

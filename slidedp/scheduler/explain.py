@@ -8,13 +8,11 @@ from dataclasses import replace
 
 from slidedp.budget import format_bytes
 from slidedp.costmodel import ops
-from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions
-from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.plan import Alternative, GroupPrediction
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes
-from slidedp.scheduler.oracles.timeline import Simulation
+from slidedp.scheduler.oracles.timeline import Simulation, simulate
 
 LANES = (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)
 
@@ -91,17 +89,23 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
 
 
 def _try(costs: ProblemCosts, d: Decisions, budget_bytes: int):
-    """(step_s or None if it does not fit, peak bytes) of some decisions."""
-    keys = build_lanes(costs.n_blocks, d.window, False).compute_keys
-    peak = evaluate(costs, d, keys).peak_bytes
+    """(step_s or None if it does not fit, peak bytes) of some decisions, simulated as the plan is
+    (the same oracle, with its streamed updates, early updates and device-resident state), so that
+    a runner-up differs from the plan only in the decision changed. None when the simulator refuses
+    the decisions (a combination the plan's other decisions rule out)."""
+    try:
+        sim = simulate(costs, d, all_ranks=False)
+    except (ValueError, KeyError):
+        return None
+    peak = sim.peak_bytes
     if not costs.fits(d, peak, budget_bytes):
         return None, peak
-    return closed_form.evaluate(costs, d).makespan * costs.scale.tick_s, peak
+    return sim.step_s, peak
 
 
 def _runner_up(costs, budget_bytes, candidates):
     """The fastest candidate that fits, else the one needing the least memory."""
-    tried = [(name, d, *_try(costs, d, budget_bytes)) for name, d in candidates]
+    tried = [(name, d, *r) for name, d in candidates if (r := _try(costs, d, budget_bytes)) is not None]
     if not tried:
         return None
     fitting = [t for t in tried if t[2] is not None]

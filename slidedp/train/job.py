@@ -4,6 +4,8 @@ The run's folder (`output_dir`):
 
     .slidedp.lock                  the lock of the folder (runlock.py): one `slidedp train` or export at a time
     config.json                    the resolved config of the run, in sections (`load_config` reads it)
+    plan.json                      the plan the run follows (`slidedp inspect RUN/plan.json` prints it whole;
+                                   `slidedp report RUN/plan.json --html OUT.html` draws it)
     metrics.jsonl                  one record per step (see metrics.py)
     checkpoints/step-00000024/     the engine's state (slidedp/run/checkpoint.py), plus this job's
                                    `trainer_state.json` (step, schedule, data position, config)
@@ -46,7 +48,8 @@ import accelerate
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slidedp.costmodel.hardware import resolve_hardware
+from slidedp.budget import format_bytes
+from slidedp.costmodel.hardware import PRESETS as HARDWARE_PRESETS, resolve_hardware
 from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
 from slidedp.run.checkpoint import (
     ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, atomic_checkpoint, check_rng_files, read_checkpoint_json,
@@ -387,17 +390,61 @@ def newest_usable_checkpoint(output_dir: Path, check, *, what: str) -> tuple[Pat
     raise CheckpointError(f"no checkpoint of {output_dir} can be used ({'; '.join(skipped) or 'none is complete'})")
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as the config says; returns a summary (losses, steps, last checkpoint).
+def preset_guess(plan: Plan) -> bool:
+    """Whether the plan's hardware profile is a guess for this machine, not a measurement of it: the
+    "cpu" preset (no GPU), or an unknown GPU given a preset's figures (costmodel.hardware.resolve_hardware
+    warns once of either). Its predicted step time is then a preset's estimate, not a prediction."""
+    name = str(plan.hardware.get("name", ""))
+    return name == "cpu" or (name not in HARDWARE_PRESETS and not name.startswith("calibrated:"))
+
+
+def plan_brief(plan: Plan, plan_path: Path | str) -> str:
+    """Three lines on the plan a run follows: what runs where; predicted step and peak memory; where
+    the whole plan is (`Plan.summary()`, printed by --verbose)."""
+    blocks = [d for d in plan.decisions if d.kind == "block"]
+    host_layers = len(plan.decisions) - len(plan.device_state)
+    where = [f"{len(blocks)} blocks streamed through a window of {plan.window} on the device",
+             f"AdamW on the CPU for {host_layers - len(plan.streamed_updates)} layer(s)"]
+    if plan.device_state:
+        where.append(f"{len(plan.device_state)} layer(s) with optimizer state on the device")
+    if plan.streamed_updates:
+        where.append(f"{len(plan.streamed_updates)} updated on the device, state streamed")
+    if plan.early_order:
+        where.append("updates during the backward")
+    acts: dict[str, int] = {}
+    for d in blocks:
+        acts[d.activation] = acts.get(d.activation, 0) + 1
+    if acts:
+        where.append("activations: " + ", ".join(f"{n} {a}" for a, n in sorted(acts.items())))
+    w = plan.workload
+    first = (f"[slidedp] schedule: {', '.join(where)} ({w.world_size} rank(s), {w.precision}, "
+             f"hardware {plan.hardware.get('name', '?')})")
+    step_s = plan.predicted.get("step_s") if plan.predicted else None
+    if step_s is None:
+        step = "step time not predicted"
+    elif preset_guess(plan):
+        step = f"step ~{step_s * 1e3:.4g} ms by the preset's nominal figures (not measured here: an estimate)"
+    else:
+        step = f"predicted step {step_s * 1e3:.4g} ms"
+    memory = f"peak device memory {format_bytes(plan.peak_device_bytes)} of {format_bytes(plan.budget_bytes)}"
+    if plan.peak_host_bytes:
+        memory += f", host {format_bytes(plan.peak_host_bytes)}"
+    return "\n".join([first, f"[slidedp] {step}; {memory}",
+                      f"[slidedp] the whole plan and why: slidedp inspect {plan_path} (or train --verbose)"])
+
+
+def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
+    """Train as the config says; returns a summary (losses, steps, last checkpoint). `verbose`
+    prints the plan's whole summary (its decisions and why) before the first step, else 3 lines.
 
     The run folder is locked (runlock.py) for the whole run; nothing in it is changed or deleted
     before the model, the data and the plan have loaded."""
     cfg.validate()
     with run_folder_lock(cfg.checkpoint.output_dir):
-        return _run_locked(cfg, Path(cfg.checkpoint.output_dir))
+        return _run_locked(cfg, Path(cfg.checkpoint.output_dir), verbose)
 
 
-def _run_locked(cfg: TrainConfig, out: Path) -> dict:
+def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
     # the solver (OR-Tools) only here: `slidedp export` imports this module for its checkpoint helpers
     from slidedp import api
 
@@ -477,13 +524,16 @@ def _run_locked(cfg: TrainConfig, out: Path) -> dict:
             raise
         _log(f"[slidedp] the checkpoint's plan does not fit ({exc}): solving a new one")
         engine = api.compile(model, cfg.engine.budget, **kwargs)
-    _log(engine.plan.summary())
+    if verbose:
+        _log(engine.plan.summary())
+    _log(plan_brief(engine.plan, out / "plan.json"))
     with engine:
         # Everything has loaded: only now is the folder changed.
         if overwrite:
             _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
             shutil.rmtree(out / CHECKPOINTS)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        engine.plan.save(out / "plan.json")
         if trainer_state is None:
             # A fresh run's generators start from the seed whatever loading the model consumed (a
             # random init draws from them); a resumed run's are the checkpoint's (read_engine_state).
@@ -518,6 +568,9 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
                  max_steps=cfg.training.max_steps, min_lr=cfg.schedule.min_lr)
     flops = model_flops_per_step(engine.graph, rows_per_step // cfg.training.batch_size)
     peak = peak_flops_per_s(engine.plan, device)
+    # A preset's guess for this machine (plan_brief said so, and the hardware module warned once)
+    # is kept under a name that says so and left off the per-step line.
+    predicted_key = "preset_estimate_step_s" if preset_guess(engine.plan) else "predicted_step_s"
     losses: list[float] = []
     checkpoint = resume_from
     keep_last = cfg.checkpoint.keep_last
@@ -554,7 +607,7 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
                     "skipped_steps": engine.skipped_steps,
                     "clip_coef": info.clip_coef, "trained_tokens": info.tokens, "tokens_per_s": n_tokens / step_s,
                     "tflops": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
-                    "step_s": step_s, "predicted_step_s": engine.plan.predicted_step_time_s, "epoch": train.epoch,
+                    "step_s": step_s, predicted_key: engine.plan.predicted_step_time_s, "epoch": train.epoch,
                     "device_bytes": device_memory_bytes(device), "host_rss_bytes": host_rss_bytes(),
                 }
                 if info.skipped:

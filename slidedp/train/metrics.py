@@ -4,11 +4,13 @@
   where it was measured); a resumed run first drops the records of steps after its checkpoint.
 - the per-step line (every ``log_every`` steps, stderr): loss, gradient norm, learning rate,
   tokens/s, TFLOP/s and MFU (where the device's peak is known), device and host memory,
-  measured vs predicted step time.
+  measured vs predicted step time (the prediction only where the hardware profile is a
+  measurement or the preset of this GPU: a preset's guess for this machine, the "cpu" preset or
+  an unknown GPU, is recorded as ``preset_estimate_step_s`` and left off the line).
 - a progress bar: tqdm when installed (the per-step lines are printed above it), else the
   per-step lines alone, which carry the step count and the remaining time.
 - TensorBoard scalars under ``<output_dir>/tensorboard`` when the ``tensorboard`` package is
-  installed (never required).
+  installed (never required; without it, a warning once says so).
 
 FLOPs per step come from the layer graph (``LayerCosts`` per micro-batch: forward + backward,
 without recomputation, the usual model-FLOPs convention); the peak is the plan's hardware
@@ -25,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from slidedp.logs import warn_once
 
 
 def model_flops_per_step(graph, micro_batches: int) -> float:
@@ -78,7 +82,8 @@ def format_line(r: dict, max_steps: int, eta_s: float | None) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts += [f"dev {_gib(r.get('device_bytes'))}", f"host {_gib(r.get('host_rss_bytes'))}",
-              f"step {r['step_s']:.2f}s (predicted {r['predicted_step_s']:.2f}s)"]
+              f"step {r['step_s']:.2f}s" + (f" (predicted {r['predicted_step_s']:.2f}s)"
+                                             if r.get("predicted_step_s") is not None else "")]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite gradient)")
     if eta_s is not None:
@@ -127,6 +132,10 @@ class MetricsLogger:
             self.file.write(line + "\n")
         self.file.flush()
         self.tb = _tensorboard_writer(out_dir / "tensorboard") if tensorboard else None
+        if tensorboard and self.tb is None:
+            warn_once(("tensorboard",), "TensorBoard is not installed: no scalars under %s (metrics.jsonl has "
+                      "every record); `pip install tensorboard` to get them, or tensorboard=false to silence this",
+                      out_dir / "tensorboard")
         self.bar = None
         if progress:  # disable=None: no bar when stderr is not a terminal (logs get the lines only)
             self.bar = _tqdm(total=max_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,

@@ -132,3 +132,32 @@ def test_report_renders_in_headless_chromium(make_plan, tmp_path):
     keep = os.environ.get("SLIDEDP_REPORT_SCREENSHOT")
     if keep:
         shutil.copy(png, keep)
+
+
+def test_report_explains_why_with_formatted_numbers_and_where_state_lives(tmp_path):
+    """The "why these decisions" of the CLI, each alternative's reason; the solver card in ms/s, %,
+    no raw dicts or float noise; device-resident and streamed layers named in the decisions table."""
+    import html as html_lib
+    import re
+
+    import torch
+
+    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.ir.build import build_layer_graph
+    from slidedp.scheduler.decisions import SolverOptions
+    from slidedp.scheduler.solve import solve_plan
+    from tests.models import make_model
+
+    graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.float32)
+    plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
+                      streamed_updates=True, options=SolverOptions(streamed_layers=1))
+    assert plan.alternatives and plan.streamed_updates
+    to_html(plan, tmp_path / "r.html")
+    text = html_lib.unescape((tmp_path / "r.html").read_text(encoding="utf-8"))
+    assert "Why these decisions" in text
+    for a in plan.alternatives:
+        assert a.reason in text and a.decision in text
+    assert "streamed (updated on the device)" in text and "host (CPU AdamW)" in text
+    card = text[text.index("<h3>Solver"):text.index("<h2>Predicted timeline")]
+    assert "{" not in card and "'" not in card  # no raw dicts
+    assert not re.search(r"\.\d{8,}", card)  # no float noise

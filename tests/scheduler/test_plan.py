@@ -131,3 +131,53 @@ def test_unknown_hardware_is_refused_naming_the_presets(tmp_path, capsys):
                  "--hardware", "tpu-v5", "--out", str(tmp_path / "p.json")]) == 2
     assert not (tmp_path / "p.json").exists()
     assert "unknown hardware 'tpu-v5'" in capsys.readouterr().err
+
+
+def test_alternatives_keep_the_rest_of_the_plan(monkeypatch):
+    """Each "why" line sets the plan itself against the plan with one decision changed: the chosen
+    side is the plan's predicted step, and the runner-up keeps its streamed updates, early updates
+    and device-resident state (simulated by the same oracle, not a closed form without them)."""
+    from dataclasses import replace
+
+    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.ir.build import build_layer_graph
+    from slidedp.scheduler import explain
+    from slidedp.scheduler.decisions import Problem, SolverOptions
+    from slidedp.scheduler.oracles.timeline import simulate
+    from slidedp.scheduler.problem.costs import ProblemCosts
+    from slidedp.scheduler.solve import solve, solve_plan
+
+    graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.float32)
+    options = SolverOptions(streamed_layers=2, device_state_blocks=0)
+    plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
+                      streamed_updates=True, options=options)
+    assert len(plan.streamed_updates) == 2 and plan.alternatives
+    tick = plan.solver["tick_s"]
+    for a in plan.alternatives:
+        assert abs(a.chosen_step_s - plan.predicted_step_time_s) <= tick, a
+
+    costs = ProblemCosts(Problem(graph, PRESETS["cpu"], 1, 2, streamed_updates=True), options)
+    d = solve(costs, 2**30).decisions
+    assert d.streamed
+    seen = []
+
+    def spy(c, other, **kw):
+        seen.append(other)
+        return simulate(c, other, **kw)
+
+    monkeypatch.setattr(explain, "simulate", spy)
+    sim = simulate(costs, d, record=True)
+    alts = explain.alternatives(costs, d, sim, 2**30)
+    assert seen and all(abs(a.chosen_step_s - sim.step_s) <= tick for a in alts)
+    for other in seen:  # one decision changed, everything else the plan's own
+        assert (other.streamed, other.early_order) == (d.streamed, d.early_order)
+        changed = {"window"} if other.window != d.window else set()
+        changed |= {"update_order"} if other.update_order != d.update_order else set()
+        for mine, theirs in zip(d.layers, other.layers):
+            changed |= {f for f in ("chunks", "activation", "delivery", "reduction")
+                        if getattr(mine, f) != getattr(theirs, f)}
+        assert len(changed) == 1, changed
+    window = next(a for a in alts if a.decision == "window")
+    w = int(window.runner_up.split()[-1])
+    assert window.runner_up_step_s == pytest.approx(
+        simulate(costs, replace(d, window=w), all_ranks=False).step_s)

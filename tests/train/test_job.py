@@ -77,9 +77,10 @@ def test_run_writes_config_metrics_and_checkpoints(run_a, tiny_model_dir, tiny_j
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["lr"] for r in records] == pytest.approx([5e-3 / 3, 2 * 5e-3 / 3, 5e-3, 5e-3])  # warm-up
     for r in records:
-        for key in ("loss", "grad_norm", "tokens_per_s", "tflops", "step_s", "predicted_step_s", "host_rss_bytes",
-                    "val_loss"):
+        for key in ("loss", "grad_norm", "tokens_per_s", "tflops", "step_s", "preset_estimate_step_s",
+                    "host_rss_bytes", "val_loss"):
             assert r[key] > 0, key
+        assert "predicted_step_s" not in r  # the "cpu" preset's figure is no prediction for this machine
         assert r["mfu"] is None and r["device_bytes"] is None  # no GPU: no known peak, no device memory
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["val_loss"] < records[0]["val_loss"]
     assert summary["val_loss"] == records[-1]["val_loss"]
@@ -90,6 +91,35 @@ def test_run_writes_config_metrics_and_checkpoints(run_a, tiny_model_dir, tiny_j
     for name in ("hf/config.json", "hf/tokenizer.json", "hf/tokenizer_config.json", "plan.json", "engine.json"):
         assert (last / name).is_file(), name
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_train_prints_a_short_plan_and_keeps_the_whole_one(tiny_model_dir, tiny_jsonl, tmp_path, capsys,
+                                                          monkeypatch):
+    """Before the first step: 3 lines (where things run, the step and peak memory, where the whole
+    plan is), the CPU preset named once as a guess and never as a per-step prediction; --verbose
+    prints the whole summary; the run folder keeps plan.json, which `inspect` reads."""
+    from slidedp import logs
+    from slidedp.scheduler.plan import Plan
+
+    monkeypatch.setattr(logs, "_warned", set())
+    out = tmp_path / "short"
+    common = [f"model={tiny_model_dir}", f"data={tiny_jsonl[0]}", "max_steps=1", "batch_size=2", "seq_len=32",
+              "val_fraction=0", "precision=fp32", "device=cpu", "progress=false", "tensorboard=false"]
+    assert main(["train", *common, f"output_dir={out}"]) == 0
+    err = capsys.readouterr().err
+    brief = [line for line in err.splitlines() if line.startswith("[slidedp] schedule: ")]
+    assert len(brief) == 1 and "blocks streamed through a window of" in brief[0], err
+    assert f"slidedp inspect {out / 'plan.json'}" in err and "peak device memory" in err
+    assert "why these decisions" not in err and "device memory at the peak" not in err  # not the solver dump
+    assert err.count("'cpu' preset") == 1 and "an estimate" in err  # said once, as a guess
+    step_lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert step_lines and not any("predicted" in line for line in step_lines)
+    assert Plan.load(out / "plan.json").predicted_step_time_s > 0
+    assert main(["inspect", str(out / "plan.json")]) == 0 and "why these decisions" in capsys.readouterr().out
+
+    assert main(["train", *common, f"output_dir={tmp_path / 'verbose'}", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "why these decisions" in err and "[slidedp] schedule: " in err
 
 
 def test_export_from_checkpoint_loads_and_generates(run_a, tmp_path, capsys):

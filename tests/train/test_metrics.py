@@ -19,6 +19,21 @@ def test_per_step_line_has_every_figure():
                   "eta 2:05"):
         assert words in line, words
     assert "MFU" not in format_line({**RECORD, "mfu": None}, 10, None)
+    # a preset's guess for this machine is no prediction: kept under its own name, off the line
+    guess = {k: v for k, v in RECORD.items() if k != "predicted_step_s"} | {"preset_estimate_step_s": 0.3}
+    assert "step 0.40s" in format_line(guess, 10, None) and "predicted" not in format_line(guess, 10, None)
+
+
+def test_missing_tensorboard_is_said_once(tmp_path, monkeypatch, caplog):
+    from slidedp import logs
+
+    monkeypatch.setattr(logs, "_warned", set())
+    monkeypatch.setattr(metrics, "_tensorboard_writer", lambda log_dir: None)
+    for _ in range(2):
+        MetricsLogger(tmp_path, max_steps=1, start_step=0, log_every=1, progress=False, tensorboard=True).close()
+    MetricsLogger(tmp_path, max_steps=1, start_step=0, log_every=1, progress=False, tensorboard=False).close()
+    said = [r.getMessage() for r in caplog.records if "TensorBoard is not installed" in r.getMessage()]
+    assert len(said) == 1 and "tensorboard=false" in said[0]
 
 
 class FakeWriter:
