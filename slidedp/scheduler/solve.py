@@ -142,6 +142,14 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         chosen_by += " + streamed updates"
         results = [replace(r, best_bound=None) for r in results]
         lower = cpsat.lower_bound(costs, streamed=True)
+    # The searches above judge window, chunks, activations, routes and update order at the step
+    # boundary, and a time-limited CP-SAT may stop short: descend from the final decisions by
+    # whole-group moves (the ones the plan's alternatives are compared with), crediting what it changes.
+    polished = local_search.search(costs, budget_bytes, decisions, name="local search")
+    if polished.makespan < best_sim.makespan:
+        changed = local_search.changed(decisions, polished.decisions)
+        decisions, best_sim = polished.decisions, polished.simulation
+        chosen_by += f" + local search ({', '.join(changed)})"
 
     best_ticks = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
@@ -213,7 +221,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         plan = plan.replace(alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
     if explain and len(sol.streamed_tried) > 1 and len(plan.streamed_updates) in sol.streamed_tried:
         plan = plan.replace(alternatives=plan.alternatives + (
-            _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates)),))
+            _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates), _polished(sol.chosen_by)),))
     return plan
 
 
@@ -222,6 +230,10 @@ def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions) -
     core = sol.chosen_by.split(" + ")[0]
     searches = {"window, chunks, activations, routes, update owners":
                 "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"}
+    polish = _polished(sol.chosen_by)
+    if polish:
+        searches[f"{polish}, changed last"] = ("local search from the decisions above, judged by the simulator "
+                                               "(search/local_search.py)")
     if options.device_state_blocks is not None:
         searches["optimizer state on the device"] = "fixed by SolverOptions.device_state_blocks"
     elif len(device_state_tried) > 1:
@@ -235,11 +247,20 @@ def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions) -
     return searches
 
 
-def _streamed_alternative(tried: dict[int, float], chosen: int) -> Alternative:
-    """The number of host layers whose update is streamed through the device, against the best other."""
+def _polished(chosen_by: str) -> str:
+    """The decision families the final local search changed ("" if none)."""
+    last = chosen_by.split(" + ")[-1]
+    return last[len("local search ("):-1] if last.startswith("local search (") else ""
+
+
+def _streamed_alternative(tried: dict[int, float], chosen: int, polished: str = "") -> Alternative:
+    """The number of host layers whose update is streamed through the device, against the best other
+    (as the sweep found them: before the final local search, when it changed `polished`)."""
     other = min((k for k in tried if k != chosen), key=lambda k: (tried[k], k))
     why = ("each streamed layer's update leaves the CPU, whose AdamW the next forward waits for, but its "
            "state crosses PCIe both ways (14 bytes per parameter each way) before the forward may load it")
+    if polished:
+        why += f"; times from the sweep, before the final local search changed the {polished}"
     return Alternative("streamed updates", f"{chosen} layers", f"{other} layers", tried[chosen], tried[other], 0,
                        f"{chosen} layers: {tried[chosen] * 1e3:.1f} ms; {other} layers: {tried[other] * 1e3:.1f} ms. "
                        f"{why}")

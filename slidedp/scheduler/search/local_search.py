@@ -16,7 +16,15 @@ from slidedp.scheduler.search.found import Found
 
 
 def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
-    """Makespan in ticks (closed_form: the simulator's number), or infinity if `d` does not fit."""
+    """Makespan in ticks, or infinity if `d` does not fit: closed_form (the simulator's number) for
+    step-boundary decisions, the simulator itself for early or streamed updates (which closed_form
+    does not model; infinity where it refuses a combination)."""
+    if d.early_order or d.streamed:
+        try:
+            sim = simulate(costs, d, all_ranks=False)
+        except (ValueError, KeyError):
+            return float("inf")
+        return sim.makespan if costs.fits(d, sim.peak_bytes, budget_bytes) else float("inf")
     keys = build_lanes(costs.n_blocks, d.window, False).compute_keys
     if not costs.fits(d, evaluate(costs, d, keys).peak_bytes, budget_bytes):
         return float("inf")
@@ -25,8 +33,9 @@ def score(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> float:
 
 def moves(costs: ProblemCosts, d: Decisions):
     """Neighbours of `d`: another window; the other update order; another route, or another chunk
-    count, for a whole group (prologue, blocks, epilogue); every block to one policy; one more block
-    kept or offloaded (the latest recomputed one); one fewer (the earliest)."""
+    count, for a whole group (prologue, blocks, epilogue); every block to one policy, or the blocks of
+    one policy to another; one more block kept or offloaded (the latest recomputed one); one fewer
+    (the earliest). These include every alternative the plan's explanation compares (explain.py)."""
     blocks = sorted(costs.blocks)
     groups = {"prologue": [0], "blocks": blocks, "epilogue": [costs.epilogue_id]}
     W = costs.problem.world_size
@@ -47,6 +56,12 @@ def moves(costs: ProblemCosts, d: Decisions):
     for a in costs.options.activations:
         if any(d.layers[i].activation != a for i in blocks):
             yield d.replace_layers(blocks, activation=a)
+    policies = sorted({d.layers[i].activation for i in blocks})
+    for policy in policies if len(policies) > 1 else ():  # the blocks of one policy to another
+        ids = [i for i in blocks if d.layers[i].activation == policy]
+        for a in costs.options.activations:
+            if a != policy:
+                yield d.replace_layers(ids, activation=a)
     recomputed = [i for i in blocks if d.layers[i].activation == RECOMPUTE]
     for a in (KEEP, OFFLOAD):
         if a not in costs.options.activations:
@@ -79,3 +94,14 @@ def search(costs: ProblemCosts, budget_bytes: int, start: Decisions, *, name: st
     """`improve` as a search strategy: steepest descent from `start`."""
     d = improve(costs, start, budget_bytes, max_evaluations=costs.options.local_search_evaluations)
     return Found(name, d, simulate(costs, d, all_ranks=False))
+
+
+def changed(before: Decisions, after: Decisions) -> list[str]:
+    """The decision families that differ between two decisions, in words."""
+    out = [name for name, attr in (("window", "window"), ("update order", "update_order")) if
+           getattr(before, attr) != getattr(after, attr)]
+    for name, attr in (("chunks", "chunks"), ("activations", "activation"), ("delivery", "delivery"),
+                       ("reduction", "reduction")):
+        if any(getattr(a, attr) != getattr(b, attr) for a, b in zip(before.layers, after.layers)):
+            out.append(name)
+    return out
