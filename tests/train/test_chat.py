@@ -203,6 +203,9 @@ def test_smollm2_chat_end_to_end(tmp_path):
     assert main(["export", str(out), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids, labels = tokenize_chat(_example({"messages": CONVERSATION}, "x").messages, tok)
+    # the header's newline and the reply's leading spaces are one token: it overlaps the reply, so it is trained
+    assert trained_spans(tok, ids, labels) == ["Answer: four.<|im_end|>", "\n    return a + b<|im_end|>"]
     prompt = tok.apply_chat_template([{"role": "user", "content": "Greet Ada."}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
     generated = model.generate(**prompt, max_new_tokens=6, do_sample=False)
