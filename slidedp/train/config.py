@@ -67,13 +67,25 @@ class DataConfig:
     encoding: str = _key("utf-8", "text encoding of the .txt files, decoded strictly (JSONL is always UTF-8)")
     packing: bool = _key(True, "pack examples into full rows; false: one example a row, padded and masked")
     max_rows: int = _key(0, "rows of data to use; 0: all (16 for stdlib)")
+    chat_template: str = _key("", "a Jinja chat template, or a .jinja file, for chat data (messages or "
+                                  "conversations); empty: the tokenizer's own")
     val_fraction: float = _key(0.0, "fraction of the rows held out for the validation loss")
+    val_data: str = _key("", ".txt/.jsonl/.parquet files and folders, comma-separated, for the validation loss "
+                             "(instead of val_fraction)")
     val_every: int = _key(0, "validation loss every this many steps (and at the end); 0: at the end only")
 
     def validate(self) -> None:
         _check_at_least(self, "max_rows", "val_every", least=0)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"config key 'val_fraction' must be in [0, 1), got {self.val_fraction}")
+        if self.val_data and self.val_fraction > 0:
+            raise ValueError(f"config keys 'val_data' and 'val_fraction' exclude each other: validate on the files "
+                             f"of val_data ({self.val_data}) or on a held-out fraction of data, not both")
+        for key in ("val_data", "chat_template"):
+            if "\0" in getattr(self, key):
+                raise ValueError(f"config key {key!r} contains a NUL character")
+        if self.val_data and not self.val_data.strip(" ,"):
+            raise ValueError("config key 'val_data' names no file")
         _check_text(self, "data", "encoding")
         try:
             codec = codecs.lookup(self.encoding)
@@ -286,9 +298,9 @@ def _normalize(values: dict, where: str) -> dict:
             if name in flat:
                 raise ValueError(f"{where}: config key {name!r} is given twice (flat and in section "
                                  f"{SECTION_OF[name]!r}, or twice in it)")
-            if name == "data" and isinstance(value, list):  # a YAML/TOML list of files and folders
+            if name in ("data", "val_data") and isinstance(value, list):  # a YAML/TOML list of files and folders
                 if not all(isinstance(v, str) for v in value):
-                    raise TypeError(f"config key 'data': a list must hold file or folder names, got {value!r}")
+                    raise TypeError(f"config key {name!r}: a list must hold file or folder names, got {value!r}")
                 value = ",".join(value)
             flat[name] = value
     if unknown:

@@ -145,7 +145,7 @@ def load_data(cfg: TrainConfig, tokenizer):
     data, seq_len, seed = cfg.data, cfg.training.seq_len, cfg.training.seed
     if data.data != "stdlib":
         return load_dataset(data.data, tokenizer, seq_len, packing=data.packing, max_rows=data.max_rows or None,
-                            seed=seed, encoding=data.encoding)
+                            seed=seed, encoding=data.encoding, chat_template=data.chat_template)
     max_rows = data.max_rows or STDLIB_ROWS
     if data.packing:
         return stdlib_dataset(tokenizer, seq_len, max_rows=max_rows, seed=seed)
@@ -493,7 +493,11 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
     api.check_positions(model, cfg.training.seq_len)  # before the data is cut into rows of seq_len
     data = load_data(cfg, tokenizer)
     train, val = (data, None)
-    if cfg.data.val_fraction > 0:
+    if cfg.data.val_data:
+        val = load_dataset(cfg.data.val_data, tokenizer, cfg.training.seq_len, packing=cfg.data.packing,
+                           seed=cfg.training.seed, encoding=cfg.data.encoding, chat_template=cfg.data.chat_template,
+                           key="val_data")
+    elif cfg.data.val_fraction > 0:
         train, val = data.split(cfg.data.val_fraction)
         if len(val) == 0:
             _log(f"[slidedp] val_fraction={cfg.data.val_fraction}: too few rows ({len(data)}) to hold out any")

@@ -9,6 +9,14 @@ prompt's tokens get label -100 so that only the completion is trained):
   blank lines are skipped.
 - ``.parquet``: a ``text`` column, or ``prompt`` and ``completion`` columns (needs ``pyarrow``,
   imported only when a parquet file is read).
+- chat, in ``.jsonl`` or ``.parquet``: ``{"messages": [{"role": "system"|"user"|"assistant",
+  "content": "..."}, ...]}``, or the ShareGPT shape ``{"conversations": [{"from": "human"|"gpt"|
+  "system", "value": "..."}, ...]}`` (human -> user, gpt -> assistant). A conversation is rendered
+  by the tokenizer's chat template (or the config key ``chat_template``) and only the assistant
+  turns are trained: their content and the template's end-of-turn token; the role headers, the
+  system and user turns get -100 (`tokenize_chat`). No EOS is appended: the template ends the turn.
+  A template whose rendering is not prefix-stable is refused, as are a conversation with no
+  assistant turn, an unknown role and a content that is not a string.
 
 ``data`` names files and folders, comma-separated; a folder contributes every file of these
 kinds below it, in sorted order. Examples are read lazily and reading stops once ``max_rows``
@@ -20,7 +28,8 @@ Two ways to make rows of exactly ``seq_len`` tokens:
   rows (the incomplete tail is dropped). No attention mask: examples in a row see each other,
   as in the usual packed training. For plain texts this gives exactly the rows of
   ``data.pack_sequences``.
-- padding (``packing=False``): one example a row, truncated to ``seq_len``, EOS appended if it
+- padding (``packing=False``): one example a row, truncated to ``seq_len`` (its first ``seq_len``
+  tokens: a conversation loses its last turns, labels cut at the same place), EOS appended if it
   fits, filled with the pad token (the tokenizer's, else EOS); ``attention_mask`` is 0 and the
   label -100 on the filling.
 
@@ -49,13 +58,16 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 @dataclass(frozen=True)
 class Example:
-    text: str  # the text, or the completion
+    text: str  # the text, or the completion ("" for a conversation)
     prompt: str | None = None  # None: a plain text, every token trained
     source: str = field(default="", compare=False)  # "data file F line N": where it came from, for errors
+    # a conversation: ((role, content), ...), roles system/user/assistant; only assistant turns are trained
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
-def find_data_files(spec: str) -> list[Path]:
-    """The files named by ``spec`` (comma-separated files and folders), folders expanded."""
+def find_data_files(spec: str, key: str = "data") -> list[Path]:
+    """The files named by ``spec`` (comma-separated files and folders), folders expanded; errors
+    name the config key `key`."""
     files: list[Path] = []
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -64,23 +76,60 @@ def find_data_files(spec: str) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
             if not found:
-                raise FileNotFoundError(f"config key 'data': folder {part} holds no {', '.join(SUFFIXES)} files")
+                raise FileNotFoundError(f"config key {key!r}: folder {part} holds no {', '.join(SUFFIXES)} files")
             files.extend(found)
         elif path.is_file():
             if path.suffix not in SUFFIXES:
-                raise ValueError(f"config key 'data': {part} is not a {', '.join(SUFFIXES)} file")
+                raise ValueError(f"config key {key!r}: {part} is not a {', '.join(SUFFIXES)} file")
             files.append(path)
         else:
-            raise FileNotFoundError(f"config key 'data': {part} does not exist")
+            raise FileNotFoundError(f"config key {key!r}: {part} does not exist")
     if not files:
-        raise FileNotFoundError(f"config key 'data': no data files in {spec!r}")
+        raise FileNotFoundError(f"config key {key!r}: no data files in {spec!r}")
     return files
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def _conversation(obj: dict, where: str) -> Example:
+    """An `Example` of ``{"messages": [{"role", "content"}, ...]}`` or of the ShareGPT shape
+    ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}``."""
+    name = "messages" if "messages" in obj else "conversations"
+    turns = obj[name]
+    role_key, content_key = ("role", "content") if name == "messages" else ("from", "value")
+    roles = {r: r for r in CHAT_ROLES} if name == "messages" else SHAREGPT_ROLES
+    if not isinstance(turns, list):
+        raise ValueError(f"{where}: {name!r} must be a list of turns, got {_type_name(turns)}")
+    if not turns:
+        raise ValueError(f"{where}: {name!r} is empty: nothing to train on")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where}: {name}[{i}] must be an object with {role_key!r} and {content_key!r}, "
+                             f"got {_type_name(turn)}")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if not isinstance(role, str) or role not in roles:
+            raise ValueError(f"{where}: {name}[{i}] has the role {role_key}={role!r}; known roles: "
+                             f"{', '.join(roles)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: {name}[{i}] {content_key!r} must be a string, got {_type_name(content)}")
+        out.append((roles[role], content))
+    if not any(role == "assistant" for role, _ in out):
+        raise ValueError(f"{where}: the conversation has no assistant turn: nothing to train on (only assistant "
+                         "turns are trained)")
+    if not any(content.strip() for role, content in out if role == "assistant"):
+        raise ValueError(f"{where}: every assistant turn is empty: nothing to train on")
+    return Example("", source=where, messages=tuple(out))
 
 
 def _example(obj: Any, where: str) -> Example:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion', "
-                         f"got {_type_name(obj)}")
+        raise ValueError(f"{where}: expected an object with 'text', or 'prompt' and 'completion', or 'messages' "
+                         f"(or 'conversations'), got {_type_name(obj)}")
+    if obj.get("messages") is not None or obj.get("conversations") is not None:
+        return _conversation(obj, where)
     if "text" in obj and (obj["text"] is not None or not {"prompt", "completion"} <= set(obj)):
         text = obj["text"]
         if not isinstance(text, str):
@@ -96,7 +145,8 @@ def _example(obj: Any, where: str) -> Example:
         if not completion:
             raise ValueError(f"{where}: 'completion' is empty: nothing to train on")
         return Example(completion, prompt, source=where)
-    raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion' (found {sorted(map(str, obj))})")
+    raise ValueError(f"{where}: expected a 'text' field, or 'prompt' and 'completion', or 'messages' (or "
+                     f"'conversations') (found {sorted(map(str, obj))})")
 
 
 def _type_name(value: Any) -> str:
@@ -162,13 +212,17 @@ def _parquet_examples(path: Path) -> Iterator[Example]:
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise ValueError(f"data file {path}: not a readable parquet file ({' '.join(str(exc).split())})") from None
     names = set(f.schema_arrow.names)
-    if "text" in names:
+    if "messages" in names:
+        columns = ["messages"]
+    elif "conversations" in names:
+        columns = ["conversations"]
+    elif "text" in names:
         columns = ["text"]
     elif {"prompt", "completion"} <= names:
         columns = ["prompt", "completion"]
     else:
-        raise ValueError(f"data file {path}: expected a 'text' column, or 'prompt' and 'completion' "
-                         f"(found {sorted(names)})")
+        raise ValueError(f"data file {path}: expected a 'text' column, or 'prompt' and 'completion', or "
+                         f"'messages' (or 'conversations') (found {sorted(names)})")
     row = 0
     for batch in f.iter_batches(columns=columns, batch_size=1024):
         values = {c: batch.column(c).to_pylist() for c in columns}
@@ -203,8 +257,109 @@ def iter_examples(files: list[Path], encoding: str = "utf-8") -> Iterator[Exampl
                              "remove it or fill it")
 
 
+def chat_template_text(value: str) -> str:
+    """The Jinja text of the config key ``chat_template``: the file's text when `value` names a file
+    (a ``.jinja`` file must exist), else `value` itself, which must then look like a Jinja template."""
+    path = Path(value).expanduser()
+    if "\n" not in value and len(value) < 4096 and path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config key 'chat_template': cannot read {value} as UTF-8 text ({exc})") from None
+    if value.strip().endswith(".jinja"):
+        raise FileNotFoundError(f"config key 'chat_template': the file {value} does not exist")
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"config key 'chat_template': {value!r:.80} is neither a file nor a Jinja template "
+                         "(no '{{' or '{%')")
+    return value
+
+
+def set_chat_template(tokenizer: Any, value: str) -> None:
+    """Give `tokenizer` the chat template of the config key ``chat_template`` (a Jinja string or a
+    file), so that chat data, checkpoints and exports use it; "" leaves the tokenizer's own."""
+    if value:
+        tokenizer.chat_template = chat_template_text(value)
+
+
+def _render(tokenizer: Any, messages: list[dict], generation: bool, where: str) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    except Exception as exc:  # jinja2 errors, raise_exception() in a template, ...
+        raise ValueError(f"{where}: the chat template failed on this conversation ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())})") from None
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: the chat template rendered {_type_name(text)}, not text")
+    return text
+
+
+def tokenize_chat(messages: tuple[tuple[str, str], ...], tokenizer: Any, where: str = "a conversation"
+                  ) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation rendered by the tokenizer's chat template; only the assistant
+    turns are trained (their content and the template's end of turn), every other token -100.
+
+    An assistant turn i spans the characters from the end of ``messages[:i]`` rendered with the
+    generation prompt to the end of ``messages[:i+1]``; both renderings must be prefixes of the whole
+    conversation, else the template is refused (not prefix-stable). The conversation is tokenized
+    once; the tokens that overlap a turn's characters are trained (by the tokenizer's offsets; a slow
+    tokenizer without offsets needs the prefixes to be token prefixes too). Whitespace tokens that
+    follow a special token at the end of a turn (the newline after ``<|im_end|>``) are not trained."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: a conversation needs a chat template and the tokenizer has none; set the "
+                         "config key 'chat_template' to a Jinja template or a .jinja file")
+    turns = [{"role": role, "content": content} for role, content in messages]
+    full_text = _render(tokenizer, turns, False, where)
+    spans = []  # (start, end) characters of each assistant turn in full_text
+    for i, (role, _) in enumerate(messages):
+        if role != "assistant":
+            continue
+        before = _render(tokenizer, turns[:i], True, where) if i else _render_empty(tokenizer, where)
+        upto = _render(tokenizer, turns[: i + 1], False, where)
+        if not (upto.startswith(before) and full_text.startswith(upto)):
+            raise ValueError(f"{where}: the chat template is not prefix-stable (the rendering of the turns up to "
+                             f"assistant turn {i} is not a prefix of the whole conversation), so the assistant "
+                             "tokens cannot be located; use a template whose rendering only appends turns "
+                             "(config key 'chat_template')")
+        spans.append((len(before), len(upto)))
+    try:
+        enc = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer: no offsets
+        ids, offsets = _encode(tokenizer, full_text), None
+    labels = [-100] * len(ids)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for a, b in spans:
+        if offsets is not None:  # the tokens that overlap the turn's characters
+            inside = [k for k, (s0, s1) in enumerate(offsets) if s1 > a and s0 < b]
+            if not inside:
+                continue
+            start, end = inside[0], inside[-1] + 1
+        else:  # the turn's token prefixes must be prefixes of the conversation's tokens
+            head, upto = _encode(tokenizer, full_text[:a]), _encode(tokenizer, full_text[:b])
+            if ids[: len(upto)] != upto or ids[: len(head)] != head:
+                raise ValueError(f"{where}: the chat template is not prefix-stable as tokens (a token of an "
+                                 "assistant turn merges with its neighbour), so the assistant tokens cannot be "
+                                 "located; change the template (config key 'chat_template') so that a special "
+                                 "token or a line break separates the turns")
+            start, end = len(head), len(upto)
+        while end - 1 > start and ids[end - 2] in special and not tokenizer.decode([ids[end - 1]]).strip():
+            end -= 1
+        labels[start:end] = ids[start:end]
+    return ids, labels
+
+
+def _render_empty(tokenizer: Any, where: str) -> str:
+    """The generation prompt before a first assistant turn ("" when the template cannot render no turn)."""
+    try:
+        return _render(tokenizer, [], True, where)
+    except ValueError:
+        return ""
+
+
 def tokenize_example(example: Example, tokenizer: Any, eos: int) -> tuple[list[int], list[int]]:
-    """(ids, labels) of an example, EOS appended; prompt tokens are labelled -100."""
+    """(ids, labels) of an example, EOS appended; prompt tokens are labelled -100. A conversation is
+    rendered by the chat template (`tokenize_chat`), with no EOS of its own."""
+    if example.messages is not None:
+        return tokenize_chat(example.messages, tokenizer, example.source or "a conversation")
     prompt = _encode(tokenizer, example.prompt) if example.prompt else []
     body = _encode(tokenizer, example.text) + [eos]
     return prompt + body, [-100] * len(prompt) + body
@@ -237,7 +392,7 @@ def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, pac
     buf_ids: list[int] = []
     buf_labels: list[int] = []
     for example in examples:
-        any_prompt |= example.prompt is not None
+        any_prompt |= example.prompt is not None or example.messages is not None
         ids, labels = tokenize_example(example, tokenizer, eos)
         where = example.source or "an example"
         if len(ids) < 2:
@@ -245,7 +400,8 @@ def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, pac
         if not packing:
             ids, labels = ids[:seq_len], labels[:seq_len]
             if example.source and not any(v != -100 for v in labels[1:]):
-                raise ValueError(f"{where}: the prompt fills the whole row of seq_len={seq_len} tokens, so no "
+                what = "the turns before the first assistant reply fill" if example.messages else "the prompt fills"
+                raise ValueError(f"{where}: {what} the whole row of seq_len={seq_len} tokens, so no "
                                  "completion token is trained (all labels -100); raise seq_len, shorten the "
                                  "prompt, or use packing=true")
             fill = seq_len - len(ids)
@@ -275,17 +431,21 @@ def build_rows(examples: Iterator[Example], tokenizer: Any, seq_len: int, *, pac
 
 
 def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True, max_rows: int | None = None,
-                 seed: int = 0, encoding: str = "utf-8") -> PackedDataset:
+                 seed: int = 0, encoding: str = "utf-8", chat_template: str = "", key: str = "data") -> PackedDataset:
     """A ``PackedDataset`` (with labels and masks where needed) from the files named by ``spec``
-    (``.txt`` files decoded as `encoding`)."""
-    files = find_data_files(spec)
+    (``.txt`` files decoded as `encoding`). `chat_template` (a Jinja string or file; "": the
+    tokenizer's own) is set on the tokenizer (`set_chat_template`) for the conversations; `key`
+    names the config key in errors."""
+    set_chat_template(tokenizer, chat_template)
+    files = find_data_files(spec, key)
     rows = build_rows(iter_examples(files, encoding), tokenizer, seq_len, packing=packing, max_rows=max_rows)
     if rows["input_ids"].shape[0] == 0:
-        raise ValueError(f"config key 'data': {spec} gives no row of {seq_len} tokens with a trained label "
+        raise ValueError(f"config key {key!r}: {spec} gives no row of {seq_len} tokens with a trained label "
                          f"({'packing' if packing else 'padding'}; rows whose labels are all -100 are dropped); "
                          "add data or lower seq_len")
     return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"], attention_mask=rows["attention_mask"])
 
 
-__all__ = ["Example", "SUFFIXES", "build_rows", "check_encoding", "find_data_files", "iter_examples", "load_dataset",
-           "read_text_file", "tokenize_example"]
+__all__ = ["CHAT_ROLES", "Example", "SUFFIXES", "build_rows", "chat_template_text", "check_encoding",
+           "find_data_files", "iter_examples", "load_dataset", "read_text_file", "set_chat_template", "tokenize_chat",
+           "tokenize_example"]
