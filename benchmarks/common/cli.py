@@ -13,6 +13,13 @@ def grad_norm(value: str) -> float | None:
     return None if value.lower() == "none" else float(value)
 
 
+def checkpoint_choice(value: str) -> str:
+    """--baseline-checkpoint: auto, all, none or a non-negative number of leading blocks."""
+    if value in ("auto", "all", "none") or (value.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, all, none or a number of blocks, got {value!r}")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, its training and the timing: identical in every harness."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
@@ -28,6 +35,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["bf16", "fp32"], help="slidedp (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--baseline-micro-rows", type=int, default=1,
                    help="GPU-resident and FSDP2: rows (sequences) per micro-batch")
+    p.add_argument("--baseline-checkpoint", type=checkpoint_choice, default="auto",
+                   help="GPU-resident: blocks with activation checkpointing: 'auto' (the fewest leading blocks "
+                        "that fit, probed; default), 'all', 'none' or a number of leading blocks")
+    p.add_argument("--baseline-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU-resident: torch.compile each decoder block (default: on CUDA, off on the CPU)")
 
 
 def add_record_args(p: argparse.ArgumentParser, readme_path: str) -> None:

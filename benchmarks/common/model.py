@@ -98,6 +98,30 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def fewest_checkpointed(n_blocks: int, fits) -> tuple[int, list[int]]:
+    """The fewest leading blocks to checkpoint, k in 0..n_blocks, with which `fits(k)` (a training
+    step with blocks 0..k-1 checkpointed runs within the device's memory) holds: a binary search on
+    k (memory falls as k grows), n_blocks when nothing smaller fits. Returns k and every k tried."""
+    tried = []
+    lo, hi = 0, n_blocks  # fits(hi) is assumed: every block checkpointed is the least memory
+    while lo < hi:
+        mid = (lo + hi) // 2
+        tried.append(mid)
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, tried
+
+
+def checkpoint_leading_blocks(model, k: int) -> None:
+    """Activation checkpointing (non-reentrant) on decoder blocks 0..k-1 only: the others keep their
+    activations from forward to backward."""
+    enable_checkpointing(model)
+    for i, layer in enumerate(model.model.layers):
+        layer.gradient_checkpointing = i < k
+
+
 def enable_checkpointing(model) -> str:
     """Non-reentrant activation checkpointing of every decoder block, with whichever entry point this
     transformers has; returns which one was used. Checks that every block has it on."""

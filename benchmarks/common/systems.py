@@ -17,7 +17,8 @@ from pathlib import Path
 
 from benchmarks.common.hostmem import HostMemSampler, proc_status, reset_vm_hwm
 from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, batches, build_model,
-                                     empty_model, enable_checkpointing, init_value, n_params)
+                                     checkpoint_leading_blocks, empty_model, enable_checkpointing, fewest_checkpointed,
+                                     init_value, n_params)
 from benchmarks.common.records import host_description
 from benchmarks.common.steady import steady_fields
 
@@ -231,15 +232,27 @@ class Point:
 
     # -- GPU-resident PyTorch --
     def setup_gpu_resident(self):
+        """Plain PyTorch at its best configuration that fits: fp32 parameters on the device, autocast to
+        bf16, fused AdamW, each decoder block compiled (`--baseline-compile`, default on CUDA) and
+        activation checkpointing on as few leading blocks as fit (`--baseline-checkpoint auto`: probed,
+        one forward and backward of the first batch per try, the optimizer state already allocated)."""
         torch, a = self.torch, self.args
         model = build_model(a.shape, dtype=torch.float32, device=self.dev, init_device=self.init_device(),
                             seed=a.seed)
         model.train()
-        self.record.update(params=n_params(model), activation_checkpointing=enable_checkpointing(model))
+        blocks = list(model.model.layers)
+        compiled = self.cuda if a.baseline_compile is None else a.baseline_compile
+        if compiled:
+            for block in blocks:
+                block.compile()
         fused = self.cuda  # CPU smoke: plain AdamW
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                 fused=fused, foreach=None if fused else False)
-        self.record["optimizer"] = f"torch.optim.AdamW(fused={fused}) on {self.dev.type}"
+        for p in model.parameters():  # what the first step would allocate, so that the probes count it
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
+                            "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        self.record.update(params=n_params(model), compiled_blocks=compiled,
+                           optimizer=f"torch.optim.AdamW(fused={fused}) on {self.dev.type}")
         if self.cuda:
             self.record["precision"] = "fp32 parameters, torch.autocast(cuda, bfloat16)"
 
@@ -249,8 +262,40 @@ class Point:
             self.record["precision"] = "fp32"
             autocast = contextlib.nullcontext
 
-        step = self.baseline_step_fn(model, opt.step, lambda: opt.zero_grad(set_to_none=True), autocast)
+        zero_grad = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
+        step = self.baseline_step_fn(model, opt.step, zero_grad, autocast)
+        probe = self.baseline_step_fn(model, lambda: None, zero_grad, autocast)
+
+        def fits(k: int) -> bool:
+            checkpoint_leading_blocks(model, k)
+            try:
+                probe(self.data[0])
+                ok = True
+            except self.oom_errors():
+                ok = False
+            zero_grad()
+            self.grad_norms.clear()
+            if self.cuda:
+                torch.cuda.empty_cache()
+            return ok
+
+        how = a.baseline_checkpoint
+        if how == "auto":
+            k, tried = fewest_checkpointed(len(blocks), fits)
+            self.record["checkpoint_probes"] = tried
+        else:
+            k = {"all": len(blocks), "none": 0}.get(how, None)
+            k = int(how) if k is None else k
+        checkpoint_leading_blocks(model, k)
+        self.record.update(checkpointed_blocks=k, activation_checkpointing=(
+            f"non-reentrant on blocks 0..{k - 1} of {len(blocks)}" if k else f"none (0 of {len(blocks)} blocks)"))
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         return step, None, lambda: None
+
+    def oom_errors(self) -> tuple:
+        torch = self.torch
+        return (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError, MemoryError)
 
     # -- FSDP2 + CPUOffloadPolicy --
     def setup_fsdp2_cpu_offload(self):

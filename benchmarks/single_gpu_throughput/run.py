@@ -40,9 +40,12 @@ accumulation over micro-batches of 1 x seq rows):
   model halves the temporary copy (8.8 GB instead of 17.6 GB for 4.4 B parameters) and loses nothing,
   the initial weights being bf16 values. The plan is saved beside the output
   (`plans/qwen3_<shape>_<tokens>.json` beside --out), its summary goes into the record.
-* gpu_resident: plain PyTorch, fp32 parameters on the GPU, `torch.autocast("cuda", bf16)`,
-  `torch.optim.AdamW(fused=True)` on the GPU, activation checkpointing of every block
-  (non-reentrant).
+* gpu_resident: plain PyTorch at its best configuration that fits: fp32 parameters on the GPU,
+  `torch.autocast("cuda", bf16)`, `torch.optim.AdamW(fused=True)` on the GPU, every decoder block
+  compiled (`torch.compile`, `--baseline-compile`), and non-reentrant activation checkpointing on the
+  fewest leading blocks that fit (`--baseline-checkpoint auto`: a binary search, each try one forward
+  and backward of the first batch with the optimizer state allocated; the record names the blocks and
+  the tries). Its peak device memory is in the record beside slidedp's.
 * fsdp2_cpu_offload: one process, world size 1 (NCCL, plus gloo for CPU tensors), `fully_shard` on
   every decoder layer and then on the root with `CPUOffloadPolicy(pin_memory=True)` and
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, `torch.optim.AdamW(fused=True)` on
@@ -209,6 +212,21 @@ def render_table(records: list[dict]) -> str:
     return "\n".join(lines) + (f"\n\n{note}." if note else "")
 
 
+def baseline_configs(records: list[dict]) -> list[str]:
+    """How each GPU-resident point ran: its checkpointed blocks and whether its blocks were compiled
+    (records older than the best-configuration baseline checkpointed every block, eager)."""
+    out = []
+    for r in records:
+        if r.get("system") != "gpu_resident" or r.get("error"):
+            continue
+        if "checkpointed_blocks" in r:
+            blocks = f"{r['checkpointed_blocks']} block(s) checkpointed (the fewest that fit)"
+        else:
+            blocks = "every block checkpointed (older record)"
+        out.append(f"{r['tokens_per_step']} tokens: {blocks}, blocks {'compiled' if r.get('compiled_blocks') else 'eager'}")
+    return out or ["no point"]
+
+
 def render_section(records: list[dict], out_path: Path | str | None = None) -> str:
     """The README section: title, commands, hardware, table and how it was measured."""
     dates = sorted({r["date"] for r in records if r.get("date")})
@@ -247,7 +265,7 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         "losses must agree to bf16 tolerance. AdamW lr 1e-5 (weight decay 0), global clipping to 1.0, "
         "token-weighted loss, gradient accumulation over micro-batches of "
         f"{' / '.join(map(str, micro))} x seq rows in every system. GPU-resident: fp32 parameters, bf16 "
-        "autocast, fused AdamW on the GPU, activation checkpointing of every block. FSDP2: `fully_shard` per "
+        "autocast, fused AdamW on the GPU; as run: " + "; ".join(baseline_configs(records)) + ". FSDP2: `fully_shard` per "
         "block and on the root, `CPUOffloadPolicy(pin_memory=True)`, bf16 parameters / fp32 reduction, AdamW "
         "on the CPU, activation checkpointing of every block. Optimizers as run: " + "; ".join(optimizers) + ". "
         "Tokens/s and step time: the median over the steady steps, the timed steps after one warm-up step but "

@@ -69,6 +69,9 @@ def test_every_system_writes_a_complete_record(smoke):
     assert "slidedp plan" in slide["plan_summary"]
     assert (tmp / "plans" / "qwen3_tiny_64.json").is_file()
     assert records[1]["predicted_step_s"] is None and records[1]["budget_bytes"] is None
+    # the baseline's best configuration: on the CPU every probe fits, so no block is checkpointed
+    base = records[1]
+    assert base["checkpointed_blocks"] == 0 and base["checkpoint_probes"] and base["compiled_blocks"] is False
 
 
 def test_two_row_micro_batches_train_the_same_step(smoke, tmp_path):

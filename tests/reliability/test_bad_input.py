@@ -92,7 +92,7 @@ def write(path, text):
     ('{"text": "fine"}\n{"text": ""}\n', "bad.jsonl line 2: 'text' is empty"),
     ('{"text": "fine"}\n{"text": 7}\n', "bad.jsonl line 2: 'text' must be a string, got int"),
     ('{"prompt": "p", "completion": ""}\n', "bad.jsonl line 1: 'completion' is empty"),
-    ('{"question": "q"}\n', "bad.jsonl line 1: expected a 'text' field, or 'prompt' and 'completion' (found ['question'])"),
+    ('{"question": "q"}\n', "bad.jsonl line 1: expected a 'text' field, or 'prompt' and 'completion', or 'messages' (or 'conversations') (found ['question'])"),
 ])
 def test_bad_jsonl_is_named_by_file_and_line(content, words, rel_model_dir, tmp_path, capsys):
     data = write(tmp_path / "bad.jsonl", content)

@@ -12,6 +12,7 @@ from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.search import early_order, streamed_prefix
 from slidedp.scheduler.search.found import Found
 
 
@@ -43,8 +44,9 @@ def moves(costs: ProblemCosts, d: Decisions):
         if w != d.window:
             yield replace(d, window=w)
     for o in costs.options.update_orders:
-        if o != d.update_order:
-            yield replace(d, update_order=o)
+        e = reordered(costs, d, o) if o != d.update_order else None
+        if e is not None:
+            yield e
     for ids in groups.values():
         current = d.layers[ids[0]]
         for delivery, reduction in costs.routes:
@@ -71,6 +73,23 @@ def moves(costs: ProblemCosts, d: Decisions):
         held = [i for i in blocks if d.layers[i].activation == a]
         if held:
             yield d.replace_layers([held[0]], activation=RECOMPUTE)
+
+
+def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions | None:
+    """`d` with another update order, its streamed updates still the first host layers of that order
+    and its early order's tail (the layers not taken as they land) in it, as the searches that chose
+    them lay them out (streamed_prefix.candidates, early_order.early_order); None when d's early order
+    is not one of that form."""
+    e = replace(d, update_order=update_order)
+    if d.streamed:
+        e = replace(e, streamed=streamed_prefix.candidates(costs, e)[: len(d.streamed)])
+    if d.early_order:
+        m = next((m for m in range(len(d.early_order) + 1)
+                  if early_order.early_order(costs, d, m) == d.early_order), None)
+        if m is None:
+            return None
+        e = replace(e, early_order=early_order.early_order(costs, e, m))
+    return e
 
 
 def improve(costs: ProblemCosts, start: Decisions, budget_bytes: int, *, max_evaluations: int = 200) -> Decisions:
