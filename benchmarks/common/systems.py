@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import socket
@@ -113,6 +114,7 @@ class Point:
                 self.record["warmup_s"] = time.perf_counter() - t
             times = []
             self.sync()
+            self.record["measure_start_utc"] = utc_now()
             start = prev = time.perf_counter()
             for ids in self.data[warmup : warmup + self.args.steps]:
                 losses.append(step(ids))
@@ -209,7 +211,10 @@ class Point:
         plan_path = self.plan_path()
         plan_path.parent.mkdir(parents=True, exist_ok=True)
         engine.plan.save(plan_path)
-        self.record["plan_path"] = str(plan_path)
+        # the prediction is fixed before the first step runs: its time, and the plan file it came from
+        self.record.update(plan_path=str(plan_path), predicted_utc=utc_now(),
+                           plan_sha256=hashlib.sha256(Path(plan if isinstance(plan, (str, Path)) else plan_path)
+                                                      .read_bytes()).hexdigest())
         print(engine.plan.summary(), flush=True)
 
         def finish():
@@ -401,6 +406,11 @@ def error_text(exc: BaseException) -> str:
             or "can't allocate memory" in msg.lower():
         return "out of memory"
     return f"{type(exc).__name__}: {msg[:1000]}"
+
+
+def utc_now() -> str:
+    """The time now, UTC, ISO 8601 to the microsecond."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
 def base_record(system: str, tokens: int, args) -> dict:

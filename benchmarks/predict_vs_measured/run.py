@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 from slidedp.costmodel.hardware import resolve_hardware  # noqa: E402
@@ -43,6 +44,28 @@ def decisions_of(plan: Plan) -> Decisions:
     order = "head_first" if len(plan.update_order) > 1 and plan.update_order[1] == last else "forward"
     return Decisions(plan.window, order, tuple(LayerChoice(d.chunks, d.activation, d.delivery, d.reduction)
                                                for d in plan.decisions))
+
+
+def render(rows: list[dict]) -> str:
+    """The table, a row a point, with whether its configuration was used in fitting the preset, and
+    the share of held-out points predicted within 10%."""
+    head = "| shape | tokens/step | activation | measured step s | steady step s | predicted step s | error | " \
+           "pass alone s, measured / predicted | predicted during the run | used in fitting |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        act = ", ".join(f"{n} {a}" for a, n in row["activation"].items() if a != "resident")
+        steady = "–" if row["steady_step_s"] is None else f"{row['steady_step_s']:.3f}"
+        meas_pass = "–" if row["measured_pass_s"] is None else f"{row['measured_pass_s']:.3f}"
+        in_run = "–" if row["predicted_in_run_s"] is None else f"{row['predicted_in_run_s']:.3f}"
+        lines.append(f"| {row.get('shape', '4b')} | {row['tokens_per_step']:,} | {act} | {row['measured_step_s']:.3f} | "
+                     f"{steady} | {row['predicted_step_s']:.3f} | {row['error']:+.1%} | {meas_pass} / "
+                     f"{row['predicted_pass_s']:.3f} | {in_run} | {'yes' if row['used_in_fitting'] else 'no'} |")
+    held = [r for r in rows if not r["used_in_fitting"]]
+    within = sum(1 for r in held if abs(r["error"]) <= 0.10)
+    lines.append("")
+    lines.append(f"Held-out points (configurations not used in fitting) within 10%: {within} of {len(held)}"
+                 + ("" if held else " (no held-out point in these records)") + ".")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -93,19 +116,11 @@ def main() -> None:
             "measured_pass_s": timed[0]["pass_s"] if timed else None,
             "predicted_pass_s": pass_only,
             "predicted_in_run_s": r.get("predicted_step_s"),
+            "shape": shape,
+            "used_in_fitting": used_in_fitting(r, args.hardware),
         }
         rows.append(row)
-    head = "| tokens/step | activation | measured step s | steady step s | predicted step s | error | " \
-           "pass alone s, measured / predicted | predicted during the run |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        act = ", ".join(f"{n} {a}" for a, n in row["activation"].items() if a != "resident")
-        steady = "–" if row["steady_step_s"] is None else f"{row['steady_step_s']:.3f}"
-        meas_pass = "–" if row["measured_pass_s"] is None else f"{row['measured_pass_s']:.3f}"
-        lines.append(f"| {row['tokens_per_step']:,} | {act} | {row['measured_step_s']:.3f} | {steady} | "
-                     f"{row['predicted_step_s']:.3f} | {row['error']:+.1%} | {meas_pass} / "
-                     f"{row['predicted_pass_s']:.3f} | {row['predicted_in_run_s']:.3f} |")
-    print("\n".join(lines))
+    print(render(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({**stamp, "hardware": hw.to_dict(), "records": args.records,
                                               "rows": rows}, indent=1) + "\n")

@@ -67,6 +67,8 @@ def test_every_system_writes_a_complete_record(smoke):
     slide = records[0]
     assert slide["predicted_step_s"] > 0 and slide["budget_bytes"] == 40 * 2**30
     assert "slidedp plan" in slide["plan_summary"]
+    # the prediction was fixed before the timed steps, from the plan file named by its hash
+    assert slide["predicted_utc"] < slide["measure_start_utc"] and len(slide["plan_sha256"]) == 64
     assert (tmp / "plans" / "qwen3_tiny_64.json").is_file()
     assert records[1]["predicted_step_s"] is None and records[1]["budget_bytes"] is None
     # the baseline's best configuration: on the CPU every probe fits, so no block is checkpointed
