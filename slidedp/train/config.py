@@ -22,6 +22,7 @@ from typing import get_type_hints
 import yaml
 
 from slidedp.budget import parse_with_unit
+from slidedp.train.trackers import parse_report_to
 
 
 MAX_SEED = 2**32 - 1
@@ -209,9 +210,11 @@ class MetricsConfig:
     log_every: int = _key(1, "a stderr line every this many steps")
     progress: bool = _key(True, "progress bar (tqdm when installed)")
     tensorboard: bool = _key(True, "TensorBoard scalars when the tensorboard package is installed")
+    report_to: str = _key("", "also log to wandb and/or mlflow (comma-separated), offline, into the run folder")
 
     def validate(self) -> None:
         _check_at_least(self, "log_every")
+        parse_report_to(self.report_to)
 
 
 @dataclass(frozen=True, kw_only=True)

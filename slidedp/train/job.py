@@ -63,6 +63,7 @@ from slidedp.train.metrics import (
     MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step, peak_flops_per_s,
 )
 from slidedp.train.runlock import CHECKPOINTS, run_folder_lock
+from slidedp.train.trackers import flat_keys, open_trackers, parse_report_to
 from slidedp.train.schedule import lr_at, schedule_state
 from slidedp.train.shapes import PRESETS, preset_config, refuse_hub_id
 from slidedp.train.smollm2 import ensure_smollm2
@@ -586,8 +587,9 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
             "device": device.type, "precision": precision, "consecutive_skips": consecutive_skips,
         }
 
+    trackers = open_trackers(parse_report_to(cfg.metrics.report_to), out, flat_keys(cfg.to_dict()), resumed=start > 0)
     logger = MetricsLogger(out, max_steps=cfg.training.max_steps, start_step=start, log_every=cfg.metrics.log_every,
-                           progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard)
+                           progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard, trackers=trackers)
     step = saved_step = start
     try:
         with stop_on_signals() as stop:

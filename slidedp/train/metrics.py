@@ -11,6 +11,8 @@
   per-step lines alone, which carry the step count and the remaining time.
 - TensorBoard scalars under ``<output_dir>/tensorboard`` when the ``tensorboard`` package is
   installed (never required; without it, a warning once says so).
+- the same scalars to Weights & Biases (offline) and MLflow (local file store) when ``report_to``
+  names them (train/trackers.py).
 
 FLOPs per step come from the layer graph (``LayerCosts`` per micro-batch: forward + backward,
 without recomputation, the usual model-FLOPs convention); the peak is the plan's hardware
@@ -114,7 +116,8 @@ class MetricsLogger:
     SCALARS = ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "step_s")
 
     def __init__(self, out_dir: Path, *, max_steps: int, start_step: int, log_every: int, progress: bool,
-                 tensorboard: bool):
+                 tensorboard: bool, trackers: list = ()):
+        self.trackers = list(trackers)  # train/trackers.py: wandb, mlflow (offline)
         self.max_steps = max_steps
         self.start_step = start_step
         self.log_every = log_every
@@ -158,6 +161,9 @@ class MetricsLogger:
             for key in self.SCALARS:
                 if record.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", record[key], step)
+        scalars = {key: record[key] for key in self.SCALARS if record.get(key) is not None}
+        for tracker in self.trackers:
+            tracker.log(scalars, step)
         done = step - self.start_step
         eta = (time.perf_counter() - self.t0) / done * (self.max_steps - step) if done > 0 else None
         if self.bar is not None:
@@ -173,4 +179,7 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         self.file.close()
