@@ -26,7 +26,8 @@ from slidedp.optim import AdamW
 from slidedp.options import CompileOptions, merge
 from slidedp.run.engine import Engine
 from slidedp.run.launch import (
-    COMPUTE_DTYPES, Request, connect, from_rank0, in_engine_process, launch, launched_rank,
+    COMPUTE_DTYPES, Request, check_hosts_routes, connect, from_rank0, in_engine_process, launch, launched_hosts,
+    launched_rank,
 )
 from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_available_bytes
 from slidedp.run.weights import check_weights_source, tie_meta_model
@@ -319,7 +320,10 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     here and driven by this process: `step()` takes the global batch (backend/runtime/workers.py). Under
     `torchrun --nproc-per-node=W` (WORLD_SIZE=W in the environment) every process is one rank
     instead: each calls `compile` and `step` with the same arguments and global batch, and
-    takes its share of the rows; rank 0's process holds the host state, the others map it.
+    takes its share of the rows; rank 0's process holds the host state, the others map it. Under
+    `torchrun --nnodes N --nproc-per-node G` (W = N * G) each host's first rank holds that host's
+    state; the plan delivers every host layer sharded and reduces it on the GPUs (solved so, or a
+    given plan refused otherwise), so that each host updates the chunks its ranks own.
     """
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
@@ -327,9 +331,13 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     given = _given_plan(plan)
     request = check_request(model, budget, **_plans_precision(kw, given), host_memory=host_memory)
     rank = launched_rank(request.world_size)
+    hosts = launched_hosts(request.world_size)
     graph = trace(request, given)
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
-    the_plan = make_plan(request, graph, given)
+    # several hosts: each rank reads from its host's state only what its host updates (run/launch.py)
+    routes = SolverOptions(deliveries=("sharded",), reductions=("gpu",)) if hosts > 1 and given is None else None
+    the_plan = make_plan(request, graph, given, routes)
+    check_hosts_routes(the_plan, hosts)
     comm = rank_device = None
     if rank is not None:
         comm, rank_device = connect(request, rank)

@@ -232,6 +232,8 @@ class Engine:
         if rank in (None, 0):  # under torchrun rank 0 reads into the shared state, the others follow
             read_engine_state(self, dir)
         self._barrier()
+        if rank is not None:
+            self.runner.share_first_host_state()  # several hosts: the others' states from the first's
         if rank not in (None, 0):
             meta = read_engine_meta(dir)
             self.host.step = int(meta["step"])

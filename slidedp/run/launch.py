@@ -2,7 +2,8 @@
 
 `launch(request, graph, plan, program)` checks memory before allocating anything (preflight), makes
 the host state, writes the initial weights into it, and starts the ranks: the engine's own process
-for one rank, worker processes for several, or this process as one rank under torchrun.
+for one rank, worker processes for several, or this process as one rank under torchrun (on one
+host, or one of several: each host's first rank makes that host's state, its other ranks map it).
 """
 
 from __future__ import annotations
@@ -68,10 +69,24 @@ def launched_rank(world_size: int) -> int | None:
         return None
     if int(launched) != world_size:
         raise ValueError(f"world_size={world_size}, but the launcher started WORLD_SIZE={launched} processes")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", launched)) != world_size:
-        raise ValueError("slidedp's ranks share one host's memory: run every rank on one node "
-                         f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, WORLD_SIZE={launched})")
+    launched_hosts(world_size)  # checks the hosts' layout
     return int(os.environ["RANK"])
+
+
+def launched_hosts(world_size: int) -> int:
+    """How many hosts the launcher's ranks span (WORLD_SIZE / LOCAL_WORLD_SIZE; 1 without a launcher).
+    Every host runs the same number of ranks, numbered host by host (torchrun's layout)."""
+    launched = os.environ.get("WORLD_SIZE")
+    if world_size == 1 or launched is None:
+        return 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", launched))
+    if local < 1 or world_size % local:
+        raise ValueError(f"world_size={world_size} is not a whole number of hosts of LOCAL_WORLD_SIZE={local} ranks")
+    rank, group = int(os.environ["RANK"]), os.environ.get("GROUP_RANK")
+    if group is not None and rank // local != int(group):
+        raise ValueError(f"rank {rank} runs on host {group} (GROUP_RANK) but slidedp numbers the ranks host by host "
+                         f"({local} per host): launch with torchrun, or number RANK = GROUP_RANK * {local} + LOCAL_RANK")
+    return world_size // local
 
 
 def connect(request: Request, rank: int) -> tuple[RankComm, torch.device]:
@@ -80,13 +95,30 @@ def connect(request: Request, rank: int) -> tuple[RankComm, torch.device]:
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(dev)
-    return RankComm(rank, request.world_size, dev, init_method=None if dist.is_initialized() else "env://"), dev
+    local = request.world_size // launched_hosts(request.world_size)
+    return RankComm(rank, request.world_size, dev, init_method=None if dist.is_initialized() else "env://",
+                    local_world_size=local), dev
 
 
 def from_rank0(comm: RankComm, obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=comm.host_group)
     return box[0]
+
+
+def check_hosts_routes(plan, hosts: int) -> None:
+    """With several hosts a rank reads from its host's state only the chunks that its own host
+    updates: every layer whose state is on the host must be delivered sharded (each owner copies its
+    chunk, the GPUs broadcast it) and reduced on the GPUs (the owner alone copies the summed chunk
+    down). Refuses any other route, naming the layers."""
+    if hosts == 1:
+        return
+    bad = [d.name for d in plan.decisions if d.layer_id not in set(plan.device_state)
+           and (d.delivery, d.reduction) != ("sharded", "gpu")]
+    if bad:
+        raise ValueError(f"with {hosts} hosts every layer streamed from the host needs sharded delivery and GPU "
+                         f"reduction; the plan routes {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} otherwise "
+                         "(plan with SolverOptions(deliveries=('sharded',), reductions=('gpu',)))")
 
 
 def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weights=None,
@@ -97,22 +129,25 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     bf16 = request.precision == "bf16"
     if dev.type == "cuda" and rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
-    flag_ints = StepFlags.ints_needed(world_size, len(graph.layers))
+    # the ranks that share this process's host state: all of them, or (several hosts) this host's
+    local = comm.local_world_size if comm is not None else world_size
+    leader = comm is None or comm.leader
+    flag_ints = StepFlags.ints_needed(local, len(graph.layers))
     in_process = in_engine_process(world_size)
     # the device state of an engine's own rank keeps its moments and gradient there alone
     lean = plan.device_state if in_process else ()
     host = None
-    if rank is None or rank == 0:
-        check_compile(graph, plan, dev, precision=request.precision, world_size=world_size, control_ints=flag_ints,
+    if leader:
+        check_compile(graph, plan, dev, precision=request.precision, world_size=local, control_ints=flag_ints,
                       lean_layers=lean)  # host RAM, /dev/shm, free device memory: refuse with numbers
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
                          control_ints=flag_ints, spare_layers=plan.early_order, lean_layers=lean)
     if rank is not None:
-        handle = from_rank0(comm, host.handle() if host is not None else None)
-        host = host if comm.rank == 0 else HostState.attach(handle)
+        handle = comm.from_leader(host.handle() if host is not None else None)
+        host = host if leader else HostState.attach(handle)
     runner = None
     try:
-        load_weights(model, graph, host, bf16=bf16, copy=rank in (None, 0), weights=weights)
+        load_weights(model, graph, host, bf16=bf16, copy=leader, weights=weights)
         if comm is not None:
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
@@ -122,7 +157,8 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
         if in_process or rank is not None:
             if dev.type == "cuda":
                 host.pin()
-            flags = StepFlags(host.control(), world_size, len(graph.layers)) if comm is not None else None
+            flags = None if comm is None else StepFlags(host.control(), local, len(graph.layers),
+                                                         first_rank=comm.host_index * local)
             runner = build_rank(model=model, host=host, device=dev, rank=rank or 0, world_size=world_size,
                                 comm=comm, flags=flags, **job)
         else:

@@ -1,9 +1,15 @@
-"""Collectives among the ranks of one host: NCCL between GPUs, gloo between CPU processes.
+"""Collectives among the ranks: NCCL between GPUs, gloo between CPU processes.
 
 Two device groups let weight delivery (broadcasts on the H2D stream) and gradient reduction
 (reduces on the D2H stream) proceed independently; a gloo group carries the few host scalars of a
 step (loss, sum of squares) and barriers. The same calls run on CPU (gloo everywhere), which is
 how CI tests the multi-rank code path.
+
+Several hosts (`local_world_size` < `world_size`; torchrun numbers the ranks of host h from
+h * local_world_size): each host's ranks share that host's state; a gloo group per host carries its
+host state's handle, and a gloo group of the hosts' first ranks ("leaders") copies host-state
+ranges between hosts (checkpoints and exports read a whole state; a checkpoint read on the first
+host reaches the others).
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ import torch.distributed as dist
 
 class RankComm:
     def __init__(self, rank: int, world_size: int, device: torch.device, *, init_method: str | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, local_world_size: int | None = None):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_world_size = local_world_size or world_size
+        if world_size % self.local_world_size:
+            raise ValueError(f"world_size {world_size} is not a multiple of the ranks per host {self.local_world_size}")
+        self.hosts = world_size // self.local_world_size
+        self.host_index, self.local_rank = divmod(rank, self.local_world_size)
         self.owns_default_group = not dist.is_initialized()
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
@@ -31,6 +42,31 @@ class RankComm:
         self.deliver_group = dist.new_group(backend=backend, timeout=timeout)
         self.reduce_group = dist.new_group(backend=backend, timeout=timeout)
         self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.node_group = self.leaders_group = None  # several hosts only
+        if self.hosts > 1:
+            G = self.local_world_size
+            for h in range(self.hosts):  # every rank creates every group, in the same order
+                group = dist.new_group(ranks=list(range(h * G, (h + 1) * G)), backend="gloo", timeout=timeout)
+                if h == self.host_index:
+                    self.node_group = group
+            self.leaders_group = dist.new_group(ranks=[h * G for h in range(self.hosts)], backend="gloo",
+                                                timeout=timeout)
+
+    @property
+    def leader(self) -> bool:
+        """This rank is its host's first: it speaks for the host state between hosts."""
+        return self.local_rank == 0
+
+    def from_leader(self, obj):
+        """This host's first rank's `obj`, on every rank of the host."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.host_index * self.local_world_size,
+                                   group=self.node_group if self.hosts > 1 else self.host_group)
+        return box[0]
+
+    def broadcast_between_hosts_(self, tensor: torch.Tensor, src_host: int) -> None:
+        """Every host's `tensor` (a host-state range) <- host `src_host`'s; called by the leaders."""
+        dist.broadcast(tensor, src_host * self.local_world_size, group=self.leaders_group)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         """Every rank's `tensor` <- rank `src`'s (weights of a chunk that rank copied from the host)."""

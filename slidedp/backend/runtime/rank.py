@@ -61,6 +61,7 @@ class Rank:
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
         self.world_size = comm.world_size if comm is not None else 1
+        self.leader = comm is None or comm.leader  # this host's first rank (its state's writer)
         self.device_state = device_state
         self.routes.device_state = device_state
         self.streamed = streamed
@@ -214,10 +215,41 @@ class Rank:
 
     def sync_host(self) -> None:
         """Flush, then bring the host state up to date: the state kept on the device copied down
-        (by rank 0: every rank holds the same)."""
+        (by each host's first rank: every rank holds the same); with several hosts, every chunk
+        from its owner's host into every host's state."""
         self.flush()
-        if self.device_state is not None and self.rank == 0:
+        if self.device_state is not None and self.leader:
             self.device_state.store_to_host()
+        if self.comm is not None and self.comm.hosts > 1:
+            self.comm.barrier()  # every host's updates are done
+            if self.leader:
+                G = self.comm.local_world_size
+                for layer_id, arrays, chunks, owners in self._host_layers():
+                    for (lo, hi), owner in zip(chunks, owners):
+                        for t in arrays:
+                            self.comm.broadcast_between_hosts_(t[lo:hi], owner // G)
+            self.comm.barrier()
+
+    def share_first_host_state(self) -> None:
+        """Several hosts: every host's state <- the first host's, whole (after a checkpoint was read
+        there); the caller then reloads every rank."""
+        if self.comm is None or self.comm.hosts == 1:
+            return
+        if self.leader:
+            for _, arrays, _, _ in self._host_layers():
+                for t in arrays:
+                    self.comm.broadcast_between_hosts_(t, 0)
+        self.comm.barrier()
+
+    def _host_layers(self):
+        """(layer id, its host arrays that hold state, chunks, owners) of the layers kept on the host."""
+        for layer_id, chunks in self.routes.chunks.items():
+            if self.device_state is not None and layer_id in self.device_state:
+                continue
+            layer = self.host.layers[layer_id]
+            arrays = [t for t in (layer.master, layer.exp_avg, layer.exp_avg_sq, layer.delivery)
+                      if t is not None and t.numel()]
+            yield layer_id, arrays, chunks, self.routes.owners[layer_id]
 
     def reload(self, step: int) -> None:
         """The host state was rewritten (a checkpoint): reload the resident weights and the state
@@ -233,7 +265,7 @@ class Rank:
             self.updates.flush()
             if self.streamed is not None:  # its copies write the host state, which closes after this
                 self.streamed.close()
-            if self.device_state is not None and self.rank == 0:  # the model's parameters (host views)
+            if self.device_state is not None and self.leader:  # the model's parameters (host views)
                 self.device_state.store_to_host()
         finally:
             self.updates.close()
@@ -271,8 +303,9 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
                 if param.dtype == view.dtype:
                     param.data = view
 
+    local = comm.local_world_size if comm is not None else world_size  # the ranks sharing this host's cores
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
-                flags=flags, num_threads=update_threads(device, world_size), device_state=device_state,
+                flags=flags, num_threads=update_threads(device, local), device_state=device_state,
                 early_order=plan.early_order, on_swap=rebind, streamed=streamed)
 
 

@@ -5,7 +5,7 @@ counters live in its control region. Each is written by one rank and read by oth
 write follows the data it announces (x86 stores become visible in program order; a Numba or torch
 call that wrote the data has joined its threads before it returns).
 
-- `updated[r, layer]`: how many update rounds rank r has finished for `layer` (its owned chunks).
+- `updated[r, layer]`: how many update rounds rank r (of this host) has finished for `layer` (its owned chunks).
   Before a rank reads a layer's weights or overwrites its gradient, every rank's count must have
   reached the number of rounds started (`wait_updated`).
 - `contributions[layer]`: how many rank contributions the layer's host gradient holds, counted
@@ -28,10 +28,14 @@ class RankFailed(RuntimeError):
 
 
 class StepFlags:
-    def __init__(self, control: np.ndarray, world_size: int, n_layers: int):
+    """The counters of the ranks that share one host state: `world_size` ranks numbered from
+    `first_rank` (0 on one host; with several hosts, each host's ranks, whose global numbers run
+    from host * ranks per host; the methods take global rank numbers)."""
+
+    def __init__(self, control: np.ndarray, world_size: int, n_layers: int, *, first_rank: int = 0):
         if control.size < self.ints_needed(world_size, n_layers):
             raise ValueError(f"control region has {control.size} counters, {self.ints_needed(world_size, n_layers)} needed")
-        self.world_size, self.n_layers = world_size, n_layers
+        self.world_size, self.n_layers, self.first_rank = world_size, n_layers, first_rank
         self._abort = control[0:1]
         self.updated = control[1 : 1 + world_size * n_layers].reshape(world_size, n_layers)
         self.contributions = control[1 + world_size * n_layers : 1 + (world_size + 1) * n_layers]
@@ -69,10 +73,11 @@ class StepFlags:
 
     # -- updates --------------------------------------------------------------------------------
     def mark_updated(self, rank: int, layer: int, rounds: int) -> None:
-        self.updated[rank, layer] = rounds
+        self.updated[rank - self.first_rank, layer] = rounds
 
     def wait_updated(self, layer: int, rounds: int) -> float:
-        """Block until every rank has finished `rounds` update rounds of `layer`."""
+        """Block until every rank of this host has finished `rounds` update rounds of `layer` (ranks
+        of other hosts update chunks that no rank here reads from this host)."""
         column = self.updated[:, layer]
         return self._wait(lambda: int(column.min()) >= rounds)
 
