@@ -19,7 +19,7 @@ from slidedp._version import __version__
 from slidedp.backend.lowering.program import Program, lower
 from slidedp.backend.lowering.verify import verify_program
 from slidedp.budget import Budget, format_bytes
-from slidedp.costmodel.hardware import resolve_hardware
+from slidedp.costmodel.hardware import LINKS, resolve_link, resolve_hardware
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
@@ -56,9 +56,11 @@ def _resolve_device(device: str) -> torch.device:
 
 def check_request(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
                   max_grad_norm, hardware, micro_batches, compile_blocks, planning_only=False,
-                  host_memory=None) -> Request:
+                  host_memory=None, hosts=1, link=None) -> Request:
     """Every argument checked (TypeError / ValueError naming it) and resolved; allocates nothing.
-    `host_memory`: the host RAM the plan may take (None: plan unbounded, compile what is available)."""
+    `host_memory`: the host RAM the plan may take, per host (None: plan unbounded, compile what is
+    available). `hosts`: how many hosts the `world_size` ranks span; `link`: the link between them
+    (a costmodel.hardware.LINKS name or bytes/s; required with several hosts)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     budget = Budget.parse(budget)
@@ -67,6 +69,15 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
     if seq_len < 2:
         raise ValueError("seq_len must be >= 2 (a next-token loss needs two tokens)")
     world_size = _positive_int("world_size", world_size)
+    hosts = _positive_int("hosts", hosts)
+    if world_size % hosts:
+        raise ValueError(f"world_size {world_size} is not a whole number of ranks per host over {hosts} hosts")
+    link_bytes_per_s = 0.0
+    if hosts > 1:
+        if link is None:
+            raise ValueError(f"{hosts} hosts: say the link between them, link= one of {', '.join(LINKS)} or a "
+                             "rate in bytes/s (each host's rate into the network)")
+        link_bytes_per_s = resolve_link(link)
     micro_batches = _positive_int("micro_batches", micro_batches)
     if precision != "auto" and precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
@@ -94,7 +105,7 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
                    device=dev, precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                    hardware=hw, micro_batches=micro_batches,
                    compile_blocks=compile_blocks, planning_only=planning_only,
-                   host_memory_bytes=host_memory_bytes)
+                   host_memory_bytes=host_memory_bytes, hosts=hosts, link_bytes_per_s=link_bytes_per_s)
 
 
 def position_limit(config) -> tuple[int | None, str]:
@@ -169,7 +180,8 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
     """Solve the plan; or check that a `given` plan was made for this model and workload."""
     if given is not None:
         check_plan_matches(given, graph, world_size=request.world_size, precision=request.precision,
-                           compiled_blocks=request.compile_blocks, budget_bytes=request.budget.device_bytes)
+                           compiled_blocks=request.compile_blocks, budget_bytes=request.budget.device_bytes,
+                           hosts=request.hosts)
         if given.early_order and not _early_allowed(request.world_size, request.max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
@@ -187,7 +199,8 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
                       precision=precision, micro_batches=request.micro_batches, version=__version__,
                       compiled_blocks=_compile_blocks(request), options=solver_options,
                       early_host_bytes=1 << 62 if _early_allowed(request.world_size, request.max_grad_norm) else None,
-                      streamed_updates=hw.gpu_memory_bytes_per_s > 0, host_budget_bytes=host_budget(request))
+                      streamed_updates=hw.gpu_memory_bytes_per_s > 0, host_budget_bytes=host_budget(request),
+                      hosts=request.hosts, link_bytes_per_s=request.link_bytes_per_s)
 
 
 def host_budget(request: Request) -> int | None:
@@ -220,7 +233,8 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
-                       compiled_blocks: bool | None = None, budget_bytes: int | None = None) -> None:
+                       compiled_blocks: bool | None = None, budget_bytes: int | None = None,
+                       hosts: int | None = None) -> None:
     """Refuse a plan made for another model, workload or world size, or whose fields do not hold
     together or do not fit this model, naming the field (`compiled_blocks` None: whatever the plan
     says; `budget_bytes`: the run's budget, which the plan's peak must fit)."""
@@ -229,6 +243,7 @@ def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precis
         ("batch_size", w.batch_size, graph.batch_size),
         ("seq_len", w.seq_len, graph.seq_len),
         ("world_size", w.world_size, world_size),
+        ("hosts", w.hosts, w.hosts if hosts is None else hosts),
         ("precision", w.precision, precision),
         ("compile_blocks", w.compiled_blocks, w.compiled_blocks if compiled_blocks is None else compiled_blocks),
         ("model fingerprint", plan.model_fingerprint, graph.fingerprint()),
@@ -256,7 +271,8 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
          world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
-         host_memory: int | str | None = None, options: CompileOptions | None = None) -> Plan:
+         host_memory: int | str | None = None, options: CompileOptions | None = None, hosts: int = 1,
+         link=None) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
@@ -267,6 +283,11 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     more optimizer state on the device where that is what fits (one rank); InfeasibleBudgetError
     with `min_host_bytes` below the least any plan takes (None: unbounded; compile's preflight checks
     there).
+    `hosts`: the hosts the `world_size` ranks span (world_size / hosts each, as `torchrun --nnodes
+    hosts` runs them), with `link` between them (a LINKS preset of slidedp.costmodel.hardware, e.g.
+    "ib-4x400", or bytes/s): each host's ranks share its links, DRAM and cores, collectives between
+    hosts cross the link, every host layer is delivered sharded and reduced on the GPUs, and
+    `host_memory` and the plan's host figures are per host.
     `solver_options` (slidedp.SolverOptions): the values the solver may choose
     from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
     (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
@@ -282,7 +303,7 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
             raise ValueError("solver_options and plan exclude each other: a given plan is not solved again")
     given = _given_plan(plan)
     request = check_request(model, budget, **_plans_precision(kw, given), planning_only=True,
-                            host_memory=host_memory)
+                            host_memory=host_memory, hosts=hosts, link=link)
     return make_plan(request, trace(request, given), given, solver_options)
 
 
@@ -290,7 +311,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
             world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
             compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
-            host_memory: int | str | None = None) -> Engine:
+            host_memory: int | str | None = None, link=None) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
@@ -323,15 +344,19 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     takes its share of the rows; rank 0's process holds the host state, the others map it. Under
     `torchrun --nnodes N --nproc-per-node G` (W = N * G) each host's first rank holds that host's
     state; the plan delivers every host layer sharded and reduces it on the GPUs (solved so, or a
-    given plan refused otherwise), so that each host updates the chunks its ranks own.
+    given plan refused otherwise), so that each host updates the chunks its ranks own; `link` (see
+    `plan`) says what joins the hosts (a given plan's own link when omitted).
     """
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
     given = _given_plan(plan)
-    request = check_request(model, budget, **_plans_precision(kw, given), host_memory=host_memory)
+    hosts = launched_hosts(kw["world_size"]) if isinstance(kw["world_size"], int) else 1
+    if hosts > 1 and link is None and given is not None:
+        link = given.workload.link_bytes_per_s or None
+    request = check_request(model, budget, **_plans_precision(kw, given), host_memory=host_memory, hosts=hosts,
+                            link=link)
     rank = launched_rank(request.world_size)
-    hosts = launched_hosts(request.world_size)
     graph = trace(request, given)
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     # several hosts: each rank reads from its host's state only what its host updates (run/launch.py)

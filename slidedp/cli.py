@@ -10,7 +10,7 @@ import os
 import sys
 
 from slidedp.budget import parse_with_unit
-from slidedp.costmodel.hardware import PRESETS as HARDWARE_PRESETS
+from slidedp.costmodel.hardware import LINKS, PRESETS as HARDWARE_PRESETS
 from slidedp.errors import InsufficientMemoryError, NonFiniteGradientError, TrainingInterrupted, WorkerError
 from slidedp.scheduler.plan import Plan
 from slidedp.train.config import keys_help
@@ -50,6 +50,16 @@ def _model_from_spec(spec: str):
         return AutoModelForCausalLM.from_config(config)
 
 
+def _link_arg(value: str | None):
+    """--link: a preset name, or a rate in bytes/s."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def _plan(args) -> int:
     from slidedp import api
 
@@ -58,7 +68,7 @@ def _plan(args) -> int:
     plan = api.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
                         micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto",
-                        host_memory=args.host_memory)
+                        host_memory=args.host_memory, hosts=args.nodes, link=_link_arg(args.link))
     plan.save(args.out)
     print(plan.summary())
     print(f"\nplan written to {args.out}")
@@ -202,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto (default): bf16 for a GPU hardware profile, fp32 for the CPU")
     p.add_argument("--hardware", default=None, help=hardware_help + " (default: cpu)")
     p.add_argument("--host-memory", default=None,
-                   help="host RAM available on the machine the plan is for (e.g. 500GiB): bounds activation "
+                   help="host RAM available on the machine the plan is for (e.g. 500GiB), per host: bounds activation "
                         "offload there (default: unbounded)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="hosts the --world-size ranks span, as torchrun --nnodes (default 1)")
+    p.add_argument("--link", default=None,
+                   help=f"with --nodes > 1: each host's link into the network, one of {', '.join(LINKS)} or bytes/s")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 

@@ -226,6 +226,29 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+# Links between hosts: each host's aggregate rate into the network [bytes/s], at the share of the line
+# rate that NCCL's rings reach on such fabrics (LINK_EFFICIENCY; a nominal figure, not measured here).
+LINK_EFFICIENCY = 0.85
+LINKS: dict[str, float] = {
+    "ib-8x400": 8 * 400e9 / 8 * LINK_EFFICIENCY,  # eight 400 Gb/s InfiniBand NICs (one per GPU)
+    "ib-4x400": 4 * 400e9 / 8 * LINK_EFFICIENCY,
+    "ib-1x400": 400e9 / 8 * LINK_EFFICIENCY,
+    "eth-2x100": 2 * 100e9 / 8 * LINK_EFFICIENCY,  # two 100 GbE ports (RoCE)
+    "eth-1x100": 100e9 / 8 * LINK_EFFICIENCY,
+    "eth-1x25": 25e9 / 8 * LINK_EFFICIENCY,
+}
+
+
+def resolve_link(link: "str | float | int | None") -> float:
+    """A host's rate into the network [bytes/s] from a LINKS preset name or a number of bytes/s;
+    ValueError naming the presets otherwise."""
+    if isinstance(link, str) and link in LINKS:
+        return LINKS[link]
+    if isinstance(link, (int, float)) and not isinstance(link, bool) and math.isfinite(link) and link > 0:
+        return float(link)
+    raise ValueError(f"link must be one of {', '.join(LINKS)} or a rate in bytes/s > 0, got {link!r}")
+
+
 def resolve_hardware(hardware: "Hardware | str | None", device: str) -> Hardware:
     """A Hardware from a preset name, a profile path, a Hardware, or a guess from the device."""
     if isinstance(hardware, Hardware):

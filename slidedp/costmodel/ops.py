@@ -220,42 +220,59 @@ def cpu_reduce_time_s(numel: float, elem_bytes: int, world_size: int, hw: Hardwa
 # -- collectives -------------------------------------------------------------------------------
 
 
-def all_gather_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+def all_gather_time_s(nbytes: float, world_size: int, hw: Hardware, *, hosts: int = 1,
+                      link_bytes_per_s: float = 0.0) -> float:
     """All-gather of a layer of `nbytes` (each rank holds nbytes / W) [s].
 
-    With peer-to-peer: ring, t = (W - 1) / W * nbytes / gpu_p2p_bytes_per_s.
-    Without (gpu_p2p_bytes_per_s == 0), it bounces through the host: each rank copies its shard
-    down and the W - 1 others up, t = nbytes / W / d2h_share + (W - 1) / W * nbytes / h2d_share.
+    Within a host of G = W / hosts ranks, with peer-to-peer: ring, (G - 1) / G * nbytes /
+    gpu_p2p_bytes_per_s. Without (gpu_p2p_bytes_per_s == 0), it bounces through the host: each rank
+    copies its shard down and the G - 1 others up, nbytes / G / d2h_share + (G - 1) / G * nbytes /
+    h2d_share. Across hosts each host receives the (hosts - 1) / hosts of the layer the others own
+    over its link; the rings pipeline, so the slower of the two sets the time.
     """
-    if world_size <= 1 or nbytes <= 0:
-        return 0.0
-    moved = (world_size - 1) / world_size * nbytes
-    if hw.gpu_p2p_bytes_per_s > 0:
-        return moved / hw.gpu_p2p_bytes_per_s
-    return (nbytes / world_size / d2h_bytes_per_s(hw, world_size, duplex=True)
-            + moved / h2d_bytes_per_s(hw, world_size, duplex=True))
+    return max(_within_host_s(nbytes, world_size // hosts, hw, gather=True),
+               _between_hosts_s(nbytes, hosts, link_bytes_per_s))
 
 
-def all_reduce_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+def all_reduce_time_s(nbytes: float, world_size: int, hw: Hardware, *, hosts: int = 1,
+                      link_bytes_per_s: float = 0.0) -> float:
     """All-reduce of a gradient of `nbytes` per rank (every rank gets the sum) [s]: a reduce-scatter
     then an all-gather, t = reduce_scatter_time_s + all_gather_time_s."""
-    return reduce_scatter_time_s(nbytes, world_size, hw) + all_gather_time_s(nbytes, world_size, hw)
+    kw = dict(hosts=hosts, link_bytes_per_s=link_bytes_per_s)
+    return reduce_scatter_time_s(nbytes, world_size, hw, **kw) + all_gather_time_s(nbytes, world_size, hw, **kw)
 
 
-def reduce_scatter_time_s(nbytes: float, world_size: int, hw: Hardware) -> float:
+def reduce_scatter_time_s(nbytes: float, world_size: int, hw: Hardware, *, hosts: int = 1,
+                          link_bytes_per_s: float = 0.0) -> float:
     """Reduce-scatter of a gradient of `nbytes` per rank (each rank keeps nbytes / W summed) [s].
 
-    With peer-to-peer: ring, t = (W - 1) / W * nbytes / gpu_p2p_bytes_per_s.
-    Without: through the host, each rank copies the (W - 1) / W it does not own down, and its
-    summed shard comes back up: t = (W - 1) / W * nbytes / d2h_share + nbytes / W / h2d_share.
+    Within a host of G ranks, with peer-to-peer: ring, (G - 1) / G * nbytes / gpu_p2p_bytes_per_s.
+    Without: through the host, each rank copies the (G - 1) / G it does not own down, and its
+    summed shard comes back up: (G - 1) / G * nbytes / d2h_share + nbytes / G / h2d_share. Across
+    hosts each host sends the (hosts - 1) / hosts that others own over its link; the slower sets it.
     """
-    if world_size <= 1 or nbytes <= 0:
+    return max(_within_host_s(nbytes, world_size // hosts, hw, gather=False),
+               _between_hosts_s(nbytes, hosts, link_bytes_per_s))
+
+
+def _within_host_s(nbytes: float, ranks: int, hw: Hardware, *, gather: bool) -> float:
+    """The part of an all-gather (`gather`) or reduce-scatter among one host's `ranks` GPUs [s]."""
+    if ranks <= 1 or nbytes <= 0:
         return 0.0
-    moved = (world_size - 1) / world_size * nbytes
+    moved = (ranks - 1) / ranks * nbytes
     if hw.gpu_p2p_bytes_per_s > 0:
         return moved / hw.gpu_p2p_bytes_per_s
-    return (moved / d2h_bytes_per_s(hw, world_size, duplex=True)
-            + nbytes / world_size / h2d_bytes_per_s(hw, world_size, duplex=True))
+    down, up = (nbytes / ranks, moved) if gather else (moved, nbytes / ranks)
+    return down / d2h_bytes_per_s(hw, ranks, duplex=True) + up / h2d_bytes_per_s(hw, ranks, duplex=True)
+
+
+def _between_hosts_s(nbytes: float, hosts: int, link_bytes_per_s: float) -> float:
+    """A host's share of a collective across `hosts` hosts over its link [s]: (hosts - 1) / hosts * nbytes."""
+    if hosts <= 1 or nbytes <= 0:
+        return 0.0
+    if link_bytes_per_s <= 0:
+        raise ValueError(f"a collective across {hosts} hosts needs the link's rate (link_bytes_per_s > 0)")
+    return (hosts - 1) / hosts * nbytes / link_bytes_per_s
 
 
 # -- host DRAM traffic per route -----------------------------------------------------------------

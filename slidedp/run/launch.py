@@ -50,6 +50,8 @@ class Request:
     compile_blocks: bool | None  # None: as a given plan says
     planning_only: bool = False
     host_memory_bytes: int | None = None  # host RAM the plan may take (None: plan unbounded, compile what is available)
+    hosts: int = 1  # the hosts the ranks span (torchrun --nnodes)
+    link_bytes_per_s: float = 0.0  # each host's rate into the network between hosts (hosts > 1)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -44,12 +44,22 @@ class Problem:
     # back down (backend/runtime/streamed_updates.py: each rank its own chunks; allowed where the device's
     # memory bandwidth is known); the solver picks a prefix of the host layers in update order (streamed.py).
     streamed_updates: bool = False
+    # Hosts the ranks span (world_size / hosts ranks each, numbered host by host): each host's ranks
+    # share its links, DRAM and CPU cores; between hosts, collectives cross `link_bytes_per_s` (each
+    # host's rate into the network), and every host layer is delivered sharded and reduced on the GPUs.
+    hosts: int = 1
+    link_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 1 \
+                or self.world_size % self.hosts:
+            raise ValueError(f"hosts must be a positive int dividing world_size {self.world_size}, got {self.hosts!r}")
+        if self.hosts > 1 and not self.link_bytes_per_s > 0:
+            raise ValueError(f"{self.hosts} hosts need the link between them: link_bytes_per_s > 0")
         if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
@@ -57,6 +67,11 @@ class Problem:
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
             raise ValueError("the graph counts kept activations as compiled blocks save them; eager blocks "
                              "save more: build it with compiled_blocks=False to plan eager blocks")
+
+    @property
+    def ranks_per_host(self) -> int:
+        """The ranks that share one host's links, DRAM and CPU cores."""
+        return self.world_size // self.hosts
 
     @property
     def n_blocks(self) -> int:

@@ -186,8 +186,8 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
     add("update order", d.update_order,
         _runner_up(costs, budget_bytes, [(o, replace(d, update_order=o)) for o in other_orders]), why)
 
-    # Routes of the blocks (W > 1).
-    if W > 1:
+    # Routes of the blocks (W > 1; with several hosts they are fixed: the plan's notes say why).
+    if W > 1 and costs.problem.hosts == 1:
         layer_bytes = costs.problem.graph.layers[blocks[0]].numel * costs.elem
         if hw.gpu_p2p_bytes_per_s <= 0:
             bounce = ops.all_gather_time_s(layer_bytes, W, hw)

@@ -95,6 +95,8 @@ class Workload:
     precision: str
     micro_batches: int  # micro-batches per rank that share one pass over the weights
     compiled_blocks: bool = False  # blocks run through torch.compile (backend/runtime/executor.py)
+    hosts: int = 1  # the hosts the ranks span, world_size / hosts ranks each
+    link_bytes_per_s: float = 0.0  # each host's rate into the network between hosts (hosts > 1)
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,9 @@ class Plan:
         lines = [
             f"slidedp plan for {self.model_class} (fingerprint {self.model_fingerprint[:12]})",
             f"  workload: {w.world_size} rank(s) x {w.micro_batches} micro-batch(es) x {w.batch_size} x {w.seq_len} "
-            f"tokens, {w.precision}" + (", blocks compiled" if w.compiled_blocks else ""),
+            f"tokens, {w.precision}" + (", blocks compiled" if w.compiled_blocks else "")
+            + (f", over {w.hosts} hosts of {w.world_size // w.hosts} (link {w.link_bytes_per_s / 1e9:.1f} GB/s per host)"
+               if w.hosts > 1 else ""),
             f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
@@ -502,6 +506,11 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         bad(f"workload.compiled_blocks must be true or false, got {w.compiled_blocks!r}")
     if world_size is None:
         world_size = w.world_size if _is_int(w.world_size) and w.world_size >= 1 else 1
+    hosts = w.hosts if _is_int(w.hosts) and w.hosts >= 1 else 1
+    if not _is_int(w.hosts) or w.hosts < 1 or world_size % w.hosts:
+        bad(f"workload.hosts must be an integer >= 1 dividing world_size {world_size}, got {w.hosts!r}")
+    elif w.hosts > 1 and not (_is_number(w.link_bytes_per_s) and w.link_bytes_per_s > 0):
+        bad(f"workload.link_bytes_per_s must be > 0 with {w.hosts} hosts, got {w.link_bytes_per_s!r}")
     if not isinstance(plan.model_fingerprint, str):
         bad(f"model_fingerprint must be a string, got {plan.model_fingerprint!r}")
     if not _is_int(plan.budget_bytes) or plan.budget_bytes <= 0:
@@ -525,7 +534,7 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         bad("decisions: the plan has no layer decisions", stop=True)
     n = len(decisions)
     p2p = plan.hardware.get("gpu_p2p_bytes_per_s", 0)
-    routes_allowed = world_size > 1 and _is_number(p2p) and p2p > 0
+    routes_allowed = world_size > 1 and ((_is_number(p2p) and p2p > 0) or hosts > 1)
     kinds = [PROLOGUE] + [BLOCK] * (n - 2) + [EPILOGUE] if n >= 2 else [PROLOGUE]
     for i, d in enumerate(decisions):
         at = f"decisions[{i}]"
@@ -624,5 +633,6 @@ def _host_line(plan: "Plan") -> str:
              "offloaded_activations": "offloaded activations", "pinned_buffers": "pinned buffers"}
     parts = ", ".join(f"{names.get(k, k)} {format_bytes(v)}" for k, v in plan.host_memory.items() if v)
     budget = plan.solver.get("host_budget_bytes")
-    return (f"  host memory: {format_bytes(plan.peak_host_bytes)}{per_param}"
+    each = " per host" if plan.workload.hosts > 1 else ""
+    return (f"  host memory{each}: {format_bytes(plan.peak_host_bytes)}{per_param}"
             + (f" of {format_bytes(budget)}" if budget else "") + (f": {parts}" if parts else ""))

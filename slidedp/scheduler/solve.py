@@ -169,7 +169,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
                compiled_blocks: bool = False, host_offload_bytes: int | None = None,
                early_host_bytes: int | None = None, streamed_updates: bool = False,
-               host_budget_bytes: int | None = None) -> Plan:
+               host_budget_bytes: int | None = None, hosts: int = 1, link_bytes_per_s: float = 0.0) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
     offloaded activations take at most `host_offload_bytes` of host memory per rank (None: no limit);
     early updates (one rank, no clipping) may take `early_host_bytes` for their spare state, with the
@@ -181,7 +181,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     Which layers keep their optimizer state on the device: `_device_state_search`."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
-                      host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates)
+                      host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates,
+                      hosts=hosts, link_bytes_per_s=link_bytes_per_s)
     costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
@@ -488,7 +489,12 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         auto_notes.append("kept and offloaded activations counted " + (
             "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"
             if g.saved_bytes_method == "aot-min-cut" else "as eager autograd saves them"))
-    if problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
+    if problem.hosts > 1:
+        auto_notes.append(f"{problem.hosts} hosts of {problem.ranks_per_host} rank(s): every host layer delivered "
+                          "sharded and reduced on the GPUs (a rank reads from its host only what its host updates); "
+                          "each host holds the whole host state and updates the chunks its ranks own; collectives "
+                          f"between hosts at {problem.link_bytes_per_s / 1e9:.1f} GB/s per host")
+    elif problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
         auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
     elif costs.options.forces_route:
         auto_notes.append(f"routes forced by the solver options: deliveries {costs.options.deliveries}, "
@@ -528,7 +534,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         model_fingerprint=g.fingerprint(),
         model_class=g.model_class,
         workload=Workload(g.batch_size, g.seq_len, problem.world_size, precision, problem.micro_batches,
-                          problem.compiled_blocks),
+                          problem.compiled_blocks, problem.hosts, problem.link_bytes_per_s),
         budget_bytes=int(budget_bytes),
         hardware=problem.hardware.to_dict(),
         schedule=schedule,
@@ -538,9 +544,11 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
 
 def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, hardware: Hardware, world_size: int,
                precision: str, micro_batches: int, loss_chunk_tokens: int = 4096,
-               options: SolverOptions | None = None, version: str = "0", compiled_blocks: bool = False) -> Plan:
+               options: SolverOptions | None = None, version: str = "0", compiled_blocks: bool = False,
+               hosts: int = 1, link_bytes_per_s: float = 0.0) -> Plan:
     """The plan of a baseline rule `decide(costs, budget) -> Decisions | None` (no search)."""
-    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks)
+    problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
+                      hosts=hosts, link_bytes_per_s=link_bytes_per_s)
     costs = ProblemCosts(problem, options)
     decisions = decide(costs, budget_bytes)
     if decisions is None:

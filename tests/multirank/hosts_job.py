@@ -20,7 +20,8 @@ from tests.multirank.test_data_parallel import routed_plan
 def main(out_dir: str) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     model = make_model("llama", tied=True)  # every rank builds the same model
-    plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=1)
+    hosts = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
+    plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=1, hosts=hosts)
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              world_size=world_size, plan=plan, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD),
                              max_grad_norm=CLIP)

@@ -22,7 +22,7 @@ from tests.models import VOCAB, PlainBlock, PlainLM, make_model
 ROUTES = [("replicated", "cpu"), ("replicated", "gpu"), ("sharded", "cpu"), ("sharded", "gpu")]
 
 
-def routed_plan(model, world_size, route, *, micro_batches=1, activation="recompute", per_group=None):
+def routed_plan(model, world_size, route, *, micro_batches=1, activation="recompute", per_group=None, hosts=1):
     """A plan with the given routes (h100-sxm figures allow every route; predictions are unused)."""
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
 
@@ -33,7 +33,8 @@ def routed_plan(model, world_size, route, *, micro_batches=1, activation="recomp
         return d
 
     return fixed_plan(graph, decide, method="test", budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"],
-                      world_size=world_size, precision="fp32", micro_batches=micro_batches)
+                      world_size=world_size, precision="fp32", micro_batches=micro_batches, hosts=hosts,
+                      link_bytes_per_s=50e9 if hosts > 1 else 0.0)
 
 
 def compile_ranks(model, world_size, plan, micro_batches=1):

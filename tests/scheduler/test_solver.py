@@ -45,12 +45,18 @@ CASES = {
         world_size=3, hardware="h100-sxm",
         options=dict(activations=("recompute", "offload"), chunk_multiples=(1,), windows=(1, 3),
                      deliveries=("replicated", "sharded"), reductions=("cpu",), update_orders=("forward",))),
+    "2 hosts x 2 ranks, no peer-to-peer": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 2.0, 1.0)), world_size=4, hardware="rtx4090",
+        hosts=2, link_bytes_per_s=12.5e9,
+        options=dict(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward",))),
 }
 
 
 def make_costs(case) -> ProblemCosts:
     c = CASES[case]
-    return ProblemCosts(Problem(c["graph"](), PRESETS[c["hardware"]], c["world_size"], micro_batches=2),
+    return ProblemCosts(Problem(c["graph"](), PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
+                                hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0)),
                         SolverOptions(**c["options"]))
 
 

@@ -109,10 +109,10 @@ class ProblemCosts:
         self.cache: dict = {}  # derived structures (memory terms per window), filled on first use
         self._layout()
         self.scale = TimeScale.for_total(self._serial_seconds())
-        hw, W = problem.hardware, problem.world_size
-        rates = _Rates(h2d_alone=ops.h2d_bytes_per_s(hw, W, duplex=False),
-                       h2d_duplex=ops.h2d_bytes_per_s(hw, W, duplex=True),
-                       d2h_duplex=ops.d2h_bytes_per_s(hw, W, duplex=True))
+        hw, G = problem.hardware, problem.ranks_per_host  # the ranks sharing one host's links
+        rates = _Rates(h2d_alone=ops.h2d_bytes_per_s(hw, G, duplex=False),
+                       h2d_duplex=ops.h2d_bytes_per_s(hw, G, duplex=True),
+                       d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
         self._choose_routes()
         self._transfer_options(rates)
         self._block_ticks(rates)
@@ -136,7 +136,13 @@ class ProblemCosts:
         """The (delivery, reduction) routes the options and the hardware allow, and the baselines' one."""
         hw, W = self.problem.hardware, self.problem.world_size
         self.routes = [(REPLICATED, CPU)]
-        if W > 1 and hw.gpu_p2p_bytes_per_s > 0:
+        if self.problem.hosts > 1:  # a rank reads only what its own host updates (run/launch.py)
+            if (SHARDED, GPU) not in product(self.options.deliveries, self.options.reductions):
+                raise ValueError(f"{self.problem.hosts} hosts need sharded delivery and GPU reduction, which the "
+                                 f"options leave out (deliveries {self.options.deliveries}, reductions "
+                                 f"{self.options.reductions})")
+            self.routes = [(SHARDED, GPU)]
+        elif W > 1 and hw.gpu_p2p_bytes_per_s > 0:
             self.routes = [(d, r) for d, r in product(self.options.deliveries, self.options.reductions)]
         elif self.options.forces_route:
             why = "world_size is 1" if W == 1 else f"the GPUs of {hw.name} have no peer-to-peer (gpu_p2p_bytes_per_s 0)"
@@ -149,7 +155,8 @@ class ProblemCosts:
     def _transfer_options(self, rates: "_Rates") -> None:
         """Per layer, per chunk count and route: the copies' and updates' ticks (`TransferOption`)."""
         problem, t = self.problem, self.scale.ticks
-        g, hw, W = problem.graph, problem.hardware, problem.world_size
+        g, hw, W, G = problem.graph, problem.hardware, problem.world_size, problem.ranks_per_host
+        across = dict(hosts=problem.hosts, link_bytes_per_s=problem.link_bytes_per_s)
         curve = hw.transfer_efficiency
         self.layer_options: list[tuple[TransferOption, ...]] = []
         for layer in g.layers:
@@ -161,9 +168,9 @@ class ProblemCosts:
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
-                update = ops.cpu_update_time_s(numel / k, hw, lanes=W)
+                update = ops.cpu_update_time_s(numel / k, hw, lanes=G)  # a host's cores, its ranks' lanes
                 if reduction == CPU:
-                    update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=W)
+                    update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=G)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
                     fwd_piece=t(ops.transfer_time_s(piece_bytes, rates.h2d_alone, curve)),
@@ -172,14 +179,15 @@ class ProblemCosts:
                     grad_pieces=grad_pieces,
                     grad_piece=t(ops.transfer_time_s(piece_bytes, rates.d2h_duplex, curve)),
                     update_piece=t(update),
-                    all_gather=t(ops.all_gather_time_s(numel * self.elem, W, hw)) if delivery == SHARDED else 0,
-                    reduce_scatter=(t(ops.reduce_scatter_time_s(numel * self.elem, W, hw))
+                    all_gather=(t(ops.all_gather_time_s(numel * self.elem, W, hw, **across))
+                                if delivery == SHARDED else 0),
+                    reduce_scatter=(t(ops.reduce_scatter_time_s(numel * self.elem, W, hw, **across))
                                     if reduction == GPU else 0),
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
                 )
                 if on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
-                    all_reduce = ops.all_reduce_time_s(numel * 4, W, hw) / grad_pieces
+                    all_reduce = ops.all_reduce_time_s(numel * 4, W, hw, **across) / grad_pieces
                     option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=t(all_reduce),
                                      update_piece=0, all_gather=0, reduce_scatter=0, staging_bytes=0)
                 opts.append(option)
@@ -285,10 +293,11 @@ class ProblemCosts:
         return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
 
     def host_memory(self, d: Decisions) -> dict[str, int]:
-        """Host RAM of `d` by category, all ranks (costmodel.memory.host_memory): the host state as
-        laid out for this problem, the spare state of d's early updates, its offloaded activations
-        and the pinned staging of its largest chunk."""
-        g, W = self.problem.graph, self.problem.world_size
+        """Host RAM of `d` by category, of one host's ranks (all ranks on one host;
+        costmodel.memory.host_memory): the host state as laid out for this problem (every host holds
+        it whole), the spare state of d's early updates, its offloaded activations and the pinned
+        staging of its largest chunk."""
+        g, W = self.problem.graph, self.problem.ranks_per_host
         max_chunk = max((-(-layer.numel // c.chunks) for layer, c in zip(g.layers, d.layers)
                          if layer.id not in self.problem.device_state), default=0)
         return mem.host_memory([layer.numel for layer in g.layers], self.elem, world_size=W,
@@ -339,14 +348,14 @@ def host_lean_layers(problem: Problem) -> frozenset:
 
 
 def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int]:
-    """Host RAM every plan of `problem` takes whatever its decisions (all ranks): the host state with
+    """Host RAM every plan of `problem` takes whatever its decisions (one host's ranks): the host state with
     its control region, and the pinned gradient staging of the largest chunk of a host layer any
     decisions can have (the fewest chunks: the smallest chunk multiple times the ranks). Early updates' spare state and
     offloaded activations come on top, as the decisions choose them."""
-    g, W = problem.graph, problem.world_size
+    g, W, G = problem.graph, problem.world_size, problem.ranks_per_host
     elem = DTYPE_BYTES[g.compute_dtype]
     fewest = min(options.chunk_multiples) * W
-    return mem.host_memory([layer.numel for layer in g.layers], elem, world_size=W, lean=host_lean_layers(problem),
+    return mem.host_memory([layer.numel for layer in g.layers], elem, world_size=G, lean=host_lean_layers(problem),
                            max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
                                                 if layer.id not in problem.device_state), default=0))
 
