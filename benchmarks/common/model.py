@@ -1,5 +1,5 @@
-"""The model and data every system trains: a Qwen3 shape with seeded, bf16-rounded random init, and
-seeded random batches (identical in every system and every process)."""
+"""The model and data every system trains: a Qwen3 (or Llama) shape with seeded, bf16-rounded random
+init, and seeded random batches (identical in every system and every process)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ SHAPES = {
     # Qwen3-8B: 8,190,735,360 parameters (untied); its host state (16 bytes per parameter) is 122 GiB
     "8b": dict(hidden=4096, intermediate=12288, blocks=36, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                seq=4096),
+    # Llama-3.2-3B: 3,606,752,256 parameters with its head untied (the model ties it; untied here, as
+    # the Qwen3 shapes are); held out from every fit of the cost model's coefficients
+    "llama3b": dict(hidden=3072, intermediate=8192, blocks=28, heads=24, kv_heads=8, head_dim=128, vocab=128256,
+                    seq=4096, family="llama"),
     # CPU smoke test
     "tiny": dict(hidden=64, intermediate=128, blocks=2, heads=4, kv_heads=2, head_dim=16, vocab=512, seq=32),
 }
@@ -23,10 +27,12 @@ SHAPES = {
 # -- model and data: identical in every system --------------------------------------------------------
 
 def qwen3_config(shape: str):
-    from transformers import Qwen3Config
+    """The transformers config of `shape` (a Qwen3Config, or a LlamaConfig for the Llama shapes)."""
+    from transformers import LlamaConfig, Qwen3Config
 
     s = SHAPES[shape]
-    cfg = Qwen3Config(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["blocks"],
+    config_class = LlamaConfig if s.get("family") == "llama" else Qwen3Config
+    cfg = config_class(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["blocks"],
                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
                       vocab_size=s["vocab"], tie_word_embeddings=False, use_cache=False,
                       max_position_embeddings=max(s["seq"], 1 << 18))  # default RoPE: a bound only
@@ -39,14 +45,14 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def empty_model(shape: str, *, dtype, device):
-    """Qwen3ForCausalLM of `shape`, its parameters (of `dtype`) on the meta device, its rotary buffers
-    (fp32 inverse frequencies, computed on the CPU) on `device`."""
+    """The causal LM of `shape` (Qwen3ForCausalLM or LlamaForCausalLM), its parameters (of `dtype`) on the
+    meta device, its rotary buffers (fp32 inverse frequencies, computed on the CPU) on `device`."""
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     cfg = qwen3_config(shape)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     rotary = model.model.rotary_emb
     fresh = type(rotary)(config=cfg)
     for bname, buf in fresh.named_buffers(recurse=False):
@@ -68,7 +74,7 @@ def init_value(name: str, shape, *, init_device, seed: int):
 
 
 def build_model(shape: str, *, dtype, device, init_device, seed: int):
-    """Qwen3ForCausalLM of `shape` with parameters of `dtype` on `device`, initialised on `init_device`
+    """The causal LM of `shape` with parameters of `dtype` on `device`, initialised on `init_device`
     from one seeded generator per parameter and rounded to bf16 (see the module docstring)."""
     from torch import nn
 

@@ -96,7 +96,7 @@ from benchmarks.common import systems  # noqa: E402
 from benchmarks.common.child import run_child  # noqa: E402,F401 - part of this harness's interface
 from benchmarks.common.cli import add_model_args, add_record_args  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
-from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, qwen3_config)  # noqa: E402,F401
+from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, empty_model, qwen3_config)  # noqa: E402,F401
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
 from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
@@ -292,15 +292,12 @@ def solve_plans(args) -> int:
     --hardware, and save them where the benchmark saves its plans, for `--plan` on a machine without
     OR-Tools."""
     import torch
-    from transformers import Qwen3ForCausalLM
 
     import slidedp
 
     precision = args.precision or "bf16"
     seq = args.seq or SHAPES[args.shape]["seq"]
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(qwen3_config(args.shape))
-    model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    model = empty_model(args.shape, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device="cpu")
     # the eager system alone: its plan counts eager blocks' saved activations
     compile_blocks = False if "slidedp" not in args.systems and "slidedp_eager" in args.systems else None
     for tokens in args.tokens:
