@@ -22,6 +22,7 @@ from typing import get_type_hints
 import yaml
 
 from slidedp.budget import parse_with_unit
+from slidedp.train.schedule import SCHEDULES, check_schedule
 from slidedp.train.trackers import parse_report_to
 
 
@@ -172,7 +173,8 @@ class OptimizerConfig:
 class ScheduleConfig:
     """The learning rate over the steps (from `optimizer.lr`, to `min_lr` at `training.max_steps`)."""
 
-    lr_schedule: str = _key("constant", "constant, linear or cosine (decay to min_lr at max_steps)")
+    lr_schedule: str = _key("constant", "constant, constant_with_warmup, linear, cosine (decay to min_lr at "
+                                        "max_steps) or inverse_sqrt: transformers.get_scheduler's schedules")
     warmup_steps: int = _key(0, "linear warm-up from 0 to lr over these steps")
     min_lr: float = _key(0.0, "the learning rate the linear or cosine decay ends at")
 
@@ -180,8 +182,10 @@ class ScheduleConfig:
         _check_at_least(self, "warmup_steps", least=0)
         if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
             raise ValueError(f"config key 'min_lr' must be a finite number >= 0, got {self.min_lr}")
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"config key 'lr_schedule' must be constant, linear or cosine, got {self.lr_schedule!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"config key 'lr_schedule' must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}, "
+                             f"got {self.lr_schedule!r}")
+        check_schedule(self.lr_schedule, self.min_lr)
 
 
 @dataclass(frozen=True, kw_only=True)
