@@ -64,16 +64,16 @@ class ModelConfig:
 class DataConfig:
     """On what. `data="stdlib"` makes the embedded default job."""
 
-    data: str = _key("stdlib", "stdlib (the default job's text), or .txt/.jsonl/.parquet files and folders, "
-                               "comma-separated")
+    data: str = _key("stdlib", "stdlib (the default job's text), or .txt/.jsonl/.parquet files and folders "
+                               "(or save_to_disk folders), comma-separated")
     encoding: str = _key("utf-8", "text encoding of the .txt files, decoded strictly (JSONL is always UTF-8)")
     packing: bool = _key(True, "pack examples into full rows; false: one example a row, padded and masked")
     max_rows: int = _key(0, "rows of data to use; 0: all (16 for stdlib)")
     chat_template: str = _key("", "a Jinja chat template, or a .jinja file, for chat data (messages or "
                                   "conversations); empty: the tokenizer's own")
     val_fraction: float = _key(0.0, "fraction of the rows held out for the validation loss")
-    val_data: str = _key("", ".txt/.jsonl/.parquet files and folders, comma-separated, for the validation loss "
-                             "(instead of val_fraction)")
+    val_data: str = _key("", ".txt/.jsonl/.parquet files and folders (or save_to_disk folders), comma-separated, "
+                             "for the validation loss (instead of val_fraction)")
     val_every: int = _key(0, "validation loss every this many steps (and at the end); 0: at the end only")
 
     def validate(self) -> None:

@@ -19,8 +19,10 @@ prompt's tokens get label -100 so that only the completion is trained):
   assistant turn, an unknown role and a content that is not a string.
 
 ``data`` names files and folders, comma-separated; a folder contributes every file of these
-kinds below it, in sorted order. Examples are read lazily and reading stops once ``max_rows``
-rows are filled.
+kinds below it, in sorted order (a folder written by `datasets`' ``save_to_disk`` is one source).
+`load_dataset` reads them through Hugging Face `datasets` and its Arrow cache (arrowdata.py) when it
+is installed, else with the reader of this module: examples read lazily (`iter_examples`), reading
+stopped once ``max_rows`` rows are filled (`build_rows`); both give the same rows.
 
 Two ways to make rows of exactly ``seq_len`` tokens:
 
