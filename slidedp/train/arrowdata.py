@@ -290,10 +290,9 @@ def rows_of(parts: list[tuple[Path, Any]], seq_len: int, pad: int, *, packing: b
         if max_rows is not None:
             kept = kept[: max(0, max_rows)]
         # the examples read before the last row filled decide whether labels are kept (as build_rows)
-        if max_rows is not None and len(kept) == max(0, max_rows):
-            read = int(np.searchsorted(np.cumsum(lengths), (kept[-1] + 1) * seq_len, side="left")) + 1 if len(kept) else 0
-        else:
-            read = len(lengths)
+        read = len(lengths)
+        if max_rows is not None and len(kept) == max(0, max_rows):  # stopped at the example that filled the last
+            read = int(np.searchsorted(np.cumsum(lengths), (kept[-1] + 1) * seq_len)) + 1 if len(kept) else 0
         any_masked = bool((shapes[:read] != TEXT).any())
         return {"input_ids": tensor(row_ids[kept]), "labels": tensor(row_labels[kept]) if any_masked else None,
                 "attention_mask": None}

@@ -252,11 +252,11 @@ def iter_examples(files: list[Path], encoding: str = "utf-8") -> Iterator[Exampl
     for path in files:
         count = 0
         if path.is_dir():
-            try:
-                from slidedp.train.arrowdata import examples_of
-            except ImportError:
+            if not have_datasets():
                 raise ImportError(f"reading the save_to_disk folder {path} needs the package 'datasets': "
-                                  "pip install 'datasets>=4.3'") from None
+                                  "pip install 'datasets>=4.3'")
+            from slidedp.train.arrowdata import examples_of
+
             yield from (example for _, example in examples_of(path, encoding))
             continue
         if path.suffix == ".txt":
@@ -493,5 +493,5 @@ def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = Tru
 
 
 __all__ = ["CHAT_ROLES", "Example", "SUFFIXES", "build_rows", "chat_template_text", "check_encoding",
-           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "load_dataset", "read_text_file", "set_chat_template", "tokenize_chat",
-           "tokenize_example"]
+           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "load_dataset", "read_text_file",
+           "set_chat_template", "tokenize_chat", "tokenize_example"]

@@ -215,6 +215,9 @@ def test_without_datasets_the_lazy_reader_is_used_with_one_warning(tok, tmp_path
         "the package 'datasets' is not installed: reading the data without its Arrow cache (every run tokenizes "
         "again); pip install 'datasets>=4.3'"]
     assert first.fingerprint() == with_arrow.fingerprint()
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ImportError, match="save_to_disk folder .*saved needs the package 'datasets'"):
+        load_dataset(str(tmp_path / "saved"), tok, 16)
 
 
 # --------------------------------------------------------------------------------------------
