@@ -27,7 +27,7 @@ def test_config_defaults_files_and_overrides(tmp_path):
     (["max_steps=0"], "'max_steps' must be >= 1"),
     (["precision=fp8"], "'precision'"),
     (["novalue"], "key=value"),
-    (["lr_schedule=step"], "'lr_schedule' must be constant, linear or cosine"),
+    (["lr_schedule=step"], "'lr_schedule' must be constant, constant_with_warmup, linear, cosine or inverse_sqrt"),
     (["val_fraction=1.5"], "'val_fraction' must be in"),
     (["packing=maybe"], "'packing' must be true or false"),
     (["keep_last=0"], "'keep_last' must be >= 1"),

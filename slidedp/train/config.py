@@ -22,6 +22,7 @@ from typing import get_type_hints
 import yaml
 
 from slidedp.budget import parse_with_unit
+from slidedp.train.schedule import SCHEDULES, check_schedule
 from slidedp.train.trackers import parse_report_to
 
 
@@ -63,16 +64,16 @@ class ModelConfig:
 class DataConfig:
     """On what. `data="stdlib"` makes the embedded default job."""
 
-    data: str = _key("stdlib", "stdlib (the default job's text), or .txt/.jsonl/.parquet files and folders, "
-                               "comma-separated")
+    data: str = _key("stdlib", "stdlib (the default job's text), or .txt/.jsonl/.parquet files and folders "
+                               "(or save_to_disk folders), comma-separated")
     encoding: str = _key("utf-8", "text encoding of the .txt files, decoded strictly (JSONL is always UTF-8)")
     packing: bool = _key(True, "pack examples into full rows; false: one example a row, padded and masked")
     max_rows: int = _key(0, "rows of data to use; 0: all (16 for stdlib)")
     chat_template: str = _key("", "a Jinja chat template, or a .jinja file, for chat data (messages or "
                                   "conversations); empty: the tokenizer's own")
     val_fraction: float = _key(0.0, "fraction of the rows held out for the validation loss")
-    val_data: str = _key("", ".txt/.jsonl/.parquet files and folders, comma-separated, for the validation loss "
-                             "(instead of val_fraction)")
+    val_data: str = _key("", ".txt/.jsonl/.parquet files and folders (or save_to_disk folders), comma-separated, "
+                             "for the validation loss (instead of val_fraction)")
     val_every: int = _key(0, "validation loss every this many steps (and at the end); 0: at the end only")
 
     def validate(self) -> None:
@@ -172,7 +173,8 @@ class OptimizerConfig:
 class ScheduleConfig:
     """The learning rate over the steps (from `optimizer.lr`, to `min_lr` at `training.max_steps`)."""
 
-    lr_schedule: str = _key("constant", "constant, linear or cosine (decay to min_lr at max_steps)")
+    lr_schedule: str = _key("constant", "constant, constant_with_warmup, linear, cosine (decay to min_lr at "
+                                        "max_steps) or inverse_sqrt: transformers.get_scheduler's schedules")
     warmup_steps: int = _key(0, "linear warm-up from 0 to lr over these steps")
     min_lr: float = _key(0.0, "the learning rate the linear or cosine decay ends at")
 
@@ -180,8 +182,10 @@ class ScheduleConfig:
         _check_at_least(self, "warmup_steps", least=0)
         if not (math.isfinite(self.min_lr) and self.min_lr >= 0):
             raise ValueError(f"config key 'min_lr' must be a finite number >= 0, got {self.min_lr}")
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"config key 'lr_schedule' must be constant, linear or cosine, got {self.lr_schedule!r}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"config key 'lr_schedule' must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}, "
+                             f"got {self.lr_schedule!r}")
+        check_schedule(self.lr_schedule, self.min_lr)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,7 +67,7 @@ from slidedp.train.trackers import flat_keys, open_trackers, parse_report_to
 from slidedp.train.schedule import lr_at, schedule_state
 from slidedp.train.shapes import PRESETS, preset_config, refuse_hub_id
 from slidedp.train.smollm2 import ensure_smollm2
-from slidedp.train.sources import Example, build_rows, load_dataset
+from slidedp.train.sources import Example, build_rows, find_data_files, load_dataset
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FORMAT = 1
@@ -139,6 +139,15 @@ def load_model_and_tokenizer(cfg: TrainConfig):
         raise ValueError(f"the tokenizer ({source}) has {len(tokenizer)} tokens, more than the model's "
                          f"vocabulary of {vocab}")
     return model, tokenizer
+
+
+def check_data_paths(cfg: TrainConfig) -> None:
+    """Refuse a `data` or `val_data` that names a missing file or folder, or a file of an unsupported
+    kind, naming the key: `run` calls it before loading the model (reads no data)."""
+    if cfg.data.data != "stdlib":
+        find_data_files(cfg.data.data, "data")
+    if cfg.data.val_data:
+        find_data_files(cfg.data.val_data, "val_data")
 
 
 def load_data(cfg: TrainConfig, tokenizer):
@@ -441,6 +450,7 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
     The run folder is locked (runlock.py) for the whole run; nothing in it is changed or deleted
     before the model, the data and the plan have loaded."""
     cfg.validate()
+    check_data_paths(cfg)  # a typo is reported before the model loads and before the run folder is made
     with run_folder_lock(cfg.checkpoint.output_dir):
         return _run_locked(cfg, Path(cfg.checkpoint.output_dir), verbose)
 

@@ -70,6 +70,10 @@ def test_max_rows_stops_reading(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "x" * 10}] * 3 + ["not an object"])
     rows = build_rows(iter_examples([path]), ByteTokenizer(), 4, packing=True, max_rows=3)
     assert rows["input_ids"].shape == (3, 4)  # the bad last line is never read
+    # load_dataset tokenizes every line into the Arrow cache (arrowdata.py), so it checks them all
+    with pytest.raises(ValueError, match="t.jsonl line 4: expected an object"):
+        load_dataset(str(path), ByteTokenizer(), 4, packing=False, max_rows=2, seed=3)
+    path = write_jsonl(tmp_path / "good.jsonl", [{"text": "x" * 10}] * 3)
     ds = load_dataset(str(path), ByteTokenizer(), 4, packing=False, max_rows=2, seed=3)
     assert isinstance(ds, PackedDataset) and len(ds) == 2 and ds.attention_mask is not None
 
