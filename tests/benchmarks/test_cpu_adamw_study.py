@@ -35,6 +35,7 @@ def test_the_quick_study_runs_as_a_script_and_records_every_case(tmp_path):
         assert c["state_gb_per_s"] == pytest.approx(c["state_bytes"] / c["median_s"] / 1e9)
     assert len(rec["checks"]) == 4 * 3 and all(c["ok"] for c in rec["checks"])
     assert all(c["bf16_copy_is_rounded_param"] for c in rec["checks"] if c["bf16_copy"])
+    assert all(c["param_max_ulps"] <= study.FP32_ULPS_MAX for c in rec["checks"])
     assert len(rec["comparisons"]) == 4
     for r in rec["comparisons"]:
         assert r["torch_fused_over_numba"] == pytest.approx(r["torch_fused_s"] / r["numba_s"])
