@@ -35,7 +35,8 @@ STUDIES = {
     "predict_vs_measured": "the simulator's step time for the plans that ran against the measured one",
     "diagnose_step": "where a step's time goes: overlapped and isolated steps, per-operation predictions, "
                      "profiler tables",
-    "cpu_adamw": "the host's AdamW (numba kernel) against torch's, parameters per second",
+    "cpu_adamw": "the host's AdamW (numba kernel) against torch's fused and foreach AdamW, like for like: same "
+                 "gradient dtype, with and without the bf16 copy, at 1, 4 and all threads",
     "block_rate": "one decoder block's forward + backward rate, attention (SDPA) apart from the rest",
     "block_memory": "one block's device memory, measured against what the planner charges",
     "attention_backends": "SDPA backends (flash, cuDNN, memory-efficient) on the Qwen3-4B attention shape",
@@ -77,8 +78,14 @@ def table_multi_gpu() -> str:
 
 
 def table_cpu_adamw() -> str:
+    d = load("cpu_adamw")
+    if isinstance(d, dict):  # the like-for-like study (every case, both gradient dtypes, with and without the copy)
+        from benchmarks.cpu_adamw.run import render_table
+
+        return render_table(d)
+    # earlier records: numba with a bf16 gradient against torch with an fp32 one
     rows = [[r["system"], r["threads"], f"{r['params']:,}", num(r["gparams_per_s"], ".2f"),
-             num(r.get("ratio_vs_torch_fused"), ".2f") + "x"] for r in load("cpu_adamw")]
+             num(r.get("ratio_vs_torch_fused"), ".2f") + "x"] for r in d]
     return markdown_table(["implementation", "threads", "parameters", "G params/s", "vs torch fused"], rows)
 
 

@@ -198,14 +198,18 @@ _timings = Timings()  # where _time_s records (calibrate() installs its own)
 
 
 def measure(fn: Callable[[], None], cuda: bool, *, label: str, warmup: int = 1,
-            max_run_s: float = MAX_RUN_S) -> Timing:
+            max_run_s: float = MAX_RUN_S, num_threads: int | None = None) -> Timing:
     """Median and spread of `fn()` by torch.utils.benchmark's adaptive_autorange: blocks of calls
     are timed until their IQR / median is under SPREAD_WARN (at least 4 blocks) or `max_run_s` has
     passed. On CUDA the timer synchronizes the device; otherwise wall clock alone (so that copies
-    queued on the device, as the contended AdamW measurement wants, are not waited for)."""
-    for _ in range(warmup):
-        fn()
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, label=label,
+    queued on the device, as the contended AdamW measurement wants, are not waited for).
+    num_threads: torch's intra-op threads while timing; default torch.get_num_threads() at the call,
+    the count the caller set (the Timer's own default would run `fn` on 1 thread)."""
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    with benchmark.utils.common.set_torch_threads(threads):
+        for _ in range(warmup):
+            fn()
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, label=label, num_threads=threads,
                             **({} if cuda else {"timer": timeit.default_timer}))
     m = timer.adaptive_autorange(threshold=SPREAD_WARN, min_run_time=min(0.05, max_run_s), max_run_time=max_run_s)
     calls = m.number_per_run * len(m.raw_times)

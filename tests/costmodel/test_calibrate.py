@@ -226,6 +226,22 @@ def test_measure_gives_median_and_spread_and_warns_when_unstable(monkeypatch, ca
     assert len(said) == 1, said
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to tell 1 thread from the caller's")
+def test_measure_runs_at_the_callers_torch_threads():
+    """The Timer runs `fn` at the torch thread count the caller set (its own default is 1), or at num_threads."""
+    before = torch.get_num_threads()
+    seen = set()
+    try:
+        torch.set_num_threads(2)
+        cal.measure(lambda: seen.add(torch.get_num_threads()), False, label="threads", max_run_s=0.05)
+        assert seen == {2}
+        seen.clear()
+        cal.measure(lambda: seen.add(torch.get_num_threads()), False, label="threads", max_run_s=0.05, num_threads=1)
+        assert seen == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_cuda_without_cuda_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="CUDA is not available"):

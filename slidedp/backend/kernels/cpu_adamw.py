@@ -16,6 +16,10 @@ once, each on its own Numba thread team, whose size is thread-local (`num_thread
 call, or the module default from `set_num_threads`). Blocks are scheduled dynamically, so
 a thread slowed by other work on its core does not hold back the rest.
 
+`adamw_step(..., impl=)` picks the implementation: "numba" (the kernels here), "torch" (torch's
+fused CPU AdamW with the same inputs and outputs, cpu_adamw_torch.py), or "auto" (the default):
+torch where the measured table `TORCH_FASTER` says it is faster for that case, else numba.
+
 Threading layer: `omp` or `tbb` (`threadsafe` is requested unless NUMBA_THREADING_LAYER
 says otherwise); `workqueue` is refused because it aborts when two threads call in.
 """
@@ -33,7 +37,11 @@ from numba.extending import intrinsic, overload
 from llvmlite import ir as llvm_ir
 
 __all__ = [
+    "IMPLS",
+    "TORCH_FASTER",
     "adamw_step",
+    "choose_impl",
+    "threads_bucket",
     "bf16_bits_to_float32",
     "float32_to_bf16_bits",
     "set_num_threads",
@@ -356,13 +364,51 @@ _GRAD = (np.dtype(np.float32), np.dtype(np.uint16))
 
 
 # ---------------------------------------------------------------------------------------
+# Choice of implementation.
+
+IMPLS = ("auto", "numba", "torch")
+
+# Cases where torch's fused CPU AdamW (cpu_adamw_torch.py) was measured faster than the Numba kernel,
+# keyed (threads_bucket(num_threads), writes_bf16_copy, grad_dtype "fp32" | "bf16"). Filled from the
+# records of benchmarks/cpu_adamw/results (run.py prints the entries its measurement supports) measured
+# on the target machine; empty until such a measurement shows torch faster in some case.
+TORCH_FASTER: frozenset[tuple[str, bool, str]] = frozenset()
+
+
+def threads_bucket(num_threads: int) -> str:
+    """The TORCH_FASTER key of a team size: "1", "2-4" or "5+" (the study's 1, 4 and all threads)."""
+    if num_threads <= 1:
+        return "1"
+    return "2-4" if num_threads <= 4 else "5+"
+
+
+def choose_impl(impl: str, *, num_threads: int, bf16_copy: bool, grad_dtype: str, out_of_place: bool) -> str:
+    """"numba" or "torch" for a call: `impl` itself unless "auto"; then torch only where TORCH_FASTER
+    lists the case (never out of place: torch would first copy the state into `to`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if out_of_place:
+        return "numba"
+    return "torch" if (threads_bucket(num_threads), bf16_copy, grad_dtype) in TORCH_FASTER else "numba"
+
+
+def _resolved_num_threads(num_threads: int | None) -> int:
+    if num_threads is not None:
+        return int(num_threads)
+    return get_num_threads()
+
+
+# ---------------------------------------------------------------------------------------
 # Public API.
 
 
 def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
                out_bf16: np.ndarray | None = None, *, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
-               num_threads: int | None = None, to: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+               num_threads: int | None = None, to: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               impl: str = "auto") -> None:
     """One AdamW update of a contiguous 1-D chunk, as `torch.optim.AdamW`: in place, or into `to`.
 
     param, exp_avg, exp_avg_sq: float32, updated in place.
@@ -374,6 +420,8 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     num_threads: Numba team size for this call (default: `set_num_threads` value, else all).
     to: (param, exp_avg, exp_avg_sq) float32 arrays that receive the updated values, leaving the
         inputs unchanged (an update that can still be taken back); None: in place.
+    impl: "numba" (this module's kernels), "torch" (torch's fused AdamW, cpu_adamw_torch.py) or
+        "auto": torch where TORCH_FASTER lists the case, else numba (`choose_impl`).
 
     Math, in float32: p *= 1 - lr*wd; m = lerp(m, g, 1-beta1); v = beta2*v + (1-beta2)*g*g;
     p -= (lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps).
@@ -410,7 +458,21 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
     if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
         raise ValueError(f"lr, eps and weight_decay must be >= 0, got lr={lr}, eps={eps}, "
                          f"weight_decay={weight_decay}")
+    if num_threads is not None:
+        _check_num_threads(num_threads)
+    if impl == "numba" or (impl == "auto" and not TORCH_FASTER):
+        chosen = "numba"
+    else:
+        chosen = choose_impl(impl, num_threads=_resolved_num_threads(num_threads), bf16_copy=out_bf16 is not None,
+                             grad_dtype="bf16" if grad.dtype == np.uint16 else "fp32", out_of_place=to is not None)
     if param.size == 0:
+        return
+    if chosen == "torch":
+        from slidedp.backend.kernels.cpu_adamw_torch import adamw_step_torch
+
+        adamw_step_torch(param, grad, exp_avg, exp_avg_sq, out_bf16, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, step=step, grad_scale=grad_scale, num_threads=num_threads,
+                         to=to)
         return
 
     # Scalars as torch forms them (Python double) then rounds to the float32 op type.
