@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import slidedp
+from slidedp.costmodel import memory as mem
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
 from slidedp.run.preflight import host_state_bytes
@@ -47,13 +48,33 @@ def test_device_state_is_exact(family, tied, blocks, prologue):
     with compiled(model, plan) as engine:
         assert engine.runner.device_state is not None
         assert set(engine.runner.updates.order).isdisjoint(plan.device_state)  # the CPU skips them
-        for i in plan.device_state:  # lean: the host keeps their master, not their moments or gradient
-            arrays = engine.host.layers[i]
-            assert arrays.master.numel() > 0 and arrays.exp_avg.numel() == arrays.grad.numel() == 0
+        assert_nothing_on_the_host(engine, plan)
         full = host_state_bytes(engine.graph, precision="fp32", control_ints=engine.host.control_ints)
         assert engine.host.nbytes == host_state_bytes(engine.graph, precision="fp32", lean_layers=plan.device_state,
                                                       control_ints=engine.host.control_ints) < full
         train_side_by_side(engine, ref, steps=3, seed=11)
+
+
+def assert_nothing_on_the_host(engine, plan):
+    """Lean: the host state allocates no byte for the layers on the device (the arrays' specs and
+    views are empty, and the file holds only the other layers' arrays and the control region)."""
+    host = engine.host
+    for i in plan.device_state:
+        layout, arrays = host.layouts[i], host.layers[i]
+        assert layout.lean and layout.numel > 0
+        specs = [layout.master, layout.exp_avg, layout.exp_avg_sq, layout.grad] + (
+            [layout.delivery] if layout.delivery is not None else [])
+        assert all(spec.nbytes == 0 for spec in specs) and layout.spare is None
+        assert all(t.numel() == 0 for t in (arrays.master, arrays.exp_avg, arrays.exp_avg_sq, arrays.grad, arrays.source))
+    elem = 4 if engine.precision == "fp32" else 2
+    others = sum(mem.host_layer_bytes(layer.numel, elem) for layer in engine.graph.layers
+                 if layer.id not in plan.device_state)
+    assert host.nbytes == others + mem._page(host.control_ints * 8)
+    for i in plan.device_state:  # the model's parameters view the device's master
+        d = engine.runner.device_state.layers[i].master
+        for name in engine.host.layers[i].param_views(d):
+            p = engine.model.get_parameter(name)
+            assert p.dtype == torch.float32 and d.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
 
 
 def test_gradient_accumulation_over_passes_and_checkpoint_round_trip(tmp_path):
