@@ -212,6 +212,8 @@ def load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: 
             fill_masters(graph, masters, weights)
         for name, delivery in deliveries.items():
             delivery.copy_(masters[name])
+    if device_state is not None:
+        device_state.synchronize()  # the weights written there (by a function too) before any stream reads them
     views = {name: deliveries[name] if (bf16 and name in deliveries
                                         and model.get_parameter(name).dtype == torch.bfloat16) else master
              for name, master in masters.items()}

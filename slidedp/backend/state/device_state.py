@@ -118,6 +118,8 @@ class DeviceState:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    synchronize = _synchronize  # what was written into the device's arrays is there for every stream
+
 
 def adamw_piece_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                  steps: list[torch.Tensor], opt: AdamW, *, decay: bool = True, clip: float = 1.0) -> None:
