@@ -91,6 +91,9 @@ def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_
 
 HOST_PAGE_BYTES = 4096  # every host array starts on a page
 HOST_STAGING_SLOTS = 4  # pinned gradient staging buffers per rank (backend/runtime/routes.py)
+# The host buffer through which the state kept on a one-rank engine's device is loaded (initial
+# weights, checkpoints) and saved (checkpoints), one piece at a time (backend/state/staging.py).
+LOAD_STAGING_BYTES = 64 << 20
 
 
 def _page(nbytes: int) -> int:
@@ -106,10 +109,12 @@ def host_layer_bytes(numel: int, elem_bytes: int, *, lean: bool = False) -> int:
     """One layer of the host state, page-aligned arrays: fp32 master (4 B per parameter), both AdamW
     moments (8 B), the delivery copy in the compute dtype (2 B in bf16; none in fp32, where H2D reads
     the master) and the gradient (elem B): 16 B per parameter in bf16. A lean layer (its optimizer
-    state on the device of a one-rank engine) keeps only master and delivery copy: 6 B in bf16."""
-    arrays = [numel * 4] + ([] if lean else [numel * 4, numel * 4])
+    state, master weights included, on the device of a one-rank engine) takes nothing: 0 B."""
+    if lean:
+        return 0
+    arrays = [numel * 4, numel * 4, numel * 4]
     arrays += [numel * elem_bytes] if elem_bytes != 4 else []
-    arrays += [] if lean else [numel * elem_bytes]
+    arrays += [numel * elem_bytes]
     return sum(_page(a) for a in arrays)
 
 
@@ -133,12 +138,21 @@ def host_staging_bytes(max_chunk_numel: int, elem_bytes: int, world_size: int) -
     return world_size * HOST_STAGING_SLOTS * max_chunk_numel * elem_bytes
 
 
+def load_staging_bytes(lean) -> int:
+    """The host staging of the lean layers' state on its way to and from the device (initial weights,
+    checkpoints): LOAD_STAGING_BYTES when there is a lean layer, else 0."""
+    return LOAD_STAGING_BYTES if len(tuple(lean)) else 0
+
+
 def host_memory(numels, elem_bytes: int, *, world_size: int, lean=(), spare=(), offloaded_bytes: int = 0,
                 max_chunk_numel: int = 0) -> dict[str, int]:
     """Host RAM of a plan by category (bytes, all ranks): "state" (the host state with its control
-    region), "spare" (early updates' spare state), "offloaded_activations" (pinned, `offloaded_bytes`
-    for all ranks) and "pinned_buffers" (gradient staging). Their sum is the plan's peak_host_bytes."""
+    region; nothing for the lean layers), "spare" (early updates' spare state),
+    "offloaded_activations" (pinned, `offloaded_bytes` for all ranks), "pinned_buffers" (gradient
+    staging) and "load_staging" (the lean layers' bounded staging, `load_staging_bytes`). Their sum
+    is the plan's peak_host_bytes."""
     state = host_state_bytes(numels, elem_bytes, lean=lean, control_ints=step_flag_ints(world_size, len(numels)))
     return {"state": state, "spare": sum(host_spare_bytes(numels[i]) for i in set(spare)),
             "offloaded_activations": int(offloaded_bytes),
-            "pinned_buffers": host_staging_bytes(max_chunk_numel, elem_bytes, world_size)}
+            "pinned_buffers": host_staging_bytes(max_chunk_numel, elem_bytes, world_size),
+            "load_staging": load_staging_bytes(lean)}

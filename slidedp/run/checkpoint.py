@@ -20,7 +20,9 @@ Loading (`verify_checkpoint`) checks every file's size and sha256 against the ma
 anything is changed, so a truncated or altered file is refused with its name.
 
 The layer files are written from, and read back into, the host state's own memory: no copy of the
-state is made, whatever the model size.
+state is made, whatever the model size. The state of layers kept on the device alone (lean layers,
+backend/state/host_state.py) goes between the device and the files through a bounded host staging
+buffer (backend/state/staging.py), in the same format.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from slidedp.backend.state.staging import pieces_from, pieces_into
 from slidedp.errors import SlidedpError
 
 FORMAT = 1
@@ -79,10 +82,22 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def _pieces(t: torch.Tensor):
+    """The bytes of a contiguous tensor, _CHUNK_BYTES at a time: views of a CPU tensor's memory, a
+    device tensor's through the staging buffer (backend/state/staging.py)."""
+    if t.device.type == "cpu":
+        view = _byte_view(t)
+        for lo in range(0, len(view), _CHUNK_BYTES):
+            yield view[lo : lo + _CHUNK_BYTES]
+        return
+    for _, _, piece in pieces_from(t, piece_bytes=_CHUNK_BYTES):
+        yield _byte_view(piece)
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write a safetensors file straight from the tensors' memory; fsync it; return its sha256."""
-    tensors = {k: (v if v.device.type == "cpu" and v.is_contiguous() else v.detach().cpu().contiguous())
-               for k, v in tensors.items()}
+    """Write a safetensors file straight from the tensors' memory (a device tensor's a piece at a time,
+    through a bounded host buffer); fsync it; return its sha256."""
+    tensors = {k: (v if v.is_contiguous() else v.detach().contiguous()) for k, v in tensors.items()}
     header: dict = {}
     offset = 0
     for name, t in tensors.items():
@@ -101,9 +116,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             f.write(piece)
             digest.update(piece)
         for t in tensors.values():
-            view = _byte_view(t)
-            for lo in range(0, len(view), _CHUNK_BYTES):
-                piece = view[lo : lo + _CHUNK_BYTES]
+            for piece in _pieces(t):
                 f.write(piece)
                 digest.update(piece)
         f.flush()
@@ -126,8 +139,9 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
-    """Read the named tensors of a safetensors file into existing CPU tensors (same dtype and
-    number of elements), without an intermediate copy."""
+    """Read the named tensors of a safetensors file into existing contiguous tensors (same dtype and
+    number of elements): a CPU tensor without an intermediate copy, a device tensor a piece at a
+    time through a bounded host buffer (backend/state/staging.py)."""
     header, start = read_safetensors_header(path)
     with open(path, "rb") as f:
         for name, dst in targets.items():
@@ -138,14 +152,16 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
             if info["dtype"] != _DTYPE_NAMES.get(dst.dtype) or hi - lo != dst.numel() * dst.element_size():
                 raise CheckpointError(f"{path}: tensor {name!r} is {info['dtype']} {info['shape']}, expected "
                                       f"{dst.dtype} with {dst.numel()} elements")
-            view = _byte_view(dst)
             f.seek(start + lo)
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done : done + _CHUNK_BYTES])
-                if not n:
-                    raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
-                done += n
+            pieces = ((None, None, dst),) if dst.device.type == "cpu" else pieces_into(dst, piece_bytes=_CHUNK_BYTES)
+            for _, _, piece in pieces:
+                view = _byte_view(piece)
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done : done + _CHUNK_BYTES])
+                    if not n:
+                        raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
+                    done += n
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -427,10 +443,11 @@ def write_engine_state(engine, writer: CheckpointWriter) -> None:
     engine.updates.flush()
     host = engine.host
     for layout, arrays in zip(host.layouts, host.layers):
-        tensors = {k: getattr(arrays, k) for k in STATE_ARRAYS}
-        if _lean(arrays):  # the moments live on the device alone (device_state.py)
-            tensors.update(zip(STATE_ARRAYS[1:], (t.cpu() for t in engine.runner.device_state.moments(layout.layer_id))))
-        writer.tensors(layer_file(layout.layer_id), tensors)
+        if layout.lean:  # the state lives on the device alone (device_state.py): streamed down
+            tensors = engine.runner.device_state.arrays(layout.layer_id)
+        else:
+            tensors = {k: getattr(arrays, k) for k in STATE_ARRAYS}
+        writer.tensors(layer_file(layout.layer_id), {k: tensors[k] for k in STATE_ARRAYS})
     frozen = {name: p.detach() for name, p in engine.model.named_parameters() if not p.requires_grad}
     if frozen:
         writer.tensors("frozen.safetensors", frozen)
@@ -498,11 +515,6 @@ def _check_layout(engine, meta: dict, folder: Path) -> None:
                                   f"differs, first at {diff[1]} in the checkpoint vs {diff[0]} here")
 
 
-def _lean(arrays) -> bool:
-    """A layer whose moments the host state does not hold (host_state.py)."""
-    return arrays.exp_avg.numel() == 0 and arrays.master.numel() > 0
-
-
 def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True) -> dict:
     """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
     folder = Path(folder)
@@ -514,14 +526,11 @@ def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True)
     engine.updates.flush()
     host = engine.host
     for layout, arrays in zip(host.layouts, host.layers):
-        targets = {k: getattr(arrays, k) for k in STATE_ARRAYS}
-        on_device = ()
-        if _lean(arrays):  # the moments go to the device (device_state.py), read through the host
-            on_device = engine.runner.device_state.moments(layout.layer_id)
-            targets.update((k, torch.empty(arrays.master.numel(), dtype=torch.float32)) for k in STATE_ARRAYS[1:])
-        read_safetensors_into(folder / layer_file(layout.layer_id), targets)
-        for dst, k in zip(on_device, STATE_ARRAYS[1:]):
-            dst.copy_(targets[k])
+        if layout.lean:  # the state lives on the device alone (device_state.py): streamed up
+            read_safetensors_into(folder / layer_file(layout.layer_id),
+                                  engine.runner.device_state.arrays(layout.layer_id))
+            continue
+        read_safetensors_into(folder / layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
         if arrays.delivery is not None:
             arrays.delivery.copy_(arrays.master)  # bf16, round to nearest even, as the optimizer writes it
     if meta.get("frozen"):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from slidedp.backend.state.host_state import HostState
+from slidedp.backend.state.staging import to_host
 from slidedp.backend.runtime.rank import Rank
 from slidedp.backend.runtime.workers import WorkerPool
 from slidedp.ir.graph import LayerGraph
@@ -133,15 +134,23 @@ class Engine:
         return input_ids, labels, attention_mask
 
     # -- state ----------------------------------------------------------------------------------
+    def master_views(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """{parameter name: view of its fp32 master weights}: in the host state, or on the device for a
+        layer whose state lives there alone (lean, backend/state/host_state.py). After `sync_host`."""
+        arrays = self.host.layers[layer_id]
+        if arrays.layout.lean:
+            return self.runner.device_state.param_views(layer_id)
+        return arrays.param_views(arrays.master)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
         self._check_open()
         self.runner.sync_host()
         out = {}
         for layer in self.graph.layers:
-            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            views = self.master_views(layer.id)
             for p in layer.params:
-                value = views[p.name].clone()
+                value = to_host(views[p.name])  # a device view a piece at a time
                 for name in (p.name, *p.aliases):
                     out[name] = value
         for name, p in self.model.named_parameters(remove_duplicate=False):
@@ -156,6 +165,7 @@ class Engine:
             return
         self._closed = True
         try:
+            self._unbind_device_params()
             self.runner.close()
         finally:
             for p in self.model.parameters():
@@ -172,6 +182,17 @@ class Engine:
                     clear_workspaces()
                 torch.cuda.empty_cache()
                 _empty_host_cache()
+
+    def _unbind_device_params(self) -> None:
+        """The model's parameters of the lean layers (views of the device's master) become CPU tensors
+        of their values, in the dtype they had when compiled, so the device's memory can go."""
+        device_state = getattr(self.runner, "device_state", None)
+        if device_state is None or not device_state.lean:
+            return
+        dtypes = getattr(device_state, "param_dtypes", {})
+        for layer_id in sorted(device_state.lean):
+            for name, view in device_state.param_views(layer_id).items():
+                self.model.get_parameter(name).data = to_host(view, dtypes.get(name, view.dtype))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -257,11 +278,15 @@ class Engine:
         dtype = self.precision if dtype is None else dtype
         self.runner.sync_host()
         weights: dict[str, torch.Tensor] = {}
+        export_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.float32)
         for layer in self.graph.layers:
-            views = self.host.layers[layer.id].param_views(self.host.layers[layer.id].master)
+            views = self.master_views(layer.id)
+            lean = self.host.layers[layer.id].layout.lean
             for p in layer.params:
+                # a device master: down a piece at a time, cast there, in the export's dtype
+                value = to_host(views[p.name], export_dtype) if lean else views[p.name]
                 for name in (p.name, *p.aliases):
-                    weights[name] = views[p.name]
+                    weights[name] = value
         for name, p in self.model.named_parameters(remove_duplicate=False):
             weights.setdefault(name, p.detach().float().cpu())
         save_hf(self.model, weights, dir, dtype=dtype, tokenizer=tokenizer)

@@ -19,7 +19,9 @@ from slidedp.backend.lowering.program import Program
 from slidedp.backend.runtime.comm import RankComm
 from slidedp.backend.runtime.rank import build_rank
 from slidedp.backend.runtime.workers import WorkerPool, job_skeleton
+from slidedp.backend.state.device_state import DeviceState
 from slidedp.backend.state.host_state import HostState
+from slidedp.backend.state.staging import copy_in_pieces_
 from slidedp.backend.state.step_flags import StepFlags
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import Hardware
@@ -149,7 +151,9 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
         host = host if leader else HostState.attach(handle)
     runner = None
     try:
-        load_weights(model, graph, host, bf16=bf16, copy=leader, weights=weights)
+        # the lean layers' state on the device from the start: their weights are loaded straight there
+        device_state = DeviceState(host, lean, device=dev) if lean else None
+        load_weights(model, graph, host, bf16=bf16, copy=leader, weights=weights, device_state=device_state)
         if comm is not None:
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
@@ -162,7 +166,7 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
             flags = None if comm is None else StepFlags(host.control(), local, len(graph.layers),
                                                          first_rank=comm.host_index * local)
             runner = build_rank(model=model, host=host, device=dev, rank=rank or 0, world_size=world_size,
-                                comm=comm, flags=flags, **job)
+                                comm=comm, flags=flags, device_state=device_state, **job)
         else:
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
@@ -180,25 +184,37 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
 
 @torch.no_grad()
 def load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: bool, copy: bool = True,
-                 weights=None) -> None:
-    """Write the initial weights into the host state (unless another rank did: `copy=False`): the
-    model's own, or those of `weights` (slidedp/run/weights.py); then make the model's parameters views
-    of it (bf16 parameters view the bf16 delivery copy, others the fp32 master), so nothing is held
-    twice."""
-    masters, deliveries = {}, {}
+                 weights=None, device_state: DeviceState | None = None) -> None:
+    """Write the initial weights into the host state (unless another rank did: `copy=False`), and
+    those of the lean layers straight into the device's master (`device_state`, a piece at a time
+    through a bounded host buffer: backend/state/staging.py): the model's own, or those of `weights`
+    (slidedp/run/weights.py); then make the model's parameters views of them (bf16 parameters view
+    the bf16 delivery copy, others the fp32 master; a lean layer's view the device's fp32 master), so
+    nothing is held twice."""
+    masters, deliveries, on_device = {}, {}, set()
     for layer in graph.layers:
         arrays = host.layers[layer.id]
+        if arrays.layout.lean:
+            views = device_state.param_views(layer.id)
+            masters.update(views)
+            on_device.update(views)
+            continue
         masters.update(arrays.param_views(arrays.master))
         if arrays.delivery is not None:
             deliveries.update(arrays.param_views(arrays.delivery))
+    if device_state is not None:  # what the lean layers' parameters were, for the model after close()
+        device_state.param_dtypes = {name: model.get_parameter(name).dtype for name in on_device}
     if copy:
         if weights is None:
             for name, master in masters.items():
-                master.copy_(model.get_parameter(name).detach().float())
+                copy_in_pieces_(master, model.get_parameter(name))
         else:
             fill_masters(graph, masters, weights)
         for name, delivery in deliveries.items():
             delivery.copy_(masters[name])
-    views = {name: deliveries[name] if (bf16 and model.get_parameter(name).dtype == torch.bfloat16) else master
+    if device_state is not None:
+        device_state.synchronize()  # the weights written there (by a function too) before any stream reads them
+    views = {name: deliveries[name] if (bf16 and name in deliveries
+                                        and model.get_parameter(name).dtype == torch.bfloat16) else master
              for name, master in masters.items()}
     bind_parameters(model, graph, views)

@@ -178,7 +178,7 @@ def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, c
     host = plan_host_memory(graph, plan, precision=precision, world_size=world_size, lean_layers=lean_layers)
     return Needs(host_state_bytes=host["state"] + host["spare"],
                  host_other_bytes=(device_bytes * world_size if on_cpu else 0) + host["offloaded_activations"]
-                 + host["pinned_buffers"],
+                 + host["pinned_buffers"] + host.get("load_staging", 0),
                  device_bytes=0 if on_cpu else device_bytes)
 
 

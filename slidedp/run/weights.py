@@ -12,7 +12,11 @@ is then read straight into its fp32 master, one tensor at a time.
                       *.safetensors file in it), or one .safetensors file; a parameter is looked
                       up under its name and, for tied ones, under each alias
   weights=fn          fn(name, out) writes parameter `name`'s value into `out`, an fp32 tensor of
-                      the parameter's shape (its master weights in the host state)
+                      the parameter's shape (its master weights in the host state; on the device
+                      for a layer whose optimizer state lives there alone)
+
+Tensors of a folder are read a slab of rows at a time (at most costmodel.memory.LOAD_STAGING_BYTES
+of fp32), so no parameter is ever whole on the host beyond its master there.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from slidedp.backend.state.staging import copy_in_pieces_
+from slidedp.costmodel.memory import LOAD_STAGING_BYTES
 from slidedp.errors import UnsupportedModelError
 from slidedp.ir.graph import LayerGraph
 
@@ -104,9 +110,25 @@ def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str
     return wanted
 
 
+def read_rows_into(dst: torch.Tensor, reader, key: str, *, piece_bytes: int = LOAD_STAGING_BYTES) -> None:
+    """Tensor `key` of an open safetensors file into `dst` (fp32, its shape, any device), a slab of
+    leading-dimension rows at a time (at most `piece_bytes` of fp32, at least one row)."""
+    sl = reader.get_slice(key)
+    shape = tuple(sl.get_shape())
+    if len(shape) == 0 or dst.numel() == 0:
+        dst.copy_(reader.get_tensor(key))
+        return
+    row_numel = max(1, dst.numel() // max(1, shape[0]))
+    rows = max(1, piece_bytes // (4 * row_numel))
+    flat = dst.view(shape[0], -1)
+    for r in range(0, shape[0], rows):
+        copy_in_pieces_(flat[r : r + rows], sl[r : r + rows], piece_bytes=piece_bytes)
+
+
 def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -> None:
-    """Write every stored parameter's initial value into `masters[name]` (fp32 host views) from the
-    checkpoint folder or function `weights` (checked by `check_weights_source`)."""
+    """Write every stored parameter's initial value into `masters[name]` (fp32 views, of the host
+    state or of the device's master) from the checkpoint folder or function `weights` (checked by
+    `check_weights_source`)."""
     if callable(weights):
         for layer in graph.layers:
             for p in layer.params:
@@ -117,7 +139,7 @@ def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -
         log.info("loading weights: %s (%d/%d files, %d tensors)", f.name, i, len(wanted), len(items))
         with safe_open(str(f), framework="pt", device="cpu") as reader:
             for name, key in items:
-                masters[name].copy_(reader.get_tensor(key))
+                read_rows_into(masters[name], reader, key)
 
 
 def bind_parameters(model: nn.Module, graph: LayerGraph, views: dict[str, torch.Tensor]) -> None:

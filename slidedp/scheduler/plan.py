@@ -182,9 +182,10 @@ class Explanation:
     critical_path: tuple[str, ...] = ()
     # host RAM of the plan, all ranks (costmodel.memory.host_memory; 0 and {}: not known): the host
     # state ("state": fp32 master, moments, delivery copy, gradient, page-aligned, lean for the layers
-    # whose optimizer state a one-rank engine keeps on the device), early updates' spare state
-    # ("spare"), offloaded activations ("offloaded_activations", pinned) and the pinned gradient
-    # staging ("pinned_buffers"); peak_host_bytes is their sum, held the whole step
+    # whose optimizer state a one-rank engine keeps on the device: nothing of them), early updates'
+    # spare state ("spare"), offloaded activations ("offloaded_activations", pinned), the pinned
+    # gradient staging ("pinned_buffers") and the bounded staging of those device layers' state
+    # ("load_staging"); peak_host_bytes is their sum, held the whole step
     peak_host_bytes: int = 0
     host_memory: dict = field(default_factory=dict)
 
@@ -630,7 +631,8 @@ def _host_line(plan: "Plan") -> str:
     params = sum(d.numel for d in plan.decisions)
     per_param = f" ({plan.peak_host_bytes / params:.2f} B per parameter)" if params else ""
     names = {"state": "host state", "spare": "early updates' spare state",
-             "offloaded_activations": "offloaded activations", "pinned_buffers": "pinned buffers"}
+             "offloaded_activations": "offloaded activations", "pinned_buffers": "pinned buffers",
+             "load_staging": "device state's staging"}
     parts = ", ".join(f"{names.get(k, k)} {format_bytes(v)}" for k, v in plan.host_memory.items() if v)
     budget = plan.solver.get("host_budget_bytes")
     each = " per host" if plan.workload.hosts > 1 else ""

@@ -305,8 +305,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     until neighbours are tried (ties: the smaller k, no prologue).
 
     The host budget is a hard constraint: a choice whose fixed host bytes (host state, which a
-    one-rank engine keeps lean for the layers on the device, 10 bytes per parameter less in bf16, and
-    the pinned buffers: problem.costs.host_fixed_bytes) exceed it is skipped, and the rest of the
+    of which a one-rank engine keeps nothing for the layers on the device, 16 bytes per parameter
+    less in bf16, then the bounded staging of their state and the pinned buffers:
+    problem.costs.host_fixed_bytes) exceed it is skipped, and the rest of the
     budget bounds the offloaded activations and early updates' spare state. No choice within both
     budgets: InfeasibleBudgetError naming the smallest of each (min_host_bytes: the leanest choice
     that fits the device budget).
@@ -368,7 +369,8 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
             f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
             f"({need} bytes) that the leanest plan needs (host state {format_bytes(parts['state'])} with the "
             f"optimizer state of {_device_state_label(leanest)} on the device, pinned buffers "
-            f"{format_bytes(parts['pinned_buffers'])}); give host_memory at least {need} bytes, or a larger device "
+            f"{format_bytes(parts['pinned_buffers'])}, the device state's staging {format_bytes(parts['load_staging'])}); "
+            f"give host_memory at least {need} bytes, or a larger device "
             f"budget to keep more optimizer state on the device (the device budget {format_bytes(budget_bytes)} "
             f"needs at least {format_bytes(min_budget)}, {min_budget} bytes)",
             min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=need, host_budget_bytes=host_budget)

@@ -100,3 +100,85 @@ def test_streamed_updates_match_gpu_resident(monkeypatch, worker):
         if not worker:
             assert engine.runner.streamed is not None and engine.runner.streamed.piece_numel == 4096
         train_against_gpu_resident(engine, ref)
+
+
+def test_device_state_takes_no_host_bytes_and_streams_checkpoints_and_exports(tmp_path):
+    """Every layer's state on the GPU (one rank, bf16): the host state allocates nothing for them,
+    the weights come up through the bounded staging buffer, the model's parameters are views of the
+    device's fp32 master; training matches GPU-resident PyTorch; a checkpoint streamed down and read
+    back into a fresh engine restores master and moments bitwise and goes on with the same losses;
+    the export holds the master weights in bf16; close() gives back the device memory and leaves the
+    trained weights in the model, on the CPU in the dtype they had."""
+    from slidedp.costmodel import memory as mem
+    from slidedp.run.checkpoint import read_master_weights
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = make_model("qwen3", tied=True)
+    ref = copy.deepcopy(model).cuda().eval()
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.bfloat16)
+    plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["h200-sxm"], micro_batches=2,
+                      compiled_blocks=True, options=SolverOptions(device_state_blocks=4, device_state_prologue=True))
+    assert plan.device_state == tuple(range(len(graph.layers)))
+    assert plan.host_memory["load_staging"] == mem.LOAD_STAGING_BYTES
+
+    def compiled(m):
+        return slidedp.compile(m, 2**30, batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16",
+                               optimizer=slidedp.AdamW(lr=LR), max_grad_norm=CLIP, plan=plan)
+
+    engine = compiled(model)
+    host = engine.host
+    assert all(layout.lean and layout.master.nbytes == layout.grad.nbytes == 0 for layout in host.layouts)
+    assert host.nbytes == mem._page(host.control_ints * 8)  # the control region alone
+    for name, p in model.named_parameters():
+        assert p.is_cuda and p.dtype == torch.float32, name
+    train_against_gpu_resident(engine, ref)
+    engine.save_checkpoint(tmp_path / "ck")
+    state = engine.state_dict()
+    moments = {i: {k: t.cpu() for k, t in engine.runner.device_state.arrays(i).items()} for i in plan.device_state}
+    assert all(torch.equal(read_master_weights(tmp_path / "ck")[k], v) for k, v in state.items())
+    engine.export_hf(tmp_path / "hf", dtype="bf16")
+    gen = torch.Generator().manual_seed(8)
+    later = [random_batch(gen, 2 * BATCH) for _ in range(2)]
+    losses = [engine.step(*b) for b in later]
+    engine.close()
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.float32, name
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, state[name].bfloat16()), name
+    fresh = compiled(make_model("qwen3", tied=True, seed=1))
+    fresh.load_checkpoint(tmp_path / "ck")
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in state.items())
+    for i, arrays in moments.items():
+        assert all(torch.equal(t.cpu(), arrays[k]) for k, t in fresh.runner.device_state.arrays(i).items())
+    assert [fresh.step(*b) for b in later] == pytest.approx(losses, rel=1e-3)
+    fresh.close()
+    del fresh
+    gc.collect()
+    torch.cuda.synchronize()
+    ref_bytes = sum(t.numel() * t.element_size() for t in ref.parameters())
+    assert torch.cuda.memory_allocated() <= before + ref_bytes + (1 << 20)
+
+
+def test_staging_between_the_gpu_and_the_host_in_pieces():
+    from slidedp.backend.state.staging import copy_in_pieces_, pieces_from, pieces_into, to_host
+
+    src = torch.randn(100_003, device="cuda")
+    got = torch.cat([piece.clone() for _, _, piece in pieces_from(src, piece_bytes=4096)])
+    assert torch.equal(got, src.cpu())
+    dst = torch.empty_like(src)
+    host = src.cpu()
+    for lo, hi, piece in pieces_into(dst, piece_bytes=4096):
+        assert piece.is_pinned() and piece.numel() <= 1024
+        piece.copy_(host[lo:hi])
+    assert torch.equal(dst, src)
+    copy_in_pieces_(dst, host.bfloat16(), piece_bytes=4096)
+    assert torch.equal(dst.cpu(), host.bfloat16().float())
+    assert torch.equal(to_host(src, torch.bfloat16, piece_bytes=4096), src.bfloat16().cpu())

@@ -65,4 +65,34 @@ def test_one_host_byte_count():
         total = plan_layout(graph, delivery_bf16=True, grad_dtype="bfloat16", control_ints=9, spare_layers=spare,
                             lean_layers=lean)[2]
         assert total == mem.host_state_bytes(numels, 2, lean=lean, spare=spare, control_ints=9)
-    assert mem.host_layer_bytes(1 << 20, 2) == 16 << 20 and mem.host_layer_bytes(1 << 20, 2, lean=True) == 6 << 20
+    assert mem.host_layer_bytes(1 << 20, 2) == 16 << 20 and mem.host_layer_bytes(1 << 20, 2, lean=True) == 0
+
+
+def test_device_state_takes_no_host_bytes_on_one_rank():
+    """A host budget below the plan without device state: planned with state on the device, whose
+    layers count 0 host bytes (plus the bounded load staging); min_host_bytes is what the leanest
+    plan takes with nothing of its device layers on the host, below the old count (6 B per parameter
+    for those layers: master and delivery copy)."""
+    from slidedp.scheduler.decisions import SolverOptions
+
+    model = _meta_model()
+    none = slidedp.plan(model, "60GiB", solver_options=SolverOptions(device_state_blocks=0), **KW)
+    assert none.device_state == () and none.host_memory["load_staging"] == 0
+    with pytest.raises(slidedp.InfeasibleBudgetError):
+        slidedp.plan(model, "60GiB", host_memory=none.peak_host_bytes // 2,
+                     solver_options=SolverOptions(device_state_blocks=0), **KW)
+    plan = slidedp.plan(model, "60GiB", host_memory=none.peak_host_bytes // 2, **KW)
+    assert plan.peak_host_bytes <= none.peak_host_bytes // 2 < none.peak_host_bytes
+    numels = [d.numel for d in plan.decisions]
+    flags = mem.step_flag_ints(1, len(numels))
+    assert plan.host_memory["state"] == mem.host_state_bytes(numels, 2, lean=plan.device_state, control_ints=flags) \
+        == sum(mem.host_layer_bytes(n, 2) for i, n in enumerate(numels) if i not in plan.device_state) \
+        + mem._page(flags * 8)
+    assert plan.host_memory["load_staging"] == mem.LOAD_STAGING_BYTES
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        slidedp.plan(model, "60GiB", host_memory=1 << 20, **KW)
+    least = slidedp.plan(model, "60GiB", host_memory=info.value.min_host_bytes, **KW)
+    old_count = info.value.min_host_bytes - mem.LOAD_STAGING_BYTES + sum(
+        mem.host_layer_bytes(numels[i], 2) * 6 // 16 for i in least.device_state)
+    assert least.device_state and info.value.min_host_bytes < old_count
+    assert least.host_memory["state"] == mem.host_state_bytes(numels, 2, lean=least.device_state, control_ints=flags)

@@ -210,3 +210,48 @@ def test_a_decision_is_credited_to_cp_sat_only_when_cp_sat_beat_every_heuristic(
             assert credited.startswith(core) and "CP-SAT found nothing better" in credited
             assert not solved or min(sv["candidates"].values()) <= min(solved)
         assert "decided by: window, chunks" in plan.summary()
+
+
+def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
+    """With a host budget below what the plan without device state takes (and below that with one
+    layer's state on the device), the plan keeps the state of leading layers on the device (0 host bytes each, one rank): its step is the fastest that brute
+    force finds over every device-state choice that fits the host (what is left of it bounding the
+    offloaded activations) and every decision within the device budget."""
+    from dataclasses import replace
+
+    from slidedp.scheduler.problem.costs import host_fixed_bytes
+
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
+    hw = PRESETS["h200-sxm"]
+    options = SolverOptions(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
+                            update_orders=("forward",), device_state_prologue=False)
+    base = Problem(graph, hw, 1, micro_batches=2)
+    candidates = [layer.id for layer in graph.blocks] + [graph.epilogue.id]
+
+    def problem_of(k: int, host_budget: int) -> Problem:
+        p = replace(base, device_state=frozenset(candidates[:k]))
+        return replace(p, host_offload_bytes=max(0, host_budget - host_fixed_bytes(p, options)))
+
+    fixed = [host_fixed_bytes(problem_of(k, 0), options) for k in range(len(candidates) + 1)]
+    assert all(a > b for a, b in zip(fixed, fixed[1:]))  # each layer moved to the device frees host RAM
+    budget = 40 * GiB
+    host_budget = (fixed[1] + fixed[2]) // 2  # k >= 2 fits; what is left bounds the offloaded activations
+    best = None
+    for k in range(len(candidates) + 1):
+        if fixed[k] > host_budget:
+            continue
+        costs = ProblemCosts(problem_of(k, host_budget), options)
+        found = brute_force(costs, budget)
+        if found is not None and (best is None or found[0] * costs.scale.tick_s < best[0]):
+            best = (found[0] * costs.scale.tick_s, k)
+    assert best is not None and best[1] >= 2
+    plan = solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2, options=options,
+                      host_budget_bytes=host_budget)
+    assert plan.predicted_step_time_s == pytest.approx(best[0], rel=1e-9)
+    assert len(plan.device_state) >= 2 and plan.peak_host_bytes <= host_budget
+    free = solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2,
+                      options=replace(options, device_state_blocks=0))
+    assert free.peak_host_bytes > host_budget >= plan.peak_host_bytes
+    with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget"):
+        solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2, host_budget_bytes=host_budget,
+                   options=replace(options, device_state_blocks=0))

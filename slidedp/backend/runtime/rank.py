@@ -277,15 +277,18 @@ class Rank:
 
 def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, device: torch.device,
                compute_dtype: torch.dtype, loss_chunk_tokens: int | None, update_order: list[int], rank: int = 0,
-               world_size: int = 1, comm=None, flags=None, compile_blocks: bool = False) -> Rank:
+               world_size: int = 1, comm=None, flags=None, compile_blocks: bool = False,
+               device_state: DeviceState | None = None) -> Rank:
     """A rank on `device`: its executor (streams, buffers, routes) and its step. The same for the
-    engine's own process, a worker process and a torchrun process."""
+    engine's own process, a worker process and a torchrun process. `device_state`: the state kept on
+    the device, when the caller made it (lean layers, loaded there); else made here from the host's."""
     executor = StreamedExecutor(
         model, graph, host, program, device=device, compute_dtype=compute_dtype, loss_chunk_tokens=loss_chunk_tokens,
         compile_blocks=compile_blocks,
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
-    device_state = DeviceState(host, plan.device_state, device=device) if plan.device_state else None
+    if device_state is None and plan.device_state:
+        device_state = DeviceState(host, plan.device_state, device=device)
     streamed = None
     if plan.streamed_updates:
         # Several ranks: each marks a streamed layer updated once its own chunks are back on the host (the

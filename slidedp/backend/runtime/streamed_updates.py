@@ -56,9 +56,9 @@ class StreamedUpdates:
         self._marks: list[Future] = []
         self.order = list(layer_ids)
         self._ids = set(self.order)
-        lean = [i for i in self.order if host.layers[i].exp_avg.numel() != host.layers[i].layout.numel]
+        lean = [i for i in self.order if host.layers[i].layout.lean]
         if lean:
-            raise ValueError(f"layers {lean} keep their moments on the device; they cannot be streamed")
+            raise ValueError(f"layers {lean} keep their state on the device; they cannot be streamed")
         self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last piece down
         n = min(piece_numel or memory.STREAMED_PIECE_NUMEL, max(host.layers[i].layout.numel for i in self.order))
         first = host.layers[self.order[0]]

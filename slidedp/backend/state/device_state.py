@@ -9,11 +9,13 @@ and once the step's norm is known (rank.py) AdamW runs on the device's update st
 layer in the order the next forward needs them, beside that forward: each layer's next load and
 next gradient copy wait for its update by an event (`ready`).
 
-The host state keeps the master weights of these layers (and their delivery copy) as the place
-`state_dict`, exports and the model's parameters read: `store_to_host` copies them down (the engine's
-`sync_host`), `load_from_host` up (at the start, and after a checkpoint was loaded into the host).
-With several ranks the host keeps their moments too, for checkpoints; an engine's own rank does not
-("lean" layers, host_state.py): checkpoints read and write the moments here (`moments`).
+An engine's own rank (one rank) keeps nothing of these layers on the host ("lean" layers,
+host_state.py): the initial weights are loaded into the device's master (`param_views`), and
+`state_dict`, exports, the model's parameters and checkpoints read and write the arrays here
+(`arrays`), through a bounded host staging buffer (staging.py). With several ranks the host keeps
+their whole state as the place those read: `store_to_host` copies master and moments down (the
+engine's `sync_host`), `load_from_host` up (at the start, and after a checkpoint was loaded into
+the host).
 
 AdamW is `torch._fused_adamw_` (the kernel of `torch.optim.AdamW(fused=True)`, on CUDA and on the
 CPU) on pieces of `piece_numel` parameters, each with its gradient taken to fp32 and multiplied by
@@ -43,6 +45,7 @@ class DeviceState:
         self.host, self.device, self.piece_numel = host, device, piece_numel
         self.layers: dict[int, DeviceLayer] = {}
         self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last update, recorded where it ran
+        self.lean = frozenset(i for i in layer_ids if host.layers[i].layout.lean)  # nothing of them on the host
         for layer_id in layer_ids:
             arrays = host.layers[layer_id]
             n = arrays.layout.numel
@@ -55,11 +58,10 @@ class DeviceState:
         return layer_id in self.layers
 
     def _pairs(self, d: DeviceLayer, arrays):
-        """(device, host) tensors kept in both places: the master, and the moments unless lean."""
-        pairs = [(d.master, arrays.master)]
-        if arrays.exp_avg.numel():
-            pairs += [(d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
-        return pairs
+        """(device, host) tensors kept in both places: master and moments, none for a lean layer."""
+        if arrays.layout.lean:
+            return []
+        return [(d.master, arrays.master), (d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
 
     def wait_updates(self) -> None:
         """The current stream waits (on the device) until every started update has run."""
@@ -67,14 +69,21 @@ class DeviceState:
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
-    def moments(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's exp_avg and exp_avg_sq on the device (what checkpoints of lean layers use)."""
+    def arrays(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """The layer's flat fp32 master, exp_avg and exp_avg_sq on the device, once every started
+        update has run (what checkpoints of lean layers read and write)."""
         self.wait_updates()
+        self._synchronize()
         d = self.layers[layer_id]
-        return d.exp_avg, d.exp_avg_sq
+        return {"master": d.master, "exp_avg": d.exp_avg, "exp_avg_sq": d.exp_avg_sq}
+
+    def param_views(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """{parameter name: view of the device's fp32 master} of one layer (its updates done)."""
+        master = self.arrays(layer_id)["master"]
+        return self.host.layers[layer_id].param_views(master)
 
     def load_from_host(self) -> None:
-        """The host's master weights (and moments, unless lean) onto the device (synchronous)."""
+        """The host's master weights and moments onto the device, lean layers' excepted (synchronous)."""
         self._synchronize()
         for layer_id, d in self.layers.items():
             for dst, src in self._pairs(d, self.host.layers[layer_id]):
@@ -82,11 +91,13 @@ class DeviceState:
         self._synchronize()
 
     def store_to_host(self) -> None:
-        """The device's master weights (and moments, unless lean) into the host state, and its delivery
-        copy (synchronous)."""
+        """The device's master weights and moments into the host state, and its delivery copy (lean
+        layers: nothing, the host keeps none of them; synchronous)."""
         self._synchronize()
         for layer_id, d in self.layers.items():
             arrays = self.host.layers[layer_id]
+            if arrays.layout.lean:
+                continue
             for src, dst in self._pairs(d, arrays):
                 dst.copy_(src)
             if arrays.delivery is not None:
@@ -106,6 +117,8 @@ class DeviceState:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    synchronize = _synchronize  # what was written into the device's arrays is there for every stream
 
 
 def adamw_piece_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,

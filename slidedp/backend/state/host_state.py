@@ -13,8 +13,9 @@ copy, and because the file has no name, nothing is left in /dev/shm when the pro
 pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
 
 Layers whose optimizer state lives on the device of a one-rank engine (backend/state/device_state.py)
-keep only their master and delivery copy here ("lean"): their moments and gradient never leave the
-device, and checkpoints read and write them there.
+take no bytes here ("lean"): their master weights, moments and gradient live on the device alone;
+their initial weights are loaded into it, and checkpoints, `state_dict` and exports read it, through a
+bounded host staging buffer (backend/state/staging.py).
 
 Layers updated during the backward (backend/runtime/early_updates.py) have a spare copy of master and
 moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
@@ -65,15 +66,18 @@ class LayerLayout:
     delivery: ArraySpec | None
     grad: ArraySpec
     spare: tuple[ArraySpec, ArraySpec, ArraySpec] | None = None  # master, exp_avg, exp_avg_sq
+    lean: bool = False  # the state lives on the device alone: every array here is empty
 
 
 def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
                 spare_layers=(), lean_layers=()) -> tuple[list[LayerLayout], int, int]:
     """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
-    in `spare_layers`; without moments and gradient for the `lean_layers`, whose optimizer state
-    lives on the device of the engine's own process), then `control_ints` int64 counters; returns
+    in `spare_layers`; nothing but empty arrays for the `lean_layers`, whose optimizer state lives
+    on the device of the engine's own process), then `control_ints` int64 counters; returns
     (layouts, control region offset in bytes, total bytes)."""
     spare_layers, lean_layers = set(spare_layers), set(lean_layers)
+    if spare_layers & lean_layers:
+        raise ValueError(f"layers {sorted(spare_layers & lean_layers)} cannot be both lean and updated early")
     layouts, cursor = [], 0
 
     def take(numel: int, dtype: str) -> ArraySpec:
@@ -87,19 +91,20 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
         for p in layer.params:
             offsets.append((p.name, start, p.numel, p.shape))
             start += p.numel
-        n = layer.numel
         lean = layer.id in lean_layers
+        n = 0 if lean else layer.numel  # the arrays' length here
         layouts.append(
             LayerLayout(
                 layer_id=layer.id,
-                numel=n,
+                numel=layer.numel,
                 param_offsets=tuple(offsets),
                 master=take(n, "float32"),
-                exp_avg=take(0 if lean else n, "float32"),
-                exp_avg_sq=take(0 if lean else n, "float32"),
+                exp_avg=take(n, "float32"),
+                exp_avg_sq=take(n, "float32"),
                 delivery=take(n, "bfloat16") if delivery_bf16 else None,
-                grad=take(0 if lean else n, grad_dtype),
+                grad=take(n, grad_dtype),
                 spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
+                lean=lean,
             )
         )
     control = take(control_ints, "int64").offset_bytes

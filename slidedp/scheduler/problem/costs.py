@@ -341,7 +341,7 @@ class ProblemCosts:
 
 
 def host_lean_layers(problem: Problem) -> frozenset:
-    """Layers whose host state is lean (no moments, no gradient: costmodel.memory.host_layer_bytes):
+    """Layers whose host state is lean (nothing on the host: costmodel.memory.host_layer_bytes):
     those whose optimizer state is on the device of a one-rank engine, which runs in the engine's own
     process (with several ranks every layer keeps its full host state)."""
     return problem.device_state if problem.world_size == 1 else frozenset()
