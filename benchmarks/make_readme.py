@@ -70,6 +70,15 @@ def table_single_gpu() -> str:
     return render_table(load("single_gpu_throughput"))
 
 
+FAIR_BASELINE = "2026-12-05-fair-gpu-resident-baseline.json"
+
+
+def table_fair_baseline() -> str:
+    from benchmarks.single_gpu_throughput.run import render_table
+
+    return render_table(load("single_gpu_throughput", FAIR_BASELINE))
+
+
 def table_multi_gpu() -> str:
     from benchmarks.multi_gpu_scaling.run import render_table, render_targets
 
@@ -135,16 +144,18 @@ def table_block_memory() -> str:
     return markdown_table(["seq", "charged GiB", "measured peak GiB", "measured / charged"], rows)
 
 
-HEADLINES = [
-    ("Single GPU: every system in one run", "single_gpu_throughput", table_single_gpu),
-    ("Multi-GPU scaling", "multi_gpu_scaling", table_multi_gpu),
-    ("CPU AdamW", "cpu_adamw", table_cpu_adamw),
-    ("One block's rate", "block_rate", table_block_rate),
-    ("One block's memory", "block_memory", table_block_memory),
-    ("Attention backends", "attention_backends", table_attention),
-    ("Fused head", "head_kernel", table_head_kernel),
-    ("Host memory of several ranks", "host_memory_ranks", table_host_memory_ranks),
-    ("Largest shape", "largest_shape", table_largest_shape),
+HEADLINES = [  # (title, study, record, table); record None: the study's CURRENT one
+    ("Single GPU: every system in one run", "single_gpu_throughput", None, table_single_gpu),
+    ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
+     table_fair_baseline),
+    ("Multi-GPU scaling", "multi_gpu_scaling", None, table_multi_gpu),
+    ("CPU AdamW", "cpu_adamw", None, table_cpu_adamw),
+    ("One block's rate", "block_rate", None, table_block_rate),
+    ("One block's memory", "block_memory", None, table_block_memory),
+    ("Attention backends", "attention_backends", None, table_attention),
+    ("Fused head", "head_kernel", None, table_head_kernel),
+    ("Host memory of several ranks", "host_memory_ranks", None, table_host_memory_ranks),
+    ("Largest shape", "largest_shape", None, table_largest_shape),
 ]
 
 
@@ -173,8 +184,8 @@ def tables_section() -> str:
         rows.append([f"[`{study}/`]({study}/README.md)", what,
                      f"`{newest[0].name}`" if newest else "–", len(newest)])
     lines.append(markdown_table(["study", "measures", "newest record", "records"], rows))
-    for title, study, fn in HEADLINES:
-        lines += ["", f"## {title}", "", f"From `{study}/results/{CURRENT[study]}`.", "", fn()]
+    for title, study, record, fn in HEADLINES:
+        lines += ["", f"## {title}", "", f"From `{study}/results/{record or CURRENT[study]}`.", "", fn()]
     return "\n".join(lines)
 
 
