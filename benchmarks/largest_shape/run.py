@@ -12,8 +12,8 @@ that fits is the one to run; the first that does not says what limits it.
 
 `--device-state BYTES`: a one-rank run whose plan keeps the optimizer state of leading layers on the
 GPU (prologue, then blocks in order, as the planner does) within that many bytes
-(`costmodel.memory.device_state_bytes`, 12 B + the gradient per parameter); the host then holds only
-the master and delivery copy of those layers (the lean host state of `slidedp.compile`).
+(`costmodel.memory.device_state_bytes`, 12 B + the gradient per parameter); the host then holds none
+of those layers' state (the lean host state of a one-rank `slidedp.compile`).
 """
 
 from __future__ import annotations
