@@ -42,6 +42,8 @@ STUDIES = {
     "attention_backends": "SDPA backends (flash, cuDNN, memory-efficient) on the Qwen3-4B attention shape",
     "head_kernel": "the fused linear + cross-entropy head against the tiled and plain ones",
     "host_memory_ranks": "host memory of several ranks against one: the host state exists once",
+    "known_plans": "plans for the configurations slidedp is known for (Qwen3-14B on 4 H100s, Qwen2.5-72B on 4 hosts "
+                   "of 4 RTX 4090s, Qwen3-4B and 8B on 1-8 H200s), predicted step times, no GPU",
     "largest_shape": "the largest Qwen3 shape whose host state fits in the host's RAM",
     "gpu_streamed_step": "the streamed step's correctness against PyTorch, and its first throughput readings",
     "gpu_worker_path": "one rank through the worker-process path against in-process, on the GPU",

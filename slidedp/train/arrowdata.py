@@ -324,7 +324,7 @@ def rows_of(parts: list[tuple[Path, Any]], seq_len: int, pad: int, *, packing: b
 def load_arrow_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True,
                        max_rows: int | None = None, seed: int = 0, encoding: str = "utf-8", chat_template: str = "",
                        key: str = "data", cache_dir: str | os.PathLike | None = None) -> PackedDataset:
-    """A ``PackedDataset`` of the sources named by `spec` (as ``sources.load_dataset``), each tokenized
+    """A ``PackedDataset`` of the sources named by `spec` (as ``loading.load_dataset``), each tokenized
     through the Arrow cache (`tokenized`)."""
     set_chat_template(tokenizer, chat_template)
     files = find_data_files(spec, key)

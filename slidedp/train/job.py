@@ -67,7 +67,8 @@ from slidedp.train.trackers import flat_keys, open_trackers, parse_report_to
 from slidedp.train.schedule import lr_at, schedule_state
 from slidedp.train.shapes import PRESETS, preset_config, refuse_hub_id
 from slidedp.train.smollm2 import ensure_smollm2
-from slidedp.train.sources import Example, build_rows, find_data_files, load_dataset
+from slidedp.train.loading import load_dataset
+from slidedp.train.sources import Example, build_rows, find_data_files
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FORMAT = 1

@@ -13,6 +13,7 @@ PRESETS = {
     "qwen3-32b": ("Qwen3Config", 5120, 25600, 64, 64, 8, 128, 151936, False),
     "llama3-8b": ("LlamaConfig", 4096, 14336, 32, 32, 8, 128, 128256, False),
     "llama3-70b": ("LlamaConfig", 8192, 28672, 80, 64, 8, 128, 128256, False),
+    "qwen2.5-72b": ("Qwen2Config", 8192, 29568, 80, 64, 8, 128, 152064, False),
     # a few million parameters, the SmolLM2 vocabulary: try `slidedp train` end to end in seconds
     "llama-tiny": ("LlamaConfig", 64, 256, 2, 4, 2, 16, 49152, True),
 }

@@ -20,8 +20,8 @@ prompt's tokens get label -100 so that only the completion is trained):
 
 ``data`` names files and folders, comma-separated; a folder contributes every file of these
 kinds below it, in sorted order (a folder written by `datasets`' ``save_to_disk`` is one source).
-`load_dataset` reads them through Hugging Face `datasets` and its Arrow cache (arrowdata.py) when it
-is installed, else with the reader of this module: examples read lazily (`iter_examples`), reading
+`loading.load_dataset` reads them through Hugging Face `datasets` and its Arrow cache (arrowdata.py)
+when it is installed, else with the reader of this module (`read_plain_dataset`): examples read lazily (`iter_examples`), reading
 stopped once ``max_rows`` rows are filled (`build_rows`); both give the same rows.
 
 Two ways to make rows of exactly ``seq_len`` tokens:
@@ -47,8 +47,6 @@ from __future__ import annotations
 import codecs
 import importlib.util
 import json
-import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,14 +249,9 @@ def iter_examples(files: list[Path], encoding: str = "utf-8") -> Iterator[Exampl
     `encoding`: that of the ``.txt`` files (JSONL is UTF-8). A ``save_to_disk`` folder needs `datasets`."""
     for path in files:
         count = 0
-        if path.is_dir():
-            if not have_datasets():
-                raise ImportError(f"reading the save_to_disk folder {path} needs the package 'datasets': "
-                                  "pip install 'datasets>=4.3'")
-            from slidedp.train.arrowdata import examples_of
-
-            yield from (example for _, example in examples_of(path, encoding))
-            continue
+        if path.is_dir():  # a save_to_disk folder: read by arrowdata.py (loading.load_dataset) only
+            raise ImportError(f"reading the save_to_disk folder {path} needs the package 'datasets' "
+                              "(pip install 'datasets>=4.3'), through slidedp.train.loading.load_dataset")
         if path.suffix == ".txt":
             text = read_text_file(path, encoding)
             if text.strip():
@@ -458,30 +451,11 @@ def have_datasets() -> bool:
     return importlib.util.find_spec("datasets") is not None
 
 
-_warned_no_datasets = False
-
-
-def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True, max_rows: int | None = None,
-                 seed: int = 0, encoding: str = "utf-8", chat_template: str = "", key: str = "data",
-                 cache_dir: str | os.PathLike | None = None) -> PackedDataset:
-    """A ``PackedDataset`` (with labels and masks where needed) from the files named by ``spec``
-    (``.txt`` files decoded as `encoding`). `chat_template` (a Jinja string or file; "": the
-    tokenizer's own) is set on the tokenizer (`set_chat_template`) for the conversations; `key`
-    names the config key in errors.
-
-    Through Hugging Face `datasets` and its Arrow cache (``arrowdata.load_arrow_dataset``, `cache_dir`
-    its folder) when `datasets` is installed; else, after one warning naming the package, by the
-    reader of this module (the same rows; a ``save_to_disk`` folder then is refused)."""
-    global _warned_no_datasets
-    if have_datasets():
-        from slidedp.train.arrowdata import load_arrow_dataset
-
-        return load_arrow_dataset(spec, tokenizer, seq_len, packing=packing, max_rows=max_rows, seed=seed,
-                                  encoding=encoding, chat_template=chat_template, key=key, cache_dir=cache_dir)
-    if not _warned_no_datasets:
-        _warned_no_datasets = True
-        warnings.warn("the package 'datasets' is not installed: reading the data without its Arrow cache (every "
-                      "run tokenizes again); pip install 'datasets>=4.3'", stacklevel=2)
+def read_plain_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = True, max_rows: int | None = None,
+                       seed: int = 0, encoding: str = "utf-8", chat_template: str = "", key: str = "data"
+                       ) -> PackedDataset:
+    """A ``PackedDataset`` of the files named by ``spec`` through this module's reader alone (no
+    `datasets`, no cache; a ``save_to_disk`` folder is refused): the rows of `loading.load_dataset`."""
     set_chat_template(tokenizer, chat_template)
     files = find_data_files(spec, key)
     rows = build_rows(iter_examples(files, encoding), tokenizer, seq_len, packing=packing, max_rows=max_rows)
@@ -493,5 +467,5 @@ def load_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool = Tru
 
 
 __all__ = ["CHAT_ROLES", "Example", "SUFFIXES", "build_rows", "chat_template_text", "check_encoding",
-           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "load_dataset", "read_text_file",
+           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "read_plain_dataset", "read_text_file",
            "set_chat_template", "tokenize_chat", "tokenize_example"]

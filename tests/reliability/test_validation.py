@@ -16,7 +16,8 @@ from slidedp.cli import main
 from slidedp.costmodel.hardware import PRESETS, Hardware, resolve_hardware
 from slidedp.scheduler.plan import Plan
 from slidedp.train.config import load_config
-from slidedp.train.sources import iter_examples, load_dataset
+from slidedp.train.loading import load_dataset
+from slidedp.train.sources import iter_examples
 from tests.models import make_model
 
 KW = dict(batch_size=2, seq_len=16, precision="fp32", device="cpu")

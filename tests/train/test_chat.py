@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from slidedp.train.config import load_config
-from slidedp.train.sources import build_rows, iter_examples, load_dataset, tokenize_chat, _example
+from slidedp.train.loading import load_dataset
+from slidedp.train.sources import build_rows, iter_examples, tokenize_chat, _example
 
 # role headers on their own line, the assistant's turn ended by <eos> (the tiny tokenizer's special token)
 TEMPLATE = ("{% for m in messages %}{{ m['role'] + ':\n' + m['content'] }}"

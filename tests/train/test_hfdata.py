@@ -16,7 +16,9 @@ from slidedp.train import arrowdata, sources  # noqa: E402
 from slidedp.train.arrowdata import is_cached, load_arrow_dataset  # noqa: E402
 from slidedp.train.config import load_config  # noqa: E402
 from slidedp.train.schedule import SCHEDULES, lr_at, schedule_index  # noqa: E402
-from slidedp.train.sources import build_rows, find_data_files, iter_examples, load_dataset  # noqa: E402
+from slidedp.train import loading  # noqa: E402
+from slidedp.train.loading import load_dataset  # noqa: E402
+from slidedp.train.sources import build_rows, find_data_files, iter_examples  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
          "Question: what is two plus two?\nAnswer: four."]
@@ -205,8 +207,8 @@ def test_loading_never_opens_a_socket(tok, tmp_path, monkeypatch):
 def test_without_datasets_the_lazy_reader_is_used_with_one_warning(tok, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS])
     with_arrow = load_dataset(str(path), tok, 16, packing=False, cache_dir=tmp_path / "cache")
-    monkeypatch.setattr(sources, "have_datasets", lambda: False)
-    monkeypatch.setattr(sources, "_warned_no_datasets", False)
+    monkeypatch.setattr(loading, "have_datasets", lambda: False)
+    monkeypatch.setattr(loading, "_warned_no_datasets", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = load_dataset(str(path), tok, 16, packing=False)

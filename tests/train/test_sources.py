@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from slidedp.train.data import PackedDataset, pack_sequences
-from slidedp.train.sources import Example, build_rows, find_data_files, iter_examples, load_dataset
+from slidedp.train.loading import load_dataset
+from slidedp.train.sources import Example, build_rows, find_data_files, iter_examples
 
 EOS, PAD = 1, 2
 

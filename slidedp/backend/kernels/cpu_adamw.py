@@ -471,8 +471,8 @@ def adamw_step(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, exp_avg
         from slidedp.backend.kernels.cpu_adamw_torch import adamw_step_torch
 
         adamw_step_torch(param, grad, exp_avg, exp_avg_sq, out_bf16, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, step=step, grad_scale=grad_scale, num_threads=num_threads,
-                         to=to)
+                         weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+                         num_threads=_resolved_num_threads(num_threads), to=to)
         return
 
     # Scalars as torch forms them (Python double) then rounds to the float32 op type.

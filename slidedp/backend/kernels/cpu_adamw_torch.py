@@ -79,10 +79,8 @@ def adamw_step_torch(param: np.ndarray, grad: np.ndarray, exp_avg: np.ndarray, e
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if param.size == 0:
         return
-    if num_threads is None:
-        from slidedp.backend.kernels.cpu_adamw import get_num_threads
-
-        num_threads = get_num_threads()
+    if num_threads is None:  # cpu_adamw.adamw_step passes the Numba team size it would use
+        num_threads = torch.get_num_threads()
     p, m, v = _tensor(param), _tensor(exp_avg), _tensor(exp_avg_sq)
     g = _tensor(grad)
     with _threads_lock:

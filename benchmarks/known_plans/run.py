@@ -1,0 +1,159 @@
+"""Plans for the configurations slidedp is known for, solved on any machine (no GPU), with their
+predicted step times: a record of what the planner promises, to be measured against where the
+hardware exists.
+
+    python benchmarks/known_plans/run.py --out benchmarks/known_plans/results/<date>-<what>.json
+    python benchmarks/known_plans/run.py --only qwen3-4b-h200x4   # one configuration
+
+Each configuration is a preset shape (slidedp/train/shapes.py, random weights on the meta device), a
+hardware preset, ranks and hosts, a device budget per GPU, the host RAM per host, and a workload.
+The schedule of every plan found (what `slidedp.compile(plan=...)` takes, without its explanation)
+is written to `plans/<name>.json` beside this file and kept in git; the record has the predicted
+step, the memory per GPU and per host, who decided what (`chosen_by`), the plan's sha256, or the
+error and the smallest budgets that would plan when none is found. Predictions are the cost model's:
+none of these configurations was measured unless benchmarks/LOG.md says so.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+
+HERE = _Path(__file__).resolve().parent
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str  # a preset of slidedp/train/shapes.py
+    hardware: str
+    world_size: int  # every rank of every host
+    budget_gib: float  # device memory per GPU
+    host_memory_gib: float  # per host
+    seq_len: int
+    micro_batches: int  # per rank, one row each
+    hosts: int = 1
+    link: str | None = None  # between hosts (costmodel/hardware.py LINKS)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.world_size * self.micro_batches * self.seq_len
+
+
+def _h200(shape: str, gpus: int) -> Config:
+    # 65,536 tokens per step, split over the GPUs: the strong-scaling point of multi_gpu_scaling
+    return Config(f"qwen3-{shape}-h200x{gpus}", f"qwen3-{shape}", "h200-sxm", gpus, 40, 118 if gpus == 1 else 1800,
+                  4096, 16 // gpus)
+
+
+CONFIGS = (
+    Config("qwen3-14b-h100x4-4096", "qwen3-14b", "h100-sxm", 4, 70, 1800, 1024, 1),
+    Config("qwen3-14b-h100x4-1m", "qwen3-14b", "h100-sxm", 4, 70, 1800, 4096, 64),
+    Config("qwen2.5-72b-4hosts-rtx4090x4", "qwen2.5-72b", "rtx4090", 16, 24, 512, 4096, 1, hosts=4,
+           link="eth-1x100"),
+    *(_h200(shape, gpus) for shape in ("4b", "8b") for gpus in (1, 2, 4, 8)),
+)
+
+
+def solve(config: Config) -> dict:
+    """The plan of `config` (saved under plans/), or why there is none, as one record."""
+    import torch
+    import transformers
+
+    import slidedp
+    from slidedp.train.shapes import preset_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(preset_config(config.model)).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    record = {**asdict(config), "params": params, "tokens_per_step": config.tokens_per_step}
+    t0 = time.perf_counter()
+    try:
+        plan = slidedp.plan(model, f"{config.budget_gib}GiB", batch_size=1, seq_len=config.seq_len,
+                            world_size=config.world_size, micro_batches=config.micro_batches, precision="bf16",
+                            hardware=config.hardware, host_memory=f"{config.host_memory_gib}GiB",
+                            hosts=config.hosts, link=config.link, compile_blocks=True)
+    except slidedp.InfeasibleBudgetError as e:
+        record.update(error=str(e).splitlines()[0], min_budget_bytes=e.min_budget_bytes,
+                      min_host_bytes=getattr(e, "min_host_bytes", None), solve_s=time.perf_counter() - t0)
+        return record
+    path = HERE / "plans" / f"{config.name}.json"
+    path.parent.mkdir(exist_ok=True)
+    plan.save(path, explanation=False)
+    step_s = plan.predicted_step_time_s
+    record.update(
+        plan_file=str(path.relative_to(HERE)), plan_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        predicted_step_s=step_s, predicted_tokens_per_s=config.tokens_per_step / step_s,
+        peak_device_bytes=plan.peak_device_bytes, peak_host_bytes=plan.peak_host_bytes,
+        host_bytes_per_param=plan.peak_host_bytes / params, chosen_by=plan.solver.get("chosen_by"),
+        searches=plan.solver.get("searches"),
+        solve_s=time.perf_counter() - t0)
+    return record
+
+
+def strong_scaling(records: list[dict]) -> dict[str, float]:
+    """Planned strong-scaling efficiency of each H200 configuration against one GPU of its shape."""
+    one = {r["model"]: r["predicted_tokens_per_s"] for r in records
+           if r["hardware"] == "h200-sxm" and r["world_size"] == 1 and "predicted_step_s" in r}
+    return {r["name"]: r["predicted_tokens_per_s"] / (r["world_size"] * one[r["model"]])
+            for r in records if r["hardware"] == "h200-sxm" and r["model"] in one and "predicted_step_s" in r}
+
+
+def render(records: list[dict]) -> str:
+    """A markdown table of the records."""
+    from benchmarks.common.tables import gib, markdown_table, num
+
+    eff = strong_scaling(records)
+    rows = []
+    for r in records:
+        where = f"{r['hosts']} x {r['world_size'] // r['hosts']} {r['hardware']}"
+        if "predicted_step_s" in r:
+            rows.append([r["name"], where, f"{r['tokens_per_step']:,}", num(r["predicted_step_s"], ".3f"),
+                         f"{r['predicted_tokens_per_s']:,.0f}",
+                         f"{eff[r['name']]:.0%}" if r["name"] in eff else "–",
+                         gib(r["peak_device_bytes"]), gib(r["peak_host_bytes"]), num(r["host_bytes_per_param"], ".2f")])
+        else:
+            rows.append([r["name"], where, f"{r['tokens_per_step']:,}", "no plan: " + r["error"][:160],
+                         "–", "–", "–", "–", "–"])
+    return markdown_table(["configuration", "GPUs", "tokens/step", "predicted step s", "predicted tokens/s",
+                           "planned strong eff. (vs 1 GPU)", "peak device GiB per GPU", "peak host GiB per host",
+                           "host B/param"], rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="the record (JSON)")
+    p.add_argument("--only", nargs="+", help="configuration names (default: all)")
+    add_allow_dirty(p)
+    args = p.parse_args(argv)
+    stamp = commit_stamp(args.allow_dirty)
+    chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
+    unknown = set(args.only or ()) - {c.name for c in CONFIGS}
+    if unknown:
+        p.error(f"unknown configuration(s) {sorted(unknown)}; known: {', '.join(c.name for c in CONFIGS)}")
+    records = []
+    for i, config in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {config.name} ...", flush=True)
+        record = solve(config)
+        print(f"  {record.get('predicted_step_s', 'no plan')}"
+              f"{' s/step' if 'predicted_step_s' in record else ': ' + record.get('error', '')}", flush=True)
+        records.append({**stamp, **record, "command": " ".join(["python", "benchmarks/known_plans/run.py",
+                                                                *(argv if argv is not None else sys.argv[1:])])})
+    print(render(records))
+    if args.out:
+        write_records(_Path(args.out), records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
