@@ -59,6 +59,15 @@ class Layer:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    def vocab_param(self, vocab_size: int) -> ParamInfo | None:
+        """The prologue's or epilogue's vocabulary table ([vocab, hidden]: embedding or head) when it may
+        stream by row ranges: stored here, used by no other layer (not tied), and the layer uses no
+        other layer's parameter. None otherwise (blocks, tied tables, no such parameter)."""
+        if self.kind == BLOCK or self.tied_param_names:
+            return None
+        return next((p for p in self.params if len(p.shape) == 2 and p.shape[0] == vocab_size and vocab_size > 1
+                     and not p.aliases), None)
+
 
 @dataclass(frozen=True)
 class LayerGraph:
