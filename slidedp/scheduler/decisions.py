@@ -74,8 +74,7 @@ class Problem:
         if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
         edges = {self.graph.prologue.id, self.graph.epilogue.id}
-        bad = [i for i in self.vocab_streamed
-               if i not in edges or self.graph.layers[i].vocab_param(self.graph.vocab_size) is None]
+        bad = [i for i in self.vocab_streamed if i not in edges or not self.graph.streamable(i)]
         if bad or set(self.vocab_streamed) & set(self.device_state):
             raise ValueError(f"vocab_streamed must be the prologue / epilogue with an untied vocabulary table and "
                              f"no device state, got {sorted(self.vocab_streamed)}")

@@ -301,12 +301,12 @@ def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
     layer the options put on the device. options.vocab_streamed fixes the set."""
     g = problem.graph
     can = {name: layer.id for name, layer in (("prologue", g.prologue), ("epilogue", g.epilogue))
-           if layer.vocab_param(g.vocab_size) is not None}
+           if g.streamable(layer.id)}
     if options.vocab_streamed is not None:
         missing = sorted(set(options.vocab_streamed) - set(can))
         if missing:
             raise ValueError(f"SolverOptions.vocab_streamed names {missing}, whose vocabulary table cannot stream "
-                             "(tied, or no [vocab, hidden] parameter)")
+                             "(tied, no [vocab, hidden] parameter, or a head that is not a bias-free nn.Linear)")
         return [frozenset(can[n] for n in options.vocab_streamed)]
     plain = not options.forces_route and problem.hosts == 1 and (
         problem.world_size == 1 or problem.hardware.gpu_p2p_bytes_per_s <= 0)
@@ -327,11 +327,18 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
     Why a sweep: streaming a table takes it (and its fp32 gradient) off the device for the whole step,
     which every other decision's memory sees, at the price of a second load of the head and the
     recomputation of its logits (costs.py); so each choice is its own problem. Below every choice's
-    smallest budget, the error names the smallest of them. Returns the costs, solution and device
-    states tried of the best choice, and {label: predicted step [s] or None (does not fit)}."""
+    smallest budget, the error names the smallest of them. A choice whose compute alone
+    (cpsat.lower_bound) is no faster than the best step found is not solved. Returns the costs,
+    solution and device states tried of the best choice, and {label: predicted step [s] or None (does
+    not fit, or not solved)}."""
     best, errors, tried = None, [], {}
     for choice in _vocab_choices(problem, options):
         label = _vocab_label(problem, choice)
+        if best is not None:  # skipped when its compute alone (a bound for every plan of it) is no faster
+            costs = ProblemCosts(replace(problem, vocab_streamed=choice), options)
+            if cpsat.lower_bound(costs, streamed=True) * costs.scale.tick_s >= best[0]:
+                tried[label] = None
+                continue
         try:
             costs, sol, ds_tried = _device_state_search(replace(problem, vocab_streamed=choice), options,
                                                         budget_bytes, host_budget)
@@ -356,7 +363,8 @@ def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
             "the only choice (tied or no table, or routes other than replicated / cpu)"
     else:
         how = (f"sweep around the solver: {len(tried)} choices, each solved in full (solve._vocab_search); "
-               + ", ".join(f"{k}: {'does not fit' if v is None else f'{v * 1e3:.1f} ms'}" for k, v in tried.items()))
+               + ", ".join(f"{k}: {'does not fit or cannot be faster' if v is None else f'{v * 1e3:.1f} ms'}"
+                            for k, v in tried.items()))
     return {f"streamed vocabulary ({_vocab_label(costs.problem, costs.problem.vocab_streamed)})": how}
 
 

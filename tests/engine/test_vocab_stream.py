@@ -26,6 +26,10 @@ def compile_streamed(model, streamed, micro_batches=1, clip=CLIP, budget="1GiB")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_tables_match_torch_adamw(family, streamed, micro_batches):
     model = make_model(family)
+    if family == "plain" and "epilogue" in streamed:  # no get_output_embeddings: the loss is not fused
+        with pytest.raises(ValueError, match="cannot stream"):
+            compile_streamed(model, streamed, micro_batches)
+        return
     ref = copy.deepcopy(model).eval()
     plan, engine = compile_streamed(model, streamed, micro_batches)
     edges = {d.kind: d.activation for d in plan.decisions if d.kind != "block"}

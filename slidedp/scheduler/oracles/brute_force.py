@@ -47,7 +47,7 @@ def vocab_choices(problem) -> list[frozenset]:
     """Every set of the prologue / epilogue whose vocabulary table may stream, resident first (the
     order the planner's sweep breaks ties in)."""
     g = problem.graph
-    ids = [layer.id for layer in (g.prologue, g.epilogue) if layer.vocab_param(g.vocab_size) is not None]
+    ids = [layer.id for layer in (g.prologue, g.epilogue) if g.streamable(layer.id)]
     return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
 
 
