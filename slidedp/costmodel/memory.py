@@ -52,6 +52,45 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
     return numel * (12 + elem_bytes)
 
 
+# -- vocabulary-streamed prologue and epilogue -----------------------------------------------------
+# A prologue or epilogue whose vocabulary table (embedding or untied head, [vocab, hidden]) is streamed
+# (docs/design.md §4.14) keeps only its other parameters resident; the table crosses in row ranges of
+# at most this many parameters (64 MiB in bf16), through two device slots.
+VOCAB_CHUNK_NUMEL = 1 << 25
+
+
+def vocab_chunk_rows(vocab_size: int, hidden_size: int, chunk_numel: int = VOCAB_CHUNK_NUMEL) -> int:
+    """Rows of one vocabulary chunk: the table cut into ceil(V * H / chunk_numel) nearly equal row ranges."""
+    pieces = max(1, -(-vocab_size * hidden_size // max(1, chunk_numel)))
+    return -(-vocab_size // pieces)
+
+
+def vocab_stream_bytes(chunk_rows: int, hidden_size: int, elem_bytes: int) -> int:
+    """Device buffers of one vocabulary-streamed layer while it runs: two weight slots of a chunk in
+    the compute dtype, the chunk's fp32 weight gradient, and its cast copy on the way down (bf16
+    only): chunk * (2 * elem + 4 + elem) bytes, chunk = chunk_rows * hidden (none of it whole-table)."""
+    chunk = chunk_rows * hidden_size
+    return chunk * (2 * elem_bytes + 4 + (elem_bytes if elem_bytes != 4 else 0))
+
+
+def streamed_epilogue_working_bytes(tokens: int, hidden_size: int, chunk_rows: int, elem_bytes: int,
+                                    loss_chunk_tokens: int, micro_batches: int) -> int:
+    """Final norm, head and loss of a pass whose head streams by vocabulary chunk (every micro-batch
+    at once: each chunk is loaded once per pass for the forward and once for the backward).
+
+    Per micro-batch: tokens * hidden * (3 * elem + 4 + 4) (final hidden state, its norm, its gradient,
+    the norm's fp32 copy of its input and the fp32 sum of the hidden-state gradient over the chunks)
+    and tokens * 16 (fp32 logsumexp, target logit, coefficient; int64 chunk-local labels); plus, for
+    one chunk of T = min(loss_chunk_tokens, tokens) tokens and chunk_rows vocabulary entries,
+    T * chunk_rows * (2 * elem + 8) as in `epilogue_working_bytes`. The backward of the final norm as
+    there, per micro-batch.
+    """
+    chunk = min(loss_chunk_tokens, tokens)
+    per_mb = tokens * hidden_size * (3 * elem_bytes + 8) + tokens * 16
+    forward = micro_batches * per_mb + chunk * chunk_rows * (2 * elem_bytes + 8)
+    return max(forward, micro_batches * tokens * hidden_size * (3 * elem_bytes + 6 * 4))
+
+
 # Parameters per piece of a streamed update (backend/runtime/streamed_updates.py): 32 MiB of each fp32 array.
 STREAMED_PIECE_NUMEL = 1 << 23
 STREAMED_SLOTS = 2  # pieces in flight: one coming up while the one before is updated and goes down

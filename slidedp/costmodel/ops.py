@@ -166,6 +166,12 @@ def epilogue_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int) -> floa
     return micro_batches * (costs.flops_fwd + costs.flops_bwd) / head_flops_per_s(hw)
 
 
+def head_recompute_time_s(tokens: int, hidden_size: int, vocab_size: int, hw: Hardware, micro_batches: int) -> float:
+    """The logits computed a second time when the head streams by vocabulary chunk (its backward
+    cannot keep the forward's chunks): t = m * 2 * tokens * hidden * vocab / head rate  [s]."""
+    return micro_batches * 2.0 * tokens * hidden_size * vocab_size / head_flops_per_s(hw)
+
+
 def offload_time_s(saved_bytes: int, micro_batches: int, bytes_per_s: float,
                    curve: tuple[tuple[int, float], ...]) -> float:
     """Copy a block's saved activations of every micro-batch one way: t = transfer(m * saved)  [s]."""

@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from slidedp.errors import UnsupportedModelError
 from slidedp.ir.blocks import (
     BlockCall,
+    HeadCapture,
     StopForward,
     find_blocks,
     forward_kwargs,
@@ -318,6 +319,7 @@ def build_layer_graph(
         forward_kwargs=allowed,
         forward_ops=() if groups is None else groups.forward_ops,
         saved_bytes_method=saved_bytes_method,
+        linear_head=HeadCapture.find(model) is not None,
     )
 
 

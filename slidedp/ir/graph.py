@@ -59,6 +59,15 @@ class Layer:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    def vocab_param(self, vocab_size: int) -> ParamInfo | None:
+        """The prologue's or epilogue's vocabulary table ([vocab, hidden]: embedding or head) when it may
+        stream by row ranges: stored here, used by no other layer (not tied), and the layer uses no
+        other layer's parameter. None otherwise (blocks, tied tables, no such parameter)."""
+        if self.kind == BLOCK or self.tied_param_names:
+            return None
+        return next((p for p in self.params if len(p.shape) == 2 and p.shape[0] == vocab_size and vocab_size > 1
+                     and not p.aliases), None)
+
 
 @dataclass(frozen=True)
 class LayerGraph:
@@ -81,6 +90,9 @@ class LayerGraph:
     # how blocks' saved_activation_bytes were counted: "eager" (autograd's saved tensors) or
     # "aot-min-cut" (what a torch.compile'd block keeps: ir/compiled_saved.py)
     saved_bytes_method: str = "eager"
+    # the output head is a bias-free nn.Linear (get_output_embeddings): the loss may be fused and the
+    # head stream by vocabulary chunk
+    linear_head: bool = True
 
     @property
     def blocks(self) -> tuple[Layer, ...]:
@@ -98,6 +110,14 @@ class LayerGraph:
     def numel(self) -> int:
         return sum(layer.numel for layer in self.layers)
 
+    def streamable(self, layer_id: int) -> bool:
+        """Whether the prologue's / epilogue's vocabulary table may stream by row chunks
+        (Layer.vocab_param; the epilogue's only with a plain linear head)."""
+        layer = self.layers[layer_id]
+        if layer.id not in (self.prologue.id, self.epilogue.id) or layer.vocab_param(self.vocab_size) is None:
+            return False
+        return layer.kind != EPILOGUE or self.linear_head
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -107,7 +127,7 @@ class LayerGraph:
         version may trace the same model to other ops and byte counts, and a plan made there still
         fits this model (compile checks the lowered program's memory against the budget here)."""
         data = self.to_dict()
-        for key in ("forward_ops", "trace_method", "saved_bytes_method"):
+        for key in ("forward_ops", "trace_method", "saved_bytes_method", "linear_head"):
             data.pop(key)
         for layer in data["layers"]:
             layer.pop("costs")

@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from slidedp.costmodel.hardware import Hardware
+from slidedp.costmodel.memory import VOCAB_CHUNK_NUMEL, vocab_chunk_rows
 from slidedp.ir.graph import BLOCK, LayerGraph
 
 RECOMPUTE, KEEP, OFFLOAD, RESIDENT = "recompute", "keep", "offload", "resident"
+# A prologue or epilogue whose vocabulary table streams by row ranges instead of staying on the device
+# (Problem.vocab_streamed; docs/design.md §4.14).
+STREAMED = "streamed"
 ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD)
 REPLICATED, SHARDED = "replicated", "sharded"
 CPU, GPU = "cpu", "gpu"
@@ -49,6 +53,13 @@ class Problem:
     # host's rate into the network), and every host layer is delivered sharded and reduced on the GPUs.
     hosts: int = 1
     link_bytes_per_s: float = 0.0
+    # The prologue and/or epilogue (layer ids) whose vocabulary table (Layer.vocab_param) streams through
+    # the device in row ranges of at most `vocab_chunk_numel` parameters instead of sitting whole on it
+    # with a whole fp32 gradient: the embedding's rows in the forward, the head's twice (forward for
+    # the logsumexp, backward recomputing the logits), each chunk's gradient sent down as it is made.
+    # The solver picks the set (solve._vocab_search).
+    vocab_streamed: frozenset = frozenset()
+    vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
@@ -62,6 +73,14 @@ class Problem:
             raise ValueError(f"{self.hosts} hosts need the link between them: link_bytes_per_s > 0")
         if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
+        edges = {self.graph.prologue.id, self.graph.epilogue.id}
+        bad = [i for i in self.vocab_streamed if i not in edges or not self.graph.streamable(i)]
+        if bad or set(self.vocab_streamed) & set(self.device_state):
+            raise ValueError(f"vocab_streamed must be the prologue / epilogue with an untied vocabulary table and "
+                             f"no device state, got {sorted(self.vocab_streamed)}")
+        if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
+                or self.vocab_chunk_numel < 1:
+            raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
@@ -81,6 +100,12 @@ class Problem:
     def effective_loss_chunk_tokens(self) -> int:
         return max(1, min(self.loss_chunk_tokens, self.graph.batch_size * self.graph.seq_len))
 
+    @property
+    def vocab_chunk_rows(self) -> int:
+        """Rows of one vocabulary chunk of a streamed table (costmodel.memory.vocab_chunk_rows)."""
+        g = self.graph
+        return vocab_chunk_rows(g.vocab_size, g.hidden_size, self.vocab_chunk_numel)
+
     def group_of(self, layer_id: int) -> str:
         kind = self.graph.layers[layer_id].kind
         return "blocks" if kind == BLOCK else kind
@@ -89,7 +114,7 @@ class Problem:
 @dataclass(frozen=True)
 class LayerChoice:
     chunks: int
-    activation: str  # recompute | keep | offload (blocks); resident (prologue, epilogue)
+    activation: str  # recompute | keep | offload (blocks); resident | streamed (prologue, epilogue)
     delivery: str = REPLICATED
     reduction: str = CPU
 
@@ -150,6 +175,10 @@ class SolverOptions:
     # Streamed updates (Problem.streamed_updates): None lets the planner choose how many host layers,
     # an int fixes it (0: none).
     streamed_layers: int | None = None
+    # Vocabulary streaming (Problem.vocab_streamed): None lets the planner choose among the layers that
+    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none).
+    vocab_streamed: tuple[str, ...] | None = None
+    vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     seed: int = 0
     workers: int = 1
     hints: bool = True
@@ -174,6 +203,13 @@ class SolverOptions:
         if self.streamed_layers is not None and (isinstance(self.streamed_layers, bool) or not isinstance(
                 self.streamed_layers, int) or self.streamed_layers < 0):
             raise ValueError(f"streamed_layers must be an int >= 0 or None, got {self.streamed_layers!r}")
+        if self.vocab_streamed is not None and (not isinstance(self.vocab_streamed, tuple)
+                                                or not set(self.vocab_streamed) <= {"prologue", "epilogue"}):
+            raise ValueError(f"vocab_streamed must be None or a tuple of 'prologue' / 'epilogue', got "
+                             f"{self.vocab_streamed!r}")
+        if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
+                or self.vocab_chunk_numel < 1:
+            raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
         if self.device_state_prologue not in (None, True, False):
             raise ValueError(f"device_state_prologue must be a bool or None, got {self.device_state_prologue!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:

@@ -50,7 +50,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
     for op in compute:
         exposed[op.layer] = exposed.get(op.layer, 0) + max(0, op.start - previous_end)
         previous_end = op.end
-    program = build_lanes(costs.n_blocks, d.window, W > 1)
+    program = build_lanes(costs.n_blocks, d.window, W > 1, costs.head_reload)
     reloaded = {op.layer for op in program.lanes[H2D] if op.kind == "load" and op.phase == "bwd"}
     out = []
     for ids in layer_groups(costs, d):

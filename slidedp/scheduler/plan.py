@@ -24,6 +24,8 @@ against its runner-up, and which search made the decisions. The schedule:
   streamed_updates        host layers the devices update at the step boundary, their fp32 state
                           streamed up and back down (backend/runtime/streamed_updates.py)
   loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
+  vocab_chunk_rows        a prologue / epilogue whose activation is "streamed" moves its vocabulary
+                          table ([vocab, hidden]) this many rows at a time (docs/design.md §4.14)
 Plans are made by `slidedp.scheduler.solve`; `Plan.workload.micro_batches` micro-batches per rank
 share one pass over the weights.
 """
@@ -59,7 +61,7 @@ class LayerDecision:
     kind: str
     numel: int
     chunks: int  # the layer's parameters move and update in this many chunks
-    activation: str  # "recompute" | "keep" | "resident" (prologue/epilogue)
+    activation: str  # "recompute" | "keep" | "offload"; "resident" | "streamed" (prologue/epilogue)
     delivery: str = "replicated"  # "replicated" | "sharded"
     reduction: str = "cpu"  # "cpu" | "gpu"
     owners: tuple[int, ...] = ()  # rank whose CPU threads update each chunk (() : rank 0)
@@ -143,6 +145,7 @@ class Schedule:
     early_order: tuple[int, ...] = ()
     streamed_updates: tuple[int, ...] = ()
     loss_chunk_tokens: int = 0  # 0 : the whole micro-batch at once
+    vocab_chunk_rows: int = 0  # rows per chunk of a streamed vocabulary table (0: none streamed)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
@@ -152,6 +155,7 @@ class Schedule:
             window_loads=tuple(Load(*row) for row in data["window_loads"]),
             **{k: tuple(data.get(k, ())) for k in ("update_order", "device_state", "early_order", "streamed_updates")},
             loss_chunk_tokens=data.get("loss_chunk_tokens", 0),
+            vocab_chunk_rows=data.get("vocab_chunk_rows", 0),
         )
 
     def to_dict(self) -> dict:
@@ -388,6 +392,9 @@ class Plan:
               if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
+            *([f"  streamed vocabulary: {', '.join(d.name for d in self.decisions if d.activation == 'streamed')} "
+               f"({self.vocab_chunk_rows} rows at a time; not resident)"]
+              if any(d.activation == "streamed" for d in self.decisions) else []),
             *decided,
             (f"  predicted step: {p['step_s'] * 1e3:.1f} ms  (busy: compute {p['compute_s'] * 1e3:.1f}, "
              f"H2D {p['h2d_s'] * 1e3:.1f}, D2H {p['d2h_s'] * 1e3:.1f}, collective {p.get('collective_s', 0) * 1e3:.1f}, "
@@ -551,7 +558,7 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             bad(f"{at}.numel must be an integer >= 1, got {d.numel!r}")
         if not _is_int(d.chunks) or d.chunks < 1 or (_is_int(d.numel) and d.chunks > d.numel):
             bad(f"{at}.chunks must be an integer from 1 to numel ({d.numel!r}), got {d.chunks!r}")
-        legal = ("keep", "recompute", "offload") if d.kind == BLOCK else ("resident",)
+        legal = ("keep", "recompute", "offload") if d.kind == BLOCK else ("resident", "streamed")
         if d.activation not in legal:
             bad(f"{at}.activation: activation policy {d.activation!r} is not one for a {d.kind} "
                 f"({' or '.join(map(repr, legal))})")
@@ -594,6 +601,11 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         bad(f"early_order: updates during the backward need one rank, the plan runs on {world_size}")
     if not _is_int(s.loss_chunk_tokens) or s.loss_chunk_tokens < 0:
         bad(f"loss_chunk_tokens must be an integer >= 0, got {s.loss_chunk_tokens!r}")
+    vocab = [d.layer_id for d in decisions if isinstance(d, LayerDecision) and d.activation == "streamed"]
+    if not _is_int(s.vocab_chunk_rows) or s.vocab_chunk_rows < 0 or (vocab and s.vocab_chunk_rows < 1):
+        bad(f"vocab_chunk_rows must be an integer >= 0 (>= 1 with a streamed table), got {s.vocab_chunk_rows!r}")
+    if set(vocab) & set(s.device_state):
+        bad(f"a streamed vocabulary table's layer keeps no optimizer state on the device, got {vocab}")
 
 
 def _window_loads_problem(n_blocks: int, window: int, loads) -> str | None:

@@ -183,7 +183,9 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates,
                       hosts=hosts, link_bytes_per_s=link_bytes_per_s)
-    costs, sol, tried = _device_state_search(problem, options or SolverOptions(), budget_bytes, host_budget_bytes)
+    options = options or SolverOptions()
+    problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
+    costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
     solver = {
@@ -209,8 +211,9 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "deterministic_time_limit": sol.deterministic_time_limit,
         "device_state_tried": {_device_state_label(c): step_s for c, step_s in sorted(tried.items())},
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
+        "vocab_streamed_tried": vocab_tried,
         "wall_s": wall,
-        "searches": _searches(sol, tried, costs.options),
+        "searches": {**_searches(sol, tried, costs.options), **_vocab_searched(vocab_tried, costs)},
     }
     if host_budget_bytes is not None:
         solver["host_budget_bytes"] = int(host_budget_bytes)
@@ -284,6 +287,87 @@ def _device_state_alternative(tried: dict[tuple[bool, int], float], chosen: tupl
                        f"{a}: {tried[chosen] * 1e3:.1f} ms; {b}: {tried[other] * 1e3:.1f} ms. {why}")
 
 
+def _vocab_label(problem: Problem, streamed) -> str:
+    """"none", "prologue", "epilogue" or "prologue + epilogue": the layers whose table streams."""
+    g = problem.graph
+    return " + ".join(n for n, i in (("prologue", g.prologue.id), ("epilogue", g.epilogue.id)) if i in streamed) or "none"
+
+
+def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
+    """The sets of layers whose vocabulary table may stream (Problem.vocab_streamed), resident first.
+
+    A table streams where it is untied (Layer.vocab_param) and the layers move by the replicated
+    delivery and the CPU reduction only (one rank, or ranks without peer-to-peer on one host); not a
+    layer the options put on the device. options.vocab_streamed fixes the set."""
+    g = problem.graph
+    can = {name: layer.id for name, layer in (("prologue", g.prologue), ("epilogue", g.epilogue))
+           if g.streamable(layer.id)}
+    if options.vocab_streamed is not None:
+        missing = sorted(set(options.vocab_streamed) - set(can))
+        if missing:
+            raise ValueError(f"SolverOptions.vocab_streamed names {missing}, whose vocabulary table cannot stream "
+                             "(tied, no [vocab, hidden] parameter, or a head that is not a bias-free nn.Linear)")
+        return [frozenset(can[n] for n in options.vocab_streamed)]
+    plain = not options.forces_route and problem.hosts == 1 and (
+        problem.world_size == 1 or problem.hardware.gpu_p2p_bytes_per_s <= 0)
+    if options.device_state_prologue:
+        can.pop("prologue", None)
+    if options.device_state_blocks is not None and options.device_state_blocks > problem.n_blocks:
+        can.pop("epilogue", None)
+    if not plain or not can:
+        return [frozenset()]
+    ids = sorted(can.values())
+    return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
+
+
+def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, host_budget: int | None):
+    """Solve with each set of vocabulary-streamed layers (_vocab_choices), each in full (the device-state
+    search and everything below it), and keep the fastest (ties: the earlier, resident first).
+
+    Why a sweep: streaming a table takes it (and its fp32 gradient) off the device for the whole step,
+    which every other decision's memory sees, at the price of a second load of the head and the
+    recomputation of its logits (costs.py); so each choice is its own problem. Below every choice's
+    smallest budget, the error names the smallest of them. A choice whose compute alone
+    (cpsat.lower_bound) is no faster than the best step found is not solved. Returns the costs,
+    solution and device states tried of the best choice, and {label: predicted step [s] or None (does
+    not fit, or not solved)}."""
+    best, errors, tried = None, [], {}
+    for choice in _vocab_choices(problem, options):
+        label = _vocab_label(problem, choice)
+        if best is not None:  # skipped when its compute alone (a bound for every plan of it) is no faster
+            costs = ProblemCosts(replace(problem, vocab_streamed=choice), options)
+            if cpsat.lower_bound(costs, streamed=True) * costs.scale.tick_s >= best[0]:
+                tried[label] = None
+                continue
+        try:
+            costs, sol, ds_tried = _device_state_search(replace(problem, vocab_streamed=choice), options,
+                                                        budget_bytes, host_budget)
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+            tried[label] = None
+            continue
+        tried[label] = sol.makespan * costs.scale.tick_s
+        if best is None or tried[label] < best[0]:
+            best = (tried[label], costs, sol, ds_tried)
+    if best is None:  # the host is too small for every choice the device budget fits, else the device is
+        host = [e for e in errors if e.min_budget_bytes <= budget_bytes]
+        raise (min(host, key=lambda e: e.min_host_bytes or 0) if host else min(errors, key=lambda e: e.min_budget_bytes))
+    _, costs, sol, ds_tried = best
+    return costs, sol, ds_tried, tried
+
+
+def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
+    """The plan's credit for the vocabulary decision (solver["searches"])."""
+    if len(tried) < 2:
+        how = "fixed by SolverOptions.vocab_streamed" if costs.options.vocab_streamed is not None else \
+            "the only choice (tied or no table, or routes other than replicated / cpu)"
+    else:
+        how = (f"sweep around the solver: {len(tried)} choices, each solved in full (solve._vocab_search); "
+               + ", ".join(f"{k}: {'does not fit or cannot be faster' if v is None else f'{v * 1e3:.1f} ms'}"
+                            for k, v in tried.items()))
+    return {f"streamed vocabulary ({_vocab_label(costs.problem, costs.problem.vocab_streamed)})": how}
+
+
 def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes: int,
                          host_budget: int | None = None
                          ) -> tuple[ProblemCosts, Solution, dict[tuple[bool, int], float]]:
@@ -316,7 +400,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     """
     g = problem.graph
     prologue = g.prologue
-    candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel else [])  # the head last, after every block
+    # the head last, after every block; never a table that streams
+    candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel and g.epilogue.id not in problem.vocab_streamed
+                                   else [])
     results: dict[tuple[bool, int], tuple[ProblemCosts, Solution] | None] = {}  # None: does not fit
     searching = False
 
@@ -408,6 +494,8 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     families = [False, True] if fixed_prologue is None else [fixed_prologue]
     leanest: list[tuple[bool, int]] = [(False, 0)]  # the choice of each family with the least host memory
     for with_prologue in families:
+        if with_prologue and prologue.id in problem.vocab_streamed:
+            continue
         numel = prologue.numel if with_prologue else 0
         if with_prologue and (numel == 0 or mem.device_state_bytes(numel, elem) > spare):
             continue
@@ -515,6 +603,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         early_order=decisions.early_order,
         streamed_updates=decisions.streamed,
         loss_chunk_tokens=problem.effective_loss_chunk_tokens,
+        vocab_chunk_rows=problem.vocab_chunk_rows if problem.vocab_streamed else 0,
     )
     explanation = Explanation(
         solver=solver,

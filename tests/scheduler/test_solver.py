@@ -50,13 +50,21 @@ CASES = {
         hosts=2, link_bytes_per_s=12.5e9,
         options=dict(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
                      update_orders=("forward",))),
+    "streamed vocabulary, 2 ranks without peer-to-peer": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 2.0, 1.0)), world_size=2, hardware="rtx4090",
+        vocab_streamed=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
 }
 
 
 def make_costs(case) -> ProblemCosts:
     c = CASES[case]
-    return ProblemCosts(Problem(c["graph"](), PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
-                                hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0)),
+    graph = c["graph"]()
+    vocab = frozenset({0, len(graph.layers) - 1}) if c.get("vocab_streamed") else frozenset()
+    return ProblemCosts(Problem(graph, PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
+                                hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
+                                vocab_streamed=vocab),
                         SolverOptions(**c["options"]))
 
 
@@ -255,3 +263,35 @@ def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
     with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget"):
         solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2, host_budget_bytes=host_budget,
                    options=replace(options, device_state_blocks=0))
+
+
+def test_vocabulary_streaming_agrees_with_brute_force():
+    """The planner's sweep over streamed tables (solve._vocab_search) finds brute force's optimum over
+    every decision and every set of streamed tables, at budgets where only streaming fits, where
+    streaming buys kept activations, and where everything fits; its floor is the smallest."""
+    from slidedp.scheduler.oracles.brute_force import brute_force_vocab, vocab_choices
+
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000, hidden=2048)
+    options = SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                            update_orders=("forward",), device_state_blocks=0, streamed_layers=0,
+                            vocab_chunk_numel=16 * 2**20)
+    problem = Problem(graph, PRESETS["h100-sxm"], 1, vocab_chunk_numel=options.vocab_chunk_numel)
+    floors = {}
+    for choice in vocab_choices(problem):
+        costs = ProblemCosts(Problem(graph, PRESETS["h100-sxm"], 1, vocab_streamed=choice,
+                                     vocab_chunk_numel=options.vocab_chunk_numel), options)
+        floors[choice] = min(peak(costs, d) for d in all_decisions(costs))
+    resident, lowest = floors[frozenset()], min(floors.values())
+    assert lowest < resident - 2 * 64000 * 2048  # streaming both tables frees at least their weights
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        solve_plan(graph, budget_bytes=lowest - 1, hardware=PRESETS["h100-sxm"], options=options)
+    assert info.value.min_budget_bytes == lowest
+    for budget in (lowest, (lowest + resident) // 2, resident, resident + 4 * GiB):
+        ticks, choice, _ = brute_force_vocab(problem, options, budget)
+        plan = solve_plan(graph, budget_bytes=budget, hardware=PRESETS["h100-sxm"], options=options)
+        tick = plan.solver["tick_s"]
+        assert round(plan.predicted_step_time_s / tick) == ticks, budget
+        streamed = {d.layer_id for d in plan.decisions if d.activation == "streamed"}
+        assert plan.solver["vocab_streamed_tried"] and plan.peak_device_bytes <= budget
+        if budget < resident:
+            assert streamed

@@ -454,3 +454,33 @@ def _check(hidden, weight, labels, bias) -> None:
         raise ValueError(f"hidden and weight must share a float dtype, got {hidden.dtype} and {weight.dtype}")
     if not hidden.device == weight.device == labels.device:
         raise ValueError(f"hidden, weight and labels on {hidden.device}, {weight.device}, {labels.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one vocabulary chunk at a time (backend/runtime/vocab_stream.py: the head streams by row chunk)
+
+
+def vocab_chunk_forward(hidden: torch.Tensor, weight_chunk: torch.Tensor, local_labels: torch.Tensor,
+                        chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (logsumexp, target logit) over one chunk of the vocabulary, fp32 [T] each.
+
+    `local_labels`: indices into the chunk, -100 where the label lies outside it (its target logit
+    is then 0). The caller folds chunks with logaddexp and sums the target logits."""
+    _check(hidden, weight_chunk, local_labels, None)
+    with torch.no_grad():
+        lse, tgt = _forward(hidden, weight_chunk, local_labels, chunk_tokens)
+        return lse, torch.where(local_labels != IGNORE_INDEX, tgt, 0.0)
+
+
+def vocab_chunk_backward(hidden: torch.Tensor, weight_chunk: torch.Tensor, local_labels: torch.Tensor,
+                         lse: torch.Tensor, coef: torch.Tensor, chunk_tokens: int | None,
+                         grad_hidden_acc: torch.Tensor, grad_weight_chunk: torch.Tensor) -> None:
+    """One chunk's part of the backward, given the whole vocabulary's logsumexp `lse` and the
+    per-token coefficient `coef` (scale where the original label is valid, else 0):
+    dlogits = coef * (exp(logits - lse) - one-hot(local label)); grad_hidden_acc (fp32 [T, H]) +=
+    dlogits @ weight_chunk, grad_weight_chunk (fp32 [rows, H]) += dlogits.T @ hidden. The hidden
+    gradient of one chunk is made in hidden's dtype (the kernels' output), then summed in fp32."""
+    _check(hidden, weight_chunk, local_labels, None)
+    with torch.no_grad():
+        grad_hidden_acc += _backward(hidden, weight_chunk, local_labels, lse, coef, chunk_tokens,
+                                     grad_weight_chunk).float()

@@ -59,6 +59,8 @@ class Program:
     n_slots: int
     persistent_bytes: int  # resident weights and gradients, weight slots, gradient accumulators and staging
     notes: tuple[str, ...] = field(default_factory=tuple)
+    vocab_streamed: tuple[int, ...] = ()  # prologue / epilogue whose vocabulary table streams (vocab_stream.py)
+    vocab_chunk_rows: int = 0
 
     def text(self) -> str:
         return "\n".join(op.text() for op in self.ops)
@@ -97,13 +99,18 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
     `schedule.loss_chunk_tokens` (0: the whole micro-batch) bounds the epilogue's logits. The blocks of
     `schedule.device_state` keep their optimizer state on the device: their weight "loads" and gradient
     "copies" stay within the device (the same ops, on the same streams), their state is persistent;
-    streamed updates (`schedule.streamed_updates`) add their slots, also persistent.
+    streamed updates (`schedule.streamed_updates`) add their slots, also persistent. A prologue or
+    epilogue whose activation is "streamed" keeps its vocabulary table off the device: its chunk
+    buffers are allocated around its ops (costmodel.memory.vocab_stream_bytes).
     """
     window, loss_chunk_tokens, device_state = schedule.window, schedule.loss_chunk_tokens, schedule.device_state
     activation = {d.layer_id: d.activation for d in schedule.decisions if d.kind == BLOCK}
     chunks = {d.layer_id: d.chunks for d in schedule.decisions}
     streamed = bool(schedule.streamed_updates)
     c = DTYPE_BYTES[graph.compute_dtype]
+    vocab = tuple(d.layer_id for d in schedule.decisions if d.kind != BLOCK and d.activation == "streamed")
+    rows = min(schedule.vocab_chunk_rows, graph.vocab_size)
+    vocab_bytes = mem.vocab_stream_bytes(rows, graph.hidden_size, c) if vocab else 0
     blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
     unknown = {activation.get(layer.id, "recompute") for layer in blocks} - {"recompute", "keep", "offload"}
     if unknown:
@@ -113,17 +120,29 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
     b = _Builder()
     epi = graph.epilogue
     max_block = max(layer.numel for layer in blocks)
-    persistent = (sum(mem.resident_layer_bytes(graph.prologue.numel + epi.numel, c))
+    resident_numel = sum(layer.numel - (layer.vocab_param(graph.vocab_size).numel if layer.id in vocab else 0)
+                         for layer in (graph.prologue, epi))
+    persistent = (sum(mem.resident_layer_bytes(resident_numel, c))
                   + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
                   + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
-                         for layer in graph.layers if layer.id not in device_state), default=0)  # cast in place there
+                         for layer in graph.layers if layer.id not in device_state and layer.id not in vocab),
+                        default=0)  # cast in place there; a streamed table's casts are in its own buffers
                   + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state)
                   + (mem.streamed_update_bytes(c) if streamed else 0))
     tokens = graph.batch_size * graph.seq_len
-    epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
-                                                loss_chunk_tokens or tokens)
-
-    b.add("compute", PROLOGUE, layer_id=graph.prologue.id)
+    if epi.id in vocab:
+        epilogue_bytes = mem.streamed_epilogue_working_bytes(tokens, graph.hidden_size, rows, c,
+                                                             loss_chunk_tokens or tokens, micro_batches) + vocab_bytes
+    else:
+        epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
+                                                    loss_chunk_tokens or tokens)
+    edge_policy = {layer_id: "streamed" for layer_id in vocab}
+    pro = graph.prologue.id
+    if pro in vocab:
+        b.add("compute", ALLOC, buffer="vocab[prologue]", nbytes=vocab_bytes)
+    b.add("compute", PROLOGUE, layer_id=pro, policy=edge_policy.get(pro, ""))
+    if pro in vocab:
+        b.add("compute", FREE, buffer="vocab[prologue]")
     slot_ready: list[int | None] = [None] * window
     slot_free: list[int | None] = [None] * window
     pending = list(sched.loads)
@@ -155,7 +174,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             if position == n - 1:
                 b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
                 b.add("compute", ALLOC, buffer="epilogue", nbytes=epilogue_bytes)
-                head = b.add("compute", EPILOGUE, record=True, layer_id=epi.id)
+                head = b.add("compute", EPILOGUE, record=True, layer_id=epi.id, policy=edge_policy.get(epi.id, ""))
                 b.add("compute", FREE, buffer="epilogue")
                 # the epilogue's own gradient is whole after its op (a tied head's is the prologue's)
                 d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=epi.id, waits=(head.record,),
@@ -173,10 +192,15 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             grad_events[layer.id] = d2h.record
         slot_free[slot] = op.record
         issue_loads(position)
-    last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=graph.prologue.id)
+    if pro in vocab:
+        b.add("compute", ALLOC, buffer="vocab[prologue]", nbytes=vocab_bytes)
+    last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=pro, policy=edge_policy.get(pro, ""))
+    if pro in vocab:
+        b.add("compute", FREE, buffer="vocab[prologue]")
     b.add("compute", FREE, buffer="grad_hidden")
     d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=graph.prologue.id, waits=(last.record,),
                 chunks=chunk_bounds(graph.prologue.numel, chunks.get(graph.prologue.id, 1)))
     grad_events[graph.prologue.id] = d2h.record
     return Program(ops=tuple(b.ops), n_slots=window, persistent_bytes=persistent,
-                   notes=(f"{sched.n_loads} weight loads for {n} blocks with window {window}",))
+                   notes=(f"{sched.n_loads} weight loads for {n} blocks with window {window}",),
+                   vocab_streamed=vocab, vocab_chunk_rows=rows if vocab else 0)

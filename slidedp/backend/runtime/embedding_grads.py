@@ -24,21 +24,35 @@ class EmbeddingGrads(TorchFunctionMode):
     model is called with, held here too so that its id cannot be reused) to (weight, its gradient's
     fp32 accumulator viewed in the weight's shape)."""
 
-    def __init__(self, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
         super().__init__()
         self.weights = weights
+        # id() of a streamed table's stand-in -> fn(ids) giving the embedding's output (vocab_stream.py);
+        # its records are read by the streamed backward, not by `accumulate` (its accumulator is None)
+        self.lookup: dict[int, object] = {}
+        self.used: set[int] = set()  # the lookups the forward went through
         self.records: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.padding: dict[int, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.embedding and self.lookup:
+            call = _embedding_args(*args, **kwargs)
+            key = id(call["weight"])
+            if key in self.lookup and not torch.is_grad_enabled():
+                self.used.add(key)
+                return self.lookup[key](call["input"])
         if func is F.embedding and torch.is_grad_enabled():
             call = _embedding_args(*args, **kwargs)
             key = id(call["weight"])
+            if key in self.lookup:
+                if call["max_norm"] is not None or call["scale_grad_by_freq"] or call["sparse"]:
+                    raise RuntimeError("a streamed embedding table cannot take max_norm, scale_grad_by_freq or sparse")
+                self.used.add(key)
             if key in self.weights and call["max_norm"] is None and not call["scale_grad_by_freq"] \
                     and not call["sparse"]:
                 weight, ids = call["weight"], call["input"]
-                out = func(ids, weight.detach(), call["padding_idx"])
+                out = self.lookup[key](ids) if key in self.lookup else func(ids, weight.detach(), call["padding_idx"])
                 padding = call["padding_idx"]
                 self.padding[key] = -1 if padding is None else padding % weight.shape[0]
                 record = [ids, None]
@@ -50,13 +64,13 @@ class EmbeddingGrads(TorchFunctionMode):
         """The recorded micro-batches' weight gradients into the accumulators (then forgets them)."""
         for key, records in self.records.items():
             done = [(ids, g) for ids, g in records if g is not None]
-            if not done:
-                continue
             weight, acc = self.weights[key]
+            if not done or acc is None:
+                continue
             ids = torch.cat([i.reshape(-1) for i, _ in done])
             grad = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in done]).float()
             acc.add_(torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], self.padding[key], False))
-        self.records = {}
+        self.records = {k: r for k, r in self.records.items() if self.weights[k][1] is None}
 
 
 def _embedding_args(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,

@@ -3,7 +3,8 @@
 With a plain linear head (see HeadCapture) the loss is a fused linear + cross-entropy over
 `loss_chunk_tokens` tokens at a time that never holds the full logits, and the head's weight
 gradient goes straight into its fp32 accumulator; otherwise the model's logits are computed and the
-loss taken in row chunks.
+loss taken in row chunks. A head that streams by vocabulary chunk (vocab_stream.py) takes the
+fused loss chunk by chunk of the vocabulary instead, its weight never whole on the device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class Epilogue:
     def run(self, st: PassState) -> None:
         """Head and token-weighted loss per micro-batch; gradient of the last hidden state (module docstring)."""
         self.weights.ensure_resident(self.graph.epilogue.id)
+        if self.graph.epilogue.id in self.weights.vocab:
+            self._streamed(st)
+            st.grads.finish_resident(self.graph.epilogue.id)
+            return
         for m, mb in enumerate(st.micro_batches):
             if self.head is not None and self.fused_head is not False:
                 grad = self._fused(st, m, mb)
@@ -94,6 +99,44 @@ class Epilogue:
         st.grads.accumulate(others, grads[1:])
         st.loss_sum = st.loss_sum + result.loss
         return grads[0] if grads[0] is not None else torch.zeros_like(last)
+
+
+    def _streamed(self, st: PassState) -> None:
+        """The head streams by vocabulary chunk (vocab_stream.py): every micro-batch's final hidden state
+        first (the model's forward with the head captured), then the chunked loss over all of them (each
+        chunk loaded once for the forward and once for the backward), then the backward of the rest of
+        the epilogue (final norm) per micro-batch."""
+        table = self.weights.vocab[self.graph.epilogue.id]
+        head = st.leaves[table.name]
+        lasts, xs, labels = [], [], []
+        for m, mb in enumerate(st.micro_batches):
+            last = st.hidden[m].detach().requires_grad_(True)
+            if self.head is None:
+                raise RuntimeError("a streamed head needs a bias-free nn.Linear output head (get_output_embeddings)")
+            with torch.enable_grad(), self.head.active() as cap:
+                out = self._forward(st, mb, last)
+            if not cap.returned_as_logits(out) or cap.weight is not head:
+                raise RuntimeError(f"the model's logits are not {table.name}'s plain output (scaled, capped or "
+                                   "another weight): its head cannot stream by vocabulary chunk (plan it resident: "
+                                   "SolverOptions(vocab_streamed=()))")
+            self.fused_head = True
+            lasts.append(last)
+            xs.append(cap.input)
+            labels.append(next_token_labels(mb.labels))
+        lid = self.graph.epilogue.id
+        send = lambda r0, r1, grad: st.grads.send_vocab_chunk(self.weights.routes, self.weights.streams, lid, r0, r1,
+                                                             grad)
+        loss, grads = self.weights.vocab_stream.head_loss(
+            table, [x.detach().reshape(-1, x.shape[-1]) for x in xs], labels, scale=1.0 / st.global_tokens,
+            chunk_tokens=self.loss_chunk_tokens, send=send)
+        st.loss_sum = st.loss_sum + loss
+        others = [n for n in self.names if n != table.name]
+        for m, (last, x) in enumerate(zip(lasts, xs)):
+            g = torch.autograd.grad(x, [last] + [st.leaves[n] for n in others], grads[m].to(x.dtype).view_as(x),
+                                    allow_unused=True)
+            st.grads.accumulate(others, g[1:])
+            st.hidden[m] = None
+            st.grad_h.append(g[0] if g[0] is not None else torch.zeros_like(last))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

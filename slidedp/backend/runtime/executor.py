@@ -16,7 +16,8 @@ forward and at most once more for backward, whatever the number of micro-batches
      after step 3).
 
 Numerics are the model's own: blocks run through `torch.func.functional_call` with device views
-of the streamed weights. Prologue and epilogue weights stay resident for the whole step.
+of the streamed weights. Prologue and epilogue weights stay resident for the whole step, but for a
+vocabulary table the plan streams (vocab_stream.py).
 
 With `compile_blocks`, every block's forward (without autograd when it is recomputed later, with
 it in a kept or offloaded block's forward and in a recomputation) runs through `torch.compile` of
@@ -81,7 +82,8 @@ class StreamedExecutor:
         self.compile_blocks = compile_blocks
         self.weights = WeightWindow(model, graph, host, self.routes, self.streams, blocks=self.blocks,
                                     block_layers=self.block_layers, n_slots=self.window, device=device,
-                                    compute_dtype=compute_dtype)
+                                    compute_dtype=compute_dtype, vocab_streamed=program.vocab_streamed,
+                                    vocab_chunk_rows=program.vocab_chunk_rows)
         self.prologue = Prologue(model, graph, self.weights, self.n_blocks)
         self.epilogue = Epilogue(model, graph, self.weights, self.n_blocks, loss_chunk_tokens=loss_chunk_tokens)
         self.block_runner = BlockRunner(self.blocks, self.block_layers, self.weights, self.streams, self.activation,

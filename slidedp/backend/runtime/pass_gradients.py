@@ -17,8 +17,13 @@ class PassGradients:
     """Gradients of one pass: resident accumulators, per-layer sources and sums of squares."""
 
     def __init__(self, resident: dict[int, torch.Tensor], locate: dict[str, tuple[int, int, int]], n_layers: int,
-                 device: torch.device):
+                 device: torch.device, parts: dict | None = None, streamed: dict | None = None):
         self.locate, self.device = locate, device
+        # vocabulary-streamed layers (vocab_stream.py): their resident parameters' places on the host
+        # (device start, host start, numel), and the fp32 sum of squares of the chunks already sent
+        self.parts, self.streamed = parts or {}, streamed or {}
+        self.streamed_names = {t.name for t in self.streamed.values()}
+        self.vocab_sumsq: dict[int, torch.Tensor] = {}
         self.resident_acc = {lid: torch.zeros(w.numel(), dtype=torch.float32, device=device)
                              for lid, w in resident.items()}
         self.sumsq: list[torch.Tensor | None] = [None] * n_layers  # of this pass's gradient, on the device
@@ -37,8 +42,20 @@ class PassGradients:
                 self.resident_acc[lid][start : start + numel].add_(gp.reshape(-1).float())
 
     def finish_resident(self, layer_id: int) -> None:
-        """A resident layer's gradient is whole: it waits for its D2H op."""
+        """A resident layer's gradient is whole: it waits for its D2H op (a streamed table's chunks
+        have gone already; their sum of squares is added)."""
         self.finish(layer_id, self.resident_acc[layer_id])
+        if layer_id in self.vocab_sumsq:
+            self.sumsq[layer_id] = self.sumsq[layer_id] + self.vocab_sumsq.pop(layer_id)
+
+    def send_vocab_chunk(self, routes: Routes, streams, layer_id: int, r0: int, r1: int, grad: torch.Tensor) -> None:
+        """A streamed table's chunk of rows [r0, r1): its fp32 gradient (this pass, made on the compute
+        stream) counted in the layer's sum of squares and sent down at once."""
+        flat = grad.reshape(-1)
+        sq = torch.dot(flat, flat)
+        self.vocab_sumsq[layer_id] = sq if layer_id not in self.vocab_sumsq else self.vocab_sumsq[layer_id] + sq
+        streams.wait("d2h", streams.record("compute"))
+        routes.gradient_piece(layer_id, *self.streamed[layer_id].flat(r0, r1), flat)
 
     def finish(self, layer_id: int, acc: torch.Tensor) -> None:
         """Sum of squares of a layer's fp32 gradient; the gradient waits for its D2H op."""
@@ -53,4 +70,10 @@ class PassGradients:
     def send(self, routes: Routes, layer_id: int) -> None:
         """The layer's fp32 gradient to the host by its reduction route, chunk by chunk; cast on the
         D2H stream one chunk at a time when the host gradient is bf16 (costmodel.memory.grad_staging_bytes)."""
-        routes.gradient(layer_id, self.grad_src.pop(layer_id), self.sumsq[layer_id])
+        acc = self.grad_src.pop(layer_id)
+        if layer_id in self.streamed:  # the resident parameters' parts, then the layer is whole
+            for at, start, numel in self.parts[layer_id]:
+                routes.gradient_piece(layer_id, start, start + numel, acc[at : at + numel])
+            routes.gradient_done(layer_id, self.sumsq[layer_id])
+            return
+        routes.gradient(layer_id, acc, self.sumsq[layer_id])

@@ -43,12 +43,18 @@ class PassState:
         self.leaves = {
             name: weights.resident[lid][start : start + numel].view(model.get_parameter(name).shape)
             .detach().requires_grad_(True)
-            for name, (lid, start, numel) in weights.locate.items() if lid in weights.resident_ids
+            for name, (lid, start, numel) in weights.device_locate.items()
         }
+        # a streamed table: a stand-in of its shape holding one element (vocab_stream.py computes with it)
+        for table in weights.vocab.values():
+            self.leaves[table.name] = torch.zeros((), dtype=weights.dtype, device=device).expand(
+                table.rows, table.hidden).detach().requires_grad_(True)
         self.top = {**self.leaves, **weights.top_constants}
-        self.grads = PassGradients(weights.resident, weights.locate, len(graph.layers), device)
+        self.grads = PassGradients(weights.resident, weights.device_locate, len(graph.layers), device,
+                                   parts=weights.resident_parts, streamed=weights.vocab)
         self.embedding_grads = EmbeddingGrads(  # the prologue's weights, any of them an embedding table
-            {id(self.leaves[p.name]): (self.leaves[p.name], self.grads.acc_view(p.name, self.leaves[p.name].shape))
+            {id(self.leaves[p.name]): (self.leaves[p.name], None if p.name in self.grads.streamed_names
+                                       else self.grads.acc_view(p.name, self.leaves[p.name].shape))
              for p in graph.prologue.params})
         self.calls: list[list[BlockCall]] = []
         self.h0: list[torch.Tensor] = []

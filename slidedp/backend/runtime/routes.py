@@ -67,6 +67,7 @@ class Routes:
         self._pending: list[Future] = []
         self._grad_dtype, self._staging_slots = host.layers[0].grad.dtype, staging_slots
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
+        self._piece_tasks: dict[int, int] = {}  # streamed layer -> index of its first staged add this pass
         self._free: queue.Queue[int] = queue.Queue()
         self.device_state = None  # backend.state.device_state.DeviceState, set by the rank when the plan has one
         self.streamed = None  # backend.runtime.streamed_updates.StreamedUpdates, likewise
@@ -119,7 +120,67 @@ class Routes:
                 with self.streams.on("h2d"):
                     self.comm.broadcast_(dst[lo:hi], owner)
 
+    def load_range(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A part of a host layer's weights (a streamed table's chunk, or the layer's resident rest:
+        vocab_stream.py) into `dst`, on the H2D stream, once the layer's last update is done (every
+        rank copies it: the replicated delivery)."""
+        if self._streamed_here(layer_id):
+            self.streams.wait("h2d", self.streamed.ready.get(layer_id))
+        else:
+            self.wait_updated(layer_id)
+        self.streams.copy("h2d", dst, src)
+
     # -- gradients down -------------------------------------------------------------------------
+    def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor) -> None:
+        """Elements [lo, hi) of this rank's fp32 gradient of a vocabulary-streamed layer for this pass
+        (`piece`, flat, on the device, ready on the D2H stream) into the host gradient, through the
+        staging buffers: the CPU reduction in rank order, or with one rank a copy (a later pass adds).
+        The pieces of a layer cover it once; `gradient_done` ends it."""
+        target = self.host.layers[layer_id].grad
+        piece = piece.reshape(-1)
+        if piece.is_cuda:
+            piece.record_stream(self.streams.d2h)
+        size = self._staging_numel()
+        parts = [(a, min(hi - lo, a + size)) for a in range(0, hi - lo, size)]
+        if self.reduction[layer_id] == "cpu":
+            ticket = self.passes * self.world_size + self.rank
+            overwrite = self._first and self.rank == 0
+            for part in parts:
+                self._stage(part, piece, lambda staged, a, b: self._add_in_turn(
+                    layer_id, target[lo + a : lo + b], staged, ticket, overwrite, False))
+            return
+        if self.world_size > 1:
+            raise ValueError("a vocabulary-streamed layer with several ranks needs the CPU reduction")
+        self._piece_tasks.setdefault(layer_id, len(self._pending))
+        if self._first:
+            self.wait_updated(layer_id)  # the last update still reads this gradient
+            self._copy_down(target[lo:hi], piece)
+        else:
+            for part in parts:
+                self._stage(part, piece, lambda staged, a, b: target[lo + a : lo + b].add_(staged))
+
+    def gradient_done(self, layer_id: int, local_sumsq: torch.Tensor | None) -> None:
+        """Every piece of a vocabulary-streamed layer's gradient is on its way: the CPU reduction passes
+        the turn to the next rank; with one rank, its sum of squares (all pieces, on the device) is
+        kept for the norm and early updates learn when it has landed."""
+        if self.reduction[layer_id] == "cpu":
+            ticket = self.passes * self.world_size + self.rank
+
+            def advance() -> None:
+                self.flags.wait_turn(layer_id, ticket)
+                self.flags.advance(layer_id, ticket)
+
+            self._pending.append(self._reducer.submit(advance))
+            return
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        first_task = self._piece_tasks.pop(layer_id, len(self._pending))
+        if self._first:
+            self._guards.append(self.streams.record("d2h"))
+            self._landing(layer_id, self._guards[-1], [])
+        else:
+            self._landing(layer_id, None, self._pending[first_task:])
+
     def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the
         D2H stream) into the host gradient, by the layer's reduction route."""
@@ -221,9 +282,7 @@ class Routes:
     def _take_slot(self) -> int:
         """A free staging buffer (chunk-sized, pinned on CUDA), allocated on first use."""
         if not self._staging:
-            # the largest chunk of a host layer (costmodel.memory.host_staging_bytes counts these buffers)
-            biggest = max(hi - lo for i, chunks in self.chunks.items() if i not in self._on_device for lo, hi in chunks)
-            self._staging = [torch.empty(biggest, dtype=self._grad_dtype, pin_memory=self.streams.cuda)
+            self._staging = [torch.empty(self._staging_numel(), dtype=self._grad_dtype, pin_memory=self.streams.cuda)
                              for _ in range(self._staging_slots)]
             for i in range(self._staging_slots):
                 self._free.put(i)
@@ -232,6 +291,11 @@ class Routes:
                 return self._free.get(timeout=0.1)
             except queue.Empty:
                 self._raise_if_failed()
+
+    def _staging_numel(self) -> int:
+        """Elements of one staging buffer: the largest chunk of a host layer (costmodel.memory.host_staging_bytes
+        counts these buffers)."""
+        return max(hi - lo for i, chunks in self.chunks.items() if i not in self._on_device for lo, hi in chunks)
 
     def _add_in_turn(self, layer_id, target, staged, ticket, overwrite, last) -> None:
         """CPU reduction: add (or, for the first contribution of a step, copy) in rank order."""

@@ -1,5 +1,8 @@
 """The device's weights during a pass: the resident layers (prologue, epilogue) and the window's slots.
 
+A prologue or epilogue whose vocabulary table streams (vocab_stream.py) keeps only its other
+parameters resident, packed in its buffer (`device_locate`); the table crosses chunk by chunk.
+
 Resident layers are loaded (H2D) at the start of a step, again only after an update changed them;
 a block's weights go into one of the window's slots when the program's H2D op says so, and the
 block runs with views of that slot. Buffers and frozen parameters (constants) go to the device once.
@@ -12,6 +15,7 @@ from torch import nn
 
 from slidedp.backend.runtime.routes import Routes
 from slidedp.backend.runtime.streams import Streams
+from slidedp.backend.runtime.vocab_stream import VocabStream, vocab_tables
 from slidedp.backend.state.host_state import HostState
 from slidedp.ir.graph import Layer, LayerGraph
 
@@ -21,7 +25,7 @@ class WeightWindow:
 
     def __init__(self, model: nn.Module, graph: LayerGraph, host: HostState, routes: Routes, streams: Streams, *,
                  blocks: list[nn.Module], block_layers: list[Layer], n_slots: int, device: torch.device,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, vocab_streamed=(), vocab_chunk_rows: int = 0):
         self.host, self.routes, self.streams = host, routes, streams
         self.block_layers = block_layers
         self.device, self.dtype = device, compute_dtype
@@ -33,9 +37,25 @@ class WeightWindow:
             for layout in host.layouts
             for name, start, numel, _ in layout.param_offsets
         }
+        # Vocabulary-streamed tables (vocab_stream.py): not resident; their layer's other parameters are.
+        self.vocab = vocab_tables(graph, host, vocab_streamed, vocab_chunk_rows)
+        self.vocab_stream = VocabStream(host, routes, streams, device=device, dtype=compute_dtype)
+        # Where each resident parameter lives on the device: name -> (layer id, start, numel) in its
+        # layer's resident buffer (a streamed layer's buffer holds its other parameters, packed).
+        self.device_locate: dict[str, tuple[int, int, int]] = {}
+        self.resident_parts: dict[int, list[tuple[int, int, int]]] = {}  # lid -> (device start, host start, numel)
+        for lid in self.resident_ids:
+            at, parts = 0, []
+            for name, start, numel, _ in host.layouts[lid].param_offsets:
+                if lid in self.vocab and name == self.vocab[lid].name:
+                    continue
+                self.device_locate[name] = (lid, at, numel)
+                parts.append((at, start, numel))
+                at += numel
+            self.resident_parts[lid] = parts
         # Resident layers: device weights (compute dtype) loaded at the start of each step.
         self.resident = {
-            lid: torch.empty(host.layouts[lid].numel, dtype=compute_dtype, device=device)
+            lid: torch.empty(sum(n for _, _, n in self.resident_parts[lid]), dtype=compute_dtype, device=device)
             for lid in self.resident_ids
         }
         max_block = max(layer.numel for layer in block_layers)
@@ -58,7 +78,12 @@ class WeightWindow:
         """H2D of a prologue/epilogue layer's weights if an update changed them since the last load."""
         if layer_id not in self.resident_stale:
             return
-        self.routes.load(layer_id, self.resident[layer_id], self.host.layers[layer_id].source)
+        src = self.host.layers[layer_id].source
+        if layer_id in self.vocab:
+            for at, start, numel in self.resident_parts[layer_id]:
+                self.routes.load_range(layer_id, self.resident[layer_id][at : at + numel], src[start : start + numel])
+        else:
+            self.routes.load(layer_id, self.resident[layer_id], src)
         self.streams.wait("compute", self.streams.record("h2d"))
         self.resident_stale.discard(layer_id)
 

@@ -3,10 +3,11 @@ tests check that CP-SAT's optimum equals this one's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import GROUPS, RESIDENT, Decisions, LayerChoice
+from slidedp.scheduler.decisions import GROUPS, Decisions, LayerChoice
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
@@ -23,7 +24,7 @@ def all_decisions(costs: ProblemCosts):
                 route_of = [routes[0]] + [routes[1]] * len(blocks) + [routes[2]]
                 for mults in product(costs.options.chunk_multiples, repeat=costs.n_layers):
                     for acts in product(costs.options.activations, repeat=len(blocks)):
-                        act_of = [RESIDENT] + list(acts) + [RESIDENT]
+                        act_of = [costs.edge_activation(0)] + list(acts) + [costs.edge_activation(costs.epilogue_id)]
                         yield Decisions(window, order, tuple(
                             LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1])
                             for i in range(costs.n_layers)))
@@ -39,4 +40,22 @@ def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions]
         t = simulate(costs, d).makespan
         if best is None or t < best[0]:
             best = (t, d)
+    return best
+
+
+def vocab_choices(problem) -> list[frozenset]:
+    """Every set of the prologue / epilogue whose vocabulary table may stream, resident first (the
+    order the planner's sweep breaks ties in)."""
+    g = problem.graph
+    ids = [layer.id for layer in (g.prologue, g.epilogue) if g.streamable(layer.id)]
+    return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
+
+
+def brute_force_vocab(problem, options, budget_bytes: int):
+    """Brute force over the vocabulary decision too: (ticks, vocab set, Decisions) of the fastest, or None."""
+    best = None
+    for choice in vocab_choices(problem):
+        found = brute_force(ProblemCosts(replace(problem, vocab_streamed=choice), options), budget_bytes)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = (found[0], choice, found[1])
     return best

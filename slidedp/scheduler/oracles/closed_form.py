@@ -70,7 +70,7 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
 
 
 def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
-    prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1)
+    prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1, costs.head_reload)
     holds = condition(d)
     any_offload = any(c.activation == OFFLOAD for c in d.layers)
     R, cpu_end = update_starts(costs, d)

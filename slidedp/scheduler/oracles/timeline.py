@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, REPLICATED, RESIDENT, SHARDED, Decisions
+from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, REPLICATED, SHARDED, Decisions
 from slidedp.scheduler.oracles.critical_path import longest_chain
 from slidedp.scheduler.problem.footprint import Footprint, evaluate
 from slidedp.scheduler.problem.lanes import (
@@ -110,7 +110,7 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
         raise ValueError(f"update order {d.update_order!r} is not among {costs.options.update_orders}")
     for i, (layer, c) in enumerate(zip(g.layers, d.layers)):
         costs.option(i, c.chunks, c.delivery, c.reduction)
-        allowed = costs.options.activations if layer.kind == "block" else (RESIDENT,)
+        allowed = costs.options.activations if layer.kind == "block" else (costs.edge_activation(i),)
         if c.activation not in allowed:
             raise ValueError(f"layer {i} ({layer.kind}): activation {c.activation!r} is not among {allowed}")
     blocks = {(c.delivery, c.reduction) for c in d.layers[1:-1]}
@@ -169,7 +169,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     this step at which each (layer, chunk)'s update and the CPU lane's work end). Returns the
     simulation, each update's end and the CPU lane's end (ticks; early updates only)."""
     W, N = costs.problem.world_size, costs.n_blocks
-    prog: Lanes = build_lanes(N, d.window, W > 1)
+    prog: Lanes = build_lanes(N, d.window, W > 1, costs.head_reload)
     present = condition(d)
     order = d.order(costs.n_layers)
     opt = [costs.option(i, c.chunks, c.delivery, c.reduction) for i, c in enumerate(d.layers)]

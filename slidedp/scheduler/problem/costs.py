@@ -15,7 +15,7 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel import ops
 from slidedp.costmodel.memory import DTYPE_BYTES
 from slidedp.scheduler.decisions import (
-    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions, Problem, SolverOptions,
+    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, RESIDENT, SHARDED, STREAMED, Decisions, Problem, SolverOptions,
 )
 
 
@@ -114,6 +114,9 @@ class ProblemCosts:
                        h2d_duplex=ops.h2d_bytes_per_s(hw, G, duplex=True),
                        d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
         self._choose_routes()
+        if problem.vocab_streamed and self.routes != [(REPLICATED, CPU)]:
+            raise ValueError("a vocabulary-streamed prologue or epilogue moves by the replicated delivery and the "
+                             f"CPU reduction only; the routes here are {self.routes}")
         self._transfer_options(rates)
         self._block_ticks(rates)
         self._device_updates()
@@ -186,6 +189,8 @@ class ProblemCosts:
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
                 )
+                if layer.id in problem.vocab_streamed:  # its chunks' casts: costmodel.memory.vocab_stream_bytes
+                    option = replace(option, staging_bytes=0)
                 if on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
                     all_reduce = ops.all_reduce_time_s(numel * 4, W, hw, **across) / grad_pieces
                     option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=t(all_reduce),
@@ -272,19 +277,40 @@ class ProblemCosts:
         t = self.scale.ticks
         g, hw, m = self.problem.graph, self.problem.hardware, self.problem.micro_batches
         self.prologue_bwd = t(ops.backward_time_s(g.prologue.costs, hw, m, recompute=False))
-        self.epilogue = t(ops.epilogue_time_s(g.epilogue.costs, hw, m))
+        epilogue = ops.epilogue_time_s(g.epilogue.costs, hw, m)
+        # A streamed head is loaded a second time for the backward (lanes.py `load[LE,head]`), which
+        # recomputes the logits chunk by chunk.
+        self.head_reload = self.epilogue_id in self.problem.vocab_streamed
+        if self.head_reload:
+            epilogue += ops.head_recompute_time_s(g.batch_size * g.seq_len, g.hidden_size, g.vocab_size, hw, m)
+        self.epilogue = t(epilogue)
 
     def _memory_terms(self) -> None:
         """Memory constants (bytes per rank): resident layers, accumulators, boundary and epilogue."""
         problem, g = self.problem, self.problem.graph
-        resident_numel = g.prologue.numel + g.epilogue.numel
+        # A streamed layer keeps only its parameters other than the vocabulary table resident.
+        resident_numel = sum(layer.numel - (layer.vocab_param(g.vocab_size).numel if layer.id in problem.vocab_streamed
+                                            else 0) for layer in (g.prologue, g.epilogue))
         self.resident_params_bytes, self.resident_grads_bytes = mem.resident_layer_bytes(resident_numel,
                                                                                         self.elem)
+        rows = problem.vocab_chunk_rows
+        self.vocab_stream_bytes = {i: mem.vocab_stream_bytes(rows, g.hidden_size, self.elem)
+                                   for i in problem.vocab_streamed}
         self.max_block_numel = max(layer.numel for layer in g.blocks)
         self.grad_accumulators_bytes = mem.grad_accumulators_bytes(self.max_block_numel)
         self.boundary_bytes = max([layer.costs.boundary_activation_bytes for layer in g.layers])
-        self.epilogue_working_bytes = mem.epilogue_working_bytes(
-            g.batch_size * g.seq_len, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens)
+        tokens = g.batch_size * g.seq_len
+        if self.head_reload:
+            self.epilogue_working_bytes = mem.streamed_epilogue_working_bytes(
+                tokens, g.hidden_size, min(rows, g.vocab_size), self.elem, problem.effective_loss_chunk_tokens,
+                problem.micro_batches)
+        else:
+            self.epilogue_working_bytes = mem.epilogue_working_bytes(
+                tokens, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens)
+
+    def edge_activation(self, layer_id: int) -> str:
+        """The placement of the prologue's or epilogue's table: `streamed` or `resident`."""
+        return STREAMED if layer_id in self.problem.vocab_streamed else RESIDENT
 
     # -- helpers -------------------------------------------------------------------------------
     def host_offload_bytes(self, d: Decisions) -> int:

@@ -4,7 +4,8 @@ Memory depends on the decisions only, not on timing: the program fixes when each
 allocated and freed relative to the compute ops (the transfers that free a buffer are waited for
 before the compute that reuses it, see program.py). At compute position x:
 
-  mem(x) = resident weights + resident fp32 gradients + window * largest block
+  mem(x) = resident weights + resident fp32 gradients (a streamed table's not: its layer's chunk
+           buffers at its own positions instead) + window * largest block
            + 2 fp32 block gradient accumulators + max over layers of its gradient staging
            + the optimizer state of the blocks that keep it on the device (costmodel.memory)
            + the slots of streamed updates, if any (allocated once, held throughout)
@@ -32,7 +33,7 @@ from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
 
 CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
               "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
-              "working_bytes", "device_state_bytes", "streamed_update_bytes")
+              "working_bytes", "device_state_bytes", "streamed_update_bytes", "vocab_stream_bytes")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,11 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
             if x == bwd:
                 recompute.append((i, b.saved_bytes))
         assert [i for i, _ in keep] == list(range(1, len(keep) + 1)), "kept blocks at a position are 1..j"
-        base = static + (("boundary_stash_bytes", stash * m * costs.boundary_bytes), ("working_bytes", work))
+        # a streamed table's slots, chunk gradient and its cast, while its layer runs
+        owner = costs.epilogue_id if x == N + 1 else 0 if x in (0, 2 * N + 2) else None
+        vocab = costs.vocab_stream_bytes.get(owner, 0)
+        base = static + (("boundary_stash_bytes", stash * m * costs.boundary_bytes), ("working_bytes", work),
+                         ("vocab_stream_bytes", vocab))
         out.append(PositionTerms(x, key, base, tuple(keep), tuple(offload), tuple(recompute)))
     return tuple(out)
 

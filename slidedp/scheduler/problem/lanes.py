@@ -8,6 +8,7 @@ Every rank runs the same program (note [lockstep] in oracles/timeline.py). Its l
               backward. Compute positions 0 .. 2N+2 in that order are also the memory points.
   h2d         weight loads: prologue; epilogue here when the update order is head-first; blocks
               1..N into the `window` slots (Belady, see `window_loads`); epilogue here otherwise;
+              a vocabulary-streamed head's second load (for its backward);
               then the backward reloads of evicted blocks and of offloaded activations, by the
               compute position after which each may be issued.
   d2h         offloaded activations (forward); the epilogue's gradient; blocks N..1; the prologue.
@@ -101,8 +102,10 @@ class Lanes:
 
 
 @lru_cache(maxsize=64)
-def build_lanes(n_blocks: int, window: int, collectives: bool) -> Lanes:
-    """The GPU lanes of one rank for N blocks and a window (cached: it is pure structure)."""
+def build_lanes(n_blocks: int, window: int, collectives: bool, head_reload: bool = False) -> Lanes:
+    """The GPU lanes of one rank for N blocks and a window (cached: it is pure structure).
+    `head_reload`: the epilogue's table streams by vocabulary chunk and is loaded again for its
+    backward (`load[LE,head]`, after its forward load; the epilogue waits for both)."""
     N, E = n_blocks, n_blocks + 1
     window = min(window, N)
     loads = window_loads(N, window)
@@ -126,6 +129,7 @@ def build_lanes(n_blocks: int, window: int, collectives: bool) -> Lanes:
             deps.append(f"offload[L{i - 2}]")  # its device buffer is reused two blocks later
         compute.append(Op(f"fwd[L{i}]", COMPUTE, "fwd", i, tuple(deps), position=i))
     deps = [f"load[L{E},early]", f"load[L{E},late]", f"all_gather[L{E},early]", f"all_gather[L{E},late]"]
+    deps += [f"load[L{E},head]"] if head_reload else []
     if N - 1 >= 1:
         deps.append(f"offload[L{N - 1}]")
     compute.append(Op(f"epi[L{E}]", COMPUTE, "epi", E, tuple(deps), position=N + 1))
@@ -150,6 +154,8 @@ def build_lanes(n_blocks: int, window: int, collectives: bool) -> Lanes:
         i = ld.block + 1
         h2d.append(Op(f"load[L{i},fwd]", H2D, "load", i, slot_dep(ld), chunkwise=True))
     h2d.append(Op(f"load[L{E},late]", H2D, "load", E, (), (forward,), chunkwise=True))
+    if head_reload:
+        h2d.append(Op(f"load[L{E},head]", H2D, "load", E, (f"load[L{E},early]", f"load[L{E},late]"), phase="bwd"))
     backward = []
     for i, ld in bwd_loads.items():
         backward.append(((cpos(ld.issue_after), 0, -i),

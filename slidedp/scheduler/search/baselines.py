@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, KEEP, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
+    FORWARD_ORDER, KEEP, RECOMPUTE, Decisions, LayerChoice,
 )
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
@@ -26,7 +26,7 @@ def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple
     W = costs.problem.world_size
     route = route or costs.default_route
     k = W * (chunk_multiple or min(costs.options.chunk_multiples))
-    layers = tuple(LayerChoice(k, activation if i in costs.blocks else RESIDENT, route[0], route[1])
+    layers = tuple(LayerChoice(k, activation if i in costs.blocks else costs.edge_activation(i), route[0], route[1])
                    for i in range(costs.n_layers))
     order = order or (FORWARD_ORDER if FORWARD_ORDER in costs.options.update_orders else costs.options.update_orders[0])
     return Decisions(min(window, costs.n_blocks), order, layers)

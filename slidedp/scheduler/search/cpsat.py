@@ -38,7 +38,7 @@ from ortools.sat.python import cp_model
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, RESIDENT, Decisions, LayerChoice,
+    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, Decisions, LayerChoice,
 )
 from slidedp.scheduler.problem.footprint import terms
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
@@ -102,7 +102,7 @@ class Data:
 
 
 def _data(costs: ProblemCosts, window: int) -> Data:
-    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1)
+    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
     acts, orders = costs.options.activations, costs.options.update_orders
     sharded = any(d == "sharded" for d, _ in costs.routes)
     gpu = any(r == "gpu" for _, r in costs.routes)
@@ -421,7 +421,7 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         else:
             prefix[i] = 0
         v.kept[i] = prefix[i]
-    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1)
+    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
     for t in terms(costs, window, program.compute_keys):
         expr = t.base_bytes + v.staging
         expr += prefix[t.keep_upto]
@@ -462,7 +462,7 @@ def _read_back(solver: cp_model.CpSolver, costs: ProblemCosts, v: Vars, window: 
     layers = []
     for i, opts in enumerate(costs.layer_options):
         key = next(o.key for o in opts if solver.boolean_value(v.opt[(i, o.key)]))
-        act = RESIDENT if i not in costs.blocks else next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
+        act = costs.edge_activation(i) if i not in costs.blocks else next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
         layers.append(LayerChoice(key[0], act, key[1], key[2]))
     order = next((o for o in orders if solver.boolean_value(v.order[o])), orders[0]) if v.order else orders[0]
     return Decisions(window, order, tuple(layers))
