@@ -7,9 +7,9 @@ how CI tests the multi-rank code path.
 
 Several hosts (`local_world_size` < `world_size`; torchrun numbers the ranks of host h from
 h * local_world_size): each host's ranks share that host's state; a gloo group per host carries its
-host state's handle, and a gloo group of the hosts' first ranks ("leaders") copies host-state
-ranges between hosts (checkpoints and exports read a whole state; a checkpoint read on the first
-host reaches the others).
+host state's handle; each host holds only its share of the state (backend/state/host_state.py), and
+what a caller needs whole (`Engine.state_dict`, exports) is broadcast to every rank over the gloo
+group of all ranks, a run of chunks at a time.
 """
 
 from __future__ import annotations
@@ -42,15 +42,13 @@ class RankComm:
         self.deliver_group = dist.new_group(backend=backend, timeout=timeout)
         self.reduce_group = dist.new_group(backend=backend, timeout=timeout)
         self.host_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.node_group = self.leaders_group = None  # several hosts only
+        self.node_group = None  # several hosts only
         if self.hosts > 1:
             G = self.local_world_size
             for h in range(self.hosts):  # every rank creates every group, in the same order
                 group = dist.new_group(ranks=list(range(h * G, (h + 1) * G)), backend="gloo", timeout=timeout)
                 if h == self.host_index:
                     self.node_group = group
-            self.leaders_group = dist.new_group(ranks=[h * G for h in range(self.hosts)], backend="gloo",
-                                                timeout=timeout)
 
     @property
     def leader(self) -> bool:
@@ -64,9 +62,21 @@ class RankComm:
                                    group=self.node_group if self.hosts > 1 else self.host_group)
         return box[0]
 
-    def broadcast_between_hosts_(self, tensor: torch.Tensor, src_host: int) -> None:
-        """Every host's `tensor` (a host-state range) <- host `src_host`'s; called by the leaders."""
-        dist.broadcast(tensor, src_host * self.local_world_size, group=self.leaders_group)
+    def broadcast_all_(self, tensor: torch.Tensor, src: int) -> None:
+        """Every rank's CPU `tensor` <- rank `src`'s (over gloo: a host-state range)."""
+        dist.broadcast(tensor, src, group=self.host_group)
+
+    def share(self, obj, src: int = 0):
+        """Rank `src`'s picklable `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.host_group)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.host_group)
+        return out
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         """Every rank's `tensor` <- rank `src`'s (weights of a chunk that rank copied from the host)."""
