@@ -737,6 +737,19 @@ def apply_engine_meta(engine, folder: Path, meta: dict, rng) -> None:
         _set_rng_state(*rng)
 
 
+def read_layer_arrays(folder: str | os.PathLike) -> dict[tuple[int, str], torch.Tensor]:
+    """{(layer id, "master" | "exp_avg" | "exp_avg_sq"): whole fp32 tensor} of a checkpoint written
+    by any number of hosts (small models: every array in memory at once)."""
+    folder = Path(folder)
+    reader = _PieceReader(folder)
+    out = {}
+    for layer in read_engine_meta(folder)["layers"]:
+        for name in STATE_ARRAYS:
+            out[layer["id"], name] = flat = torch.empty(layer["numel"], dtype=torch.float32)
+            reader.read(layer, name, flat, 0, layer["numel"])
+    return out
+
+
 def read_master_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """{parameter name: fp32 tensor} from a checkpoint alone (every tied name, frozen parameters too)."""
     folder = Path(folder)
