@@ -23,18 +23,20 @@ Loading (`verify_checkpoint`) checks every file's size and sha256 against the ma
 anything is changed, so a truncated or altered file is refused with its name.
 
 The layer files are written from, and read back into, the host state's own memory: no copy of the
-state is made, whatever the model size. engine.json records, per layer, its "pieces": each file with
-the element runs [lo, hi) of the layer it holds, packed in that order (absent: the one file of the
-whole layer). A host reads the runs it holds from whichever pieces cover them, so a checkpoint
-written by N hosts loads on M hosts (resharding), one host included.
+state is made, whatever the model size. The state of layers kept on the device alone (lean layers,
+backend/state/host_state.py) goes between the device and the files through a bounded host staging
+buffer (backend/state/staging.py), in the same format.
+
+engine.json records, per layer, its "pieces": each file with the element runs [lo, hi) of the layer
+it holds, packed in that order (absent: the one file of the whole layer). A host reads the runs it
+holds from whichever pieces cover them, so a checkpoint written by N hosts loads on M hosts
+(resharding), one host included.
 
 Several hosts (`write_sharded_checkpoint`): the checkpoint folder is on a file system every host
 sees (shared). Rank 0 makes the temporary folder; each host's first rank writes that host's layer
 files into it; once every host has finished (a rendezvous through the process group), rank 0
 writes the rest, lists every host's files in the manifest and commits the folder. A host that fails
-leaves nothing: the temporary folder is removed and every rank raises. The state of layers kept on the device alone (lean layers,
-backend/state/host_state.py) goes between the device and the files through a bounded host staging
-buffer (backend/state/staging.py), in the same format.
+leaves nothing: the temporary folder is removed and every rank raises.
 """
 
 from __future__ import annotations
