@@ -9,7 +9,9 @@ from slidedp._version import __version__  # noqa: E402,F401
 
 from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402
-from slidedp.errors import InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError  # noqa: E402
+from slidedp.errors import (  # noqa: E402
+    HostLostError, InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError,
+)
 from slidedp.optim import AdamW  # noqa: E402
 from slidedp.options import CompileOptions  # noqa: E402
 from slidedp.scheduler.decisions import SolverOptions  # noqa: E402
@@ -27,6 +29,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "InfeasibleBudgetError", "Plan", "SlidedpError", "SolverOptions",
+    "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "HostLostError", "InfeasibleBudgetError", "Plan",
+    "SlidedpError", "SolverOptions",
     "UnsupportedModelError", "WorkerError", "compile", "plan", "__version__",
 ]

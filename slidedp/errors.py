@@ -69,3 +69,12 @@ class WorkerError(SlidedpError, RuntimeError):
     def __init__(self, rank: int, detail: str):
         super().__init__(f"rank {rank} failed: {detail}")
         self.rank = rank
+
+
+class HostLostError(SlidedpError, RuntimeError):
+    """Another host of a several-host run stopped (its processes died or no longer answer); the
+    message names it (GROUP_RANK and hostname). `host` is its index (torchrun's GROUP_RANK)."""
+
+    def __init__(self, message: str, *, host: int):
+        super().__init__(message)
+        self.host = int(host)

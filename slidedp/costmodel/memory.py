@@ -139,6 +139,52 @@ def _page(nbytes: int) -> int:
     return -(-nbytes // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
 
 
+def chunk_bounds(numel: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
+    if numel == 0:
+        return ((0, 0),)
+    chunks = max(1, min(chunks, numel))
+    size = -(-numel // chunks)
+    return tuple((lo, min(lo + size, numel)) for lo in range(0, numel, size))
+
+
+def chunk_owners(owners, n_chunks: int, world_size: int) -> tuple[int, ...]:
+    """The rank updating each of `n_chunks` chunks: the plan's `owners`, else chunk c by rank c mod W."""
+    return tuple(owners[c] if c < len(owners) else c % world_size for c in range(n_chunks))
+
+
+def held_runs(bounds, owners, ranks) -> tuple[tuple[int, int], ...]:
+    """The element runs [lo, hi) of a layer held by a host whose ranks are `ranks`: its chunks
+    (`bounds`, one owner each) owned by one of them, adjacent ones merged."""
+    ranks, runs = set(ranks), []
+    for (lo, hi), owner in zip(bounds, owners):
+        if owner not in ranks or hi <= lo:
+            continue
+        if runs and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi)
+        else:
+            runs.append((lo, hi))
+    return tuple(runs)
+
+
+def host_held_numels(layers, world_size: int, hosts: int, host: int, whole=()) -> list[int]:
+    """Parameters per layer that host `host` of `hosts` (ranks numbered host by host) holds in its
+    host state: `layers` as (numel, chunks, owners) in layer order; a layer in `whole` (indices of the
+    layers whose state every rank keeps on its device) whole on every host; one host holds all."""
+    if hosts == 1:
+        return [numel for numel, _, _ in layers]
+    G = world_size // hosts
+    ranks = range(host * G, (host + 1) * G)
+    out = []
+    for i, (numel, chunks, owners) in enumerate(layers):
+        if i in set(whole):
+            out.append(numel)
+            continue
+        bounds = chunk_bounds(numel, chunks)
+        out.append(sum(hi - lo for lo, hi in held_runs(bounds, chunk_owners(owners, len(bounds), world_size), ranks)))
+    return out
+
+
 def step_flag_ints(world_size: int, n_layers: int) -> int:
     """int64 counters of the host state's control region (backend/state/step_flags.py)."""
     return 1 + (world_size + 1) * n_layers

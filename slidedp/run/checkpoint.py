@@ -5,6 +5,9 @@ A checkpoint is a folder:
     manifest.json                    size and sha256 of every other file (written last)
     engine.json                      AdamW step, skipped steps, optimizer, precision, parameter layout
     state/layer-00000.safetensors    master, exp_avg, exp_avg_sq of layer 0 (flat fp32), one file a layer
+    state/layer-00000.host-001-of-002.safetensors
+                                     ... or, written by several hosts, one file a layer and host: the
+                                     element runs of the layer that host held, packed
     frozen.safetensors               parameters that are not trained (only when there are some)
     rng.safetensors, rng.json        torch generator states (uint8 tensors); Python and NumPy states
     plan.json                        the plan (`Plan.save`)
@@ -23,6 +26,17 @@ The layer files are written from, and read back into, the host state's own memor
 state is made, whatever the model size. The state of layers kept on the device alone (lean layers,
 backend/state/host_state.py) goes between the device and the files through a bounded host staging
 buffer (backend/state/staging.py), in the same format.
+
+engine.json records, per layer, its "pieces": each file with the element runs [lo, hi) of the layer
+it holds, packed in that order (absent: the one file of the whole layer). A host reads the runs it
+holds from whichever pieces cover them, so a checkpoint written by N hosts loads on M hosts
+(resharding), one host included.
+
+Several hosts (`write_sharded_checkpoint`): the checkpoint folder is on a file system every host
+sees (shared). Rank 0 makes the temporary folder; each host's first rank writes that host's layer
+files into it; once every host has finished (a rendezvous through the process group), rank 0
+writes the rest, lists every host's files in the manifest and commits the folder. A host that fails
+leaves nothing: the temporary folder is removed and every rank raises.
 """
 
 from __future__ import annotations
@@ -68,6 +82,16 @@ class CheckpointError(SlidedpError, ValueError):
 
 def layer_file(layer_id: int) -> str:
     return f"state/layer-{layer_id:05d}.safetensors"
+
+
+def layer_piece_file(layer_id: int, host: int, hosts: int) -> str:
+    """The file of the runs of a layer that host `host` of `hosts` held."""
+    return f"state/layer-{layer_id:05d}.host-{host:03d}-of-{hosts:03d}.safetensors"
+
+
+def layer_pieces(record: dict) -> list:
+    """[[file, [[lo, hi], ...]], ...] of a layer record of engine.json (the whole-layer file by default)."""
+    return record.get("pieces") or [[layer_file(record["id"]), [[0, record["numel"]]]]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,14 +373,18 @@ def verify_checkpoint(folder: str | os.PathLike, *, required: tuple[str, ...] = 
 # The engine's state
 
 
-def _layout_record(engine) -> list[dict]:
+def _layout_record(engine, pieces=None) -> list[dict]:
     aliases = {p.name: list(p.aliases) for layer in engine.graph.layers for p in layer.params}
-    return [
+    records = [
         {"id": layout.layer_id, "name": engine.graph.layers[layout.layer_id].name, "numel": layout.numel,
          "params": [[name, start, numel, list(shape), aliases.get(name, [])]
                     for name, start, numel, shape in layout.param_offsets]}
         for layout in engine.host.layouts
     ]
+    for record in records:
+        if pieces and record["id"] in pieces:
+            record["pieces"] = pieces[record["id"]]
+    return records
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
@@ -438,11 +466,18 @@ def check_rng_files(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
     return tensors, states
 
 
-def write_engine_state(engine, writer: CheckpointWriter) -> None:
-    """Master weights, AdamW moments and step, frozen parameters, RNG, plan and model config."""
+def write_engine_state(engine, writer: CheckpointWriter, *, pieces=None) -> None:
+    """Master weights, AdamW moments and step, frozen parameters, RNG, plan and model config.
+    `pieces`: {layer id: [[file, runs], ...]} of the layers whose files the hosts wrote (several
+    hosts: `write_sharded_checkpoint`); the others are written here whole."""
     engine.updates.flush()
-    host = engine.host
+    host, pieces = engine.host, pieces or {}
     for layout, arrays in zip(host.layouts, host.layers):
+        if layout.layer_id in pieces:
+            continue
+        if layout.runs is not None:
+            raise CheckpointError(f"layer {layout.layer_id} is held in part on this host: several hosts write a "
+                                  "checkpoint together (Engine.save_checkpoint)")
         if layout.lean:  # the state lives on the device alone (device_state.py): streamed down
             tensors = engine.runner.device_state.arrays(layout.layer_id)
         else:
@@ -472,9 +507,75 @@ def write_engine_state(engine, writer: CheckpointWriter) -> None:
         "optimizer": engine.optimizer.to_dict(),
         "max_grad_norm": engine.max_grad_norm,
         "model_class": engine.graph.model_class,
-        "layers": _layout_record(engine),
+        "layers": _layout_record(engine, pieces),
         "frozen": sorted(frozen),
     })
+
+
+def write_host_layers(engine, root: Path, host: int, hosts: int) -> dict[str, str]:
+    """This host's layer files (the layers it holds in part) into the folder `root`; {file: sha256}."""
+    files = {}
+    for layout, arrays in zip(engine.host.layouts, engine.host.layers):
+        if layout.runs is None or not layout.runs:
+            continue
+        rel = layer_piece_file(layout.layer_id, host, hosts)
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files[rel] = write_safetensors(path, {k: getattr(arrays, k) for k in STATE_ARRAYS},
+                                       metadata={"runs": json.dumps([list(r) for r in layout.runs])})
+    return files
+
+
+def write_sharded_checkpoint(engine, target: str | os.PathLike, comm, runs_of_host, add=None) -> None:
+    """A checkpoint of an engine whose hosts each hold a share of the state (a collective of every
+    rank, after `sync_host`): each host's first rank writes its layer files, rank 0 the rest
+    (`write_engine_state`, then `add(writer)` if given) and the manifest listing every host's files,
+    once every host has finished. `runs_of_host(h)`: {layer id: runs} that host h holds. On any
+    host's failure nothing is committed and every rank raises a CheckpointError naming the host."""
+    ctx = writer = None
+    error = None
+    if comm.rank == 0:
+        ctx = atomic_checkpoint(target)
+        try:
+            writer = ctx.__enter__()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error, ctx = f"rank 0 cannot make the checkpoint folder ({exc})", None
+    root = comm.share(None if writer is None else str(writer.root))
+    files: dict[str, str] = {}
+    if root is not None and engine.runner.leader:
+        try:
+            files = write_host_layers(engine, Path(root), comm.host_index, comm.hosts)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = f"host {comm.host_index} failed writing its layers ({type(exc).__name__}: {exc})"
+    results = comm.all_gather((files, error))
+    errors = [e for _, e in results if e]
+    if comm.rank == 0 and ctx is not None:
+        if errors:
+            ctx.__exit__(CheckpointError, CheckpointError(errors[0]), None)  # the temporary folder goes
+        else:
+            try:
+                for host_files, _ in results:
+                    writer.files.update(host_files)
+                pieces: dict[int, list] = {}
+                for h in range(comm.hosts):
+                    for layer_id, runs in runs_of_host(h).items():
+                        if runs:
+                            pieces.setdefault(layer_id, []).append(
+                                [layer_piece_file(layer_id, h, comm.hosts), [list(r) for r in runs]])
+                write_engine_state(engine, writer, pieces=pieces)
+                if add is not None:
+                    add(writer)
+            except BaseException as exc:
+                ctx.__exit__(type(exc), exc, exc.__traceback__)
+                errors = [f"rank 0 failed writing the checkpoint ({type(exc).__name__}: {exc})"]
+            else:
+                try:
+                    ctx.__exit__(None, None, None)  # the manifest, then the folder into place
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    errors = [f"rank 0 failed committing the checkpoint ({type(exc).__name__}: {exc})"]
+    errors = comm.share(errors)
+    if errors:
+        raise CheckpointError(f"checkpoint {target} not written: {'; '.join(errors)}")
 
 
 def read_engine_meta(folder: Path) -> dict:
@@ -497,6 +598,20 @@ def read_engine_meta(folder: Path) -> dict:
     if not ok:
         raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} key 'layers' is not a list of "
                               "{id, numel, params} records (altered)")
+    for layer in layers:
+        try:
+            pieces = layer_pieces(layer)
+            good = all(_safe_relative(rel) and all(_is_int(lo) and _is_int(hi, lo, layer["numel"]) for lo, hi in runs)
+                       for rel, runs in pieces)
+            covered = sorted((lo, hi) for _, runs in pieces for lo, hi in runs if hi > lo)
+            ends = [0] + [hi for _, hi in covered]  # each run starts where the one before ends, from 0 to numel
+            good = good and [lo for lo, _ in covered] == ends[:-1] and ends[-1] == layer["numel"]
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            raise CheckpointError(f"checkpoint {folder}: {ENGINE_JSON} layer {layer['id']}: 'pieces' must be "
+                                  "[file, [[lo, hi], ...]] records inside the checkpoint that cover the layer once "
+                                  "(altered)")
     return meta
 
 
@@ -515,35 +630,126 @@ def _check_layout(engine, meta: dict, folder: Path) -> None:
                                   f"differs, first at {diff[1]} in the checkpoint vs {diff[0]} here")
 
 
-def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True) -> dict:
-    """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
+class _PieceReader:
+    """Element ranges of a layer's arrays from a checkpoint's pieces (headers read once per file)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self._headers = folder, {}
+
+    def _header(self, rel: str) -> tuple[dict, int]:
+        if rel not in self._headers:
+            self._headers[rel] = read_safetensors_header(self.folder / rel)
+        return self._headers[rel]
+
+    def read(self, record: dict, name: str, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the layer's array `name` into `dst` (contiguous, hi - lo elements, on
+        any device: a device tensor a piece at a time through a bounded host buffer)."""
+        covered = 0
+        for rel, runs in layer_pieces(record):
+            base = 0
+            for a, b in runs:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    self._read_elements(rel, name, base + x - a, dst[x - lo : y - lo], sum(b - a for a, b in runs))
+                    covered += y - x
+                base += b - a
+        if covered != hi - lo:
+            raise CheckpointError(f"checkpoint {self.folder}: layer {record['id']} elements [{lo}, {hi}) are not "
+                                  "all in its files (altered)")
+
+    def _read_elements(self, rel: str, name: str, first: int, dst: torch.Tensor, total: int) -> None:
+        header, start = self._header(rel)
+        path = self.folder / rel
+        info = header.get(name)
+        if info is None:
+            raise CheckpointError(f"{path}: has no tensor {name!r}")
+        lo, hi = info["data_offsets"]
+        size = dst.element_size()
+        if info["dtype"] != _DTYPE_NAMES.get(dst.dtype) or hi - lo != total * size:
+            raise CheckpointError(f"{path}: tensor {name!r} is {info['dtype']} {info['shape']}, expected "
+                                  f"{dst.dtype} with {total} elements")
+        with open(path, "rb") as f:
+            f.seek(start + lo + first * size)
+            pieces = ((None, None, dst),) if dst.device.type == "cpu" else pieces_into(dst, piece_bytes=_CHUNK_BYTES)
+            for _, _, piece in pieces:
+                view = _byte_view(piece)
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done : done + _CHUNK_BYTES])
+                    if not n:
+                        raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
+                    done += n
+
+
+def check_engine_checkpoint(engine, folder: str | os.PathLike, *, verify: bool = True):
+    """(engine.json, RNG states) of a checkpoint that fits the engine, every file verified first
+    (`verify`); nothing of the engine changes."""
     folder = Path(folder)
     if verify:
         verify_checkpoint(folder, required=(ENGINE_JSON,))
     meta = read_engine_meta(folder)
     rng = check_rng_files(folder)  # before anything changes
     _check_layout(engine, meta, folder)
+    return meta, rng
+
+
+def read_state_arrays(engine, folder: str | os.PathLike, meta: dict) -> None:
+    """The state of every layer from the checkpoint's layer files into the engine's host state, the
+    runs this host holds (one host: all; a checkpoint of any number of hosts), or into the device for
+    a lean layer; the delivery copy follows the master."""
+    folder = Path(folder)
     engine.updates.flush()
-    host = engine.host
-    for layout, arrays in zip(host.layouts, host.layers):
+    reader = _PieceReader(folder)
+    records = {record["id"]: record for record in meta["layers"]}
+    for layout, arrays in zip(engine.host.layouts, engine.host.layers):
+        record = records[layout.layer_id]
         if layout.lean:  # the state lives on the device alone (device_state.py): streamed up
-            read_safetensors_into(folder / layer_file(layout.layer_id),
-                                  engine.runner.device_state.arrays(layout.layer_id))
+            for k, dst in engine.runner.device_state.arrays(layout.layer_id).items():
+                reader.read(record, k, dst, 0, layout.numel)
             continue
-        read_safetensors_into(folder / layer_file(layout.layer_id), {k: getattr(arrays, k) for k in STATE_ARRAYS})
+        for lo, hi, here in arrays.held():
+            for k in STATE_ARRAYS:
+                reader.read(record, k, getattr(arrays, k)[here], lo, hi)
         if arrays.delivery is not None:
             arrays.delivery.copy_(arrays.master)  # bf16, round to nearest even, as the optimizer writes it
+
+
+def read_engine_state(engine, folder: str | os.PathLike, *, verify: bool = True) -> dict:
+    """Load a checkpoint written by `write_engine_state` into the engine; returns engine.json."""
+    folder = Path(folder)
+    meta, rng = check_engine_checkpoint(engine, folder, verify=verify)
+    read_state_arrays(engine, folder, meta)
+    apply_engine_meta(engine, folder, meta, rng)
+    engine.reload()  # every rank reloads its device copies and takes the step
+    return meta
+
+
+def apply_engine_meta(engine, folder: Path, meta: dict, rng) -> None:
+    """Frozen parameters, step, skipped steps and (given `rng`) the generators from a checkpoint."""
+    folder = Path(folder)
     if meta.get("frozen"):
         frozen = read_safetensors(folder / "frozen.safetensors")
         with torch.no_grad():
             for name, p in engine.model.named_parameters():
                 if not p.requires_grad and name in frozen:
                     p.copy_(frozen[name])
-    host.step = int(meta["step"])
+    engine.host.step = int(meta["step"])
     engine.skipped_steps = int(meta.get("skipped_steps", 0))
-    _set_rng_state(*rng)
-    engine.reload()  # every rank reloads its device copies and takes the step
-    return meta
+    if rng is not None:
+        _set_rng_state(*rng)
+
+
+def read_layer_arrays(folder: str | os.PathLike) -> dict[tuple[int, str], torch.Tensor]:
+    """{(layer id, "master" | "exp_avg" | "exp_avg_sq"): whole fp32 tensor} of a checkpoint written
+    by any number of hosts (small models: every array in memory at once)."""
+    folder = Path(folder)
+    reader = _PieceReader(folder)
+    out = {}
+    for layer in read_engine_meta(folder)["layers"]:
+        for name in STATE_ARRAYS:
+            out[layer["id"], name] = flat = torch.empty(layer["numel"], dtype=torch.float32)
+            reader.read(layer, name, flat, 0, layer["numel"])
+    return out
 
 
 def read_master_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -551,9 +757,10 @@ def read_master_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     meta = read_engine_meta(folder)
     out: dict[str, torch.Tensor] = {}
+    reader = _PieceReader(folder)
     for layer in meta["layers"]:
         flat = torch.empty(layer["numel"], dtype=torch.float32)
-        read_safetensors_into(folder / layer_file(layer["id"]), {"master": flat})
+        reader.read(layer, "master", flat, 0, layer["numel"])
         for name, start, numel, shape, aliases in layer["params"]:
             value = flat[start : start + numel].view(shape)
             for n in (name, *aliases):

@@ -14,8 +14,10 @@ from slidedp.backend.runtime.rank import Rank
 from slidedp.backend.runtime.workers import WorkerPool
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
+from slidedp.backend.state.host_state import host_runs
 from slidedp.run.checkpoint import (
-    atomic_checkpoint, read_engine_meta, read_engine_state, save_hf, write_engine_state,
+    CheckpointError, apply_engine_meta, atomic_checkpoint, check_engine_checkpoint,
+    read_engine_state, read_state_arrays, save_hf, write_engine_state, write_sharded_checkpoint,
 )
 from slidedp.scheduler.plan import Plan
 
@@ -136,14 +138,20 @@ class Engine:
     # -- state ----------------------------------------------------------------------------------
     def master_views(self, layer_id: int) -> dict[str, torch.Tensor]:
         """{parameter name: view of its fp32 master weights}: in the host state, or on the device for a
-        layer whose state lives there alone (lean, backend/state/host_state.py). After `sync_host`."""
+        layer whose state lives there alone (lean, backend/state/host_state.py); of a layer held in
+        part on this host (several hosts), views of a new tensor gathered from every host (a
+        collective of every rank). After `sync_host`."""
         arrays = self.host.layers[layer_id]
         if arrays.layout.lean:
             return self.runner.device_state.param_views(layer_id)
+        if not arrays.whole:
+            return arrays.param_views(self.runner.gather_layer(layer_id))
         return arrays.param_views(arrays.master)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses."""
+        """{parameter name: fp32 CPU tensor}: the master weights, under every name the model uses.
+        With several hosts a collective of every rank: each layer is gathered from the hosts that
+        hold it, one layer at a time, and every rank gets the whole dict."""
         self._check_open()
         self.runner.sync_host()
         out = {}
@@ -240,6 +248,11 @@ class Engine:
         atomically (safetensors and JSON, with a sha256 manifest; see slidedp/run/checkpoint.py)."""
         self._check_open()
         self.runner.sync_host()
+        if self.host.sharded:  # several hosts: each writes its share, rank 0 commits (a shared folder)
+            comm = self.runner.comm
+            write_sharded_checkpoint(self, dir, comm, lambda h: host_runs(
+                self.plan, comm.world_size, h, comm.local_world_size))
+            return
         if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
             with atomic_checkpoint(dir) as writer:
                 write_engine_state(self, writer)
@@ -247,19 +260,30 @@ class Engine:
 
     def load_checkpoint(self, dir) -> None:
         """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
-        have the same parameters. The optimizer settings stay those given to `compile`."""
+        have the same parameters. The optimizer settings stay those given to `compile`. A checkpoint
+        written with any number of hosts loads on any other: each host reads the runs it holds."""
         self._check_open()
         rank = self._launched_rank()
-        if rank in (None, 0):  # under torchrun rank 0 reads into the shared state, the others follow
+        if rank is None:
             read_engine_state(self, dir)
+            return
+        # under torchrun rank 0 checks every file; each host's first rank reads what its host holds
+        error = None
+        if rank == 0:
+            try:
+                check_engine_checkpoint(self, dir)
+            except CheckpointError as exc:
+                error = str(exc)
+        error = self.runner.comm.share(error)
+        if error is not None:
+            raise CheckpointError(error)
+        meta, rng = check_engine_checkpoint(self, dir, verify=False)
+        self.runner.flush()
+        if self.runner.leader:
+            read_state_arrays(self, dir, meta)
         self._barrier()
-        if rank is not None:
-            self.runner.share_first_host_state()  # several hosts: the others' states from the first's
-        if rank not in (None, 0):
-            meta = read_engine_meta(dir)
-            self.host.step = int(meta["step"])
-            self.skipped_steps = int(meta.get("skipped_steps", 0))
-            self.reload()
+        apply_engine_meta(self, dir, meta, rng if rank == 0 else None)
+        self.reload()
 
     def _launched_rank(self) -> int | None:
         """This process's rank when every rank is a process of its own (torchrun), else None."""
@@ -273,23 +297,30 @@ class Engine:
         """A `save_pretrained` folder of the model (Hugging Face models), with `tokenizer` saved beside
         it when given; the weights in `dtype`: "bf16", or "fp32" (the master weights exactly), None:
         the engine's precision (as the model was trained to run). Files readable by others (0666
-        less the umask)."""
+        less the umask). Under torchrun a collective of every rank: rank 0 writes the folder (with
+        several hosts, from the layers gathered one at a time, each kept in the export's dtype)."""
         self._check_open()
         dtype = self.precision if dtype is None else dtype
         self.runner.sync_host()
+        writes = self._launched_rank() in (None, 0)
         weights: dict[str, torch.Tensor] = {}
         export_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.float32)
         for layer in self.graph.layers:
             views = self.master_views(layer.id)
-            lean = self.host.layers[layer.id].layout.lean
+            if not writes:
+                continue
+            arrays = self.host.layers[layer.id]
             for p in layer.params:
                 # a device master: down a piece at a time, cast there, in the export's dtype
-                value = to_host(views[p.name], export_dtype) if lean else views[p.name]
+                value = to_host(views[p.name], export_dtype) if arrays.layout.lean else (
+                    views[p.name] if arrays.whole else views[p.name].to(export_dtype))
                 for name in (p.name, *p.aliases):
                     weights[name] = value
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            weights.setdefault(name, p.detach().float().cpu())
-        save_hf(self.model, weights, dir, dtype=dtype, tokenizer=tokenizer)
+        if writes:
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                weights.setdefault(name, p.detach().float().cpu())
+            save_hf(self.model, weights, dir, dtype=dtype, tokenizer=tokenizer)
+        self._barrier()
 
 
 def _empty_host_cache() -> None:

@@ -4,6 +4,11 @@
 the host state, writes the initial weights into it, and starts the ranks: the engine's own process
 for one rank, worker processes for several, or this process as one rank under torchrun (on one
 host, or one of several: each host's first rank makes that host's state, its other ranks map it).
+
+With several hosts each host's state holds only its share: of every layer, the chunks its own ranks
+own (backend/state/host_state.py host_runs), and only those are written from the initial weights;
+the model's parameters of those layers are left on the meta device (no host holds them whole:
+`Engine.state_dict` and `export_hf` gather them).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from slidedp.backend.runtime.comm import RankComm
 from slidedp.backend.runtime.rank import build_rank
 from slidedp.backend.runtime.workers import WorkerPool, job_skeleton
 from slidedp.backend.state.device_state import DeviceState
-from slidedp.backend.state.host_state import HostState
+from slidedp.backend.state.host_state import HostState, host_runs
 from slidedp.backend.state.staging import copy_in_pieces_
 from slidedp.backend.state.step_flags import StepFlags
 from slidedp.budget import Budget
@@ -29,7 +34,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 from slidedp.run.engine import Engine, update_order
 from slidedp.run.preflight import check_compile
-from slidedp.run.weights import bind_parameters, fill_masters
+from slidedp.run.weights import bind_parameters, fill_held_masters, fill_masters
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -140,12 +145,16 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     in_process = in_engine_process(world_size)
     # the device state of an engine's own rank keeps its moments and gradient there alone
     lean = plan.device_state if in_process else ()
+    # several hosts: this host's share of every layer streamed from the host
+    held = host_runs(plan, world_size, comm.host_index, local) if comm is not None and comm.hosts > 1 else {}
+    numels = [sum(hi - lo for lo, hi in held[layer.id]) if layer.id in held else layer.numel
+              for layer in graph.layers] if held else None
     host = None
     if leader:
         check_compile(graph, plan, dev, precision=request.precision, world_size=local, control_ints=flag_ints,
-                      lean_layers=lean)  # host RAM, /dev/shm, free device memory: refuse with numbers
+                      lean_layers=lean, numels=numels)  # host RAM, /dev/shm, free device memory: refuse with numbers
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints, spare_layers=plan.early_order, lean_layers=lean)
+                         control_ints=flag_ints, spare_layers=plan.early_order, lean_layers=lean, held=held)
     if rank is not None:
         handle = comm.from_leader(host.handle() if host is not None else None)
         host = host if leader else HostState.attach(handle)
@@ -176,7 +185,8 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
             runner.close()
         elif comm is not None:
             comm.close()
-        host.close()
+        if host is not None:
+            host.close()
         raise
     return Engine(model=model, graph=graph, plan=plan, host=host, runner=runner, optimizer=request.optimizer,
                   max_grad_norm=request.max_grad_norm, device=dev, precision=request.precision)
@@ -190,10 +200,22 @@ def load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: 
     through a bounded host buffer: backend/state/staging.py): the model's own, or those of `weights`
     (slidedp/run/weights.py); then make the model's parameters views of them (bf16 parameters view
     the bf16 delivery copy, others the fp32 master; a lean layer's view the device's fp32 master), so
-    nothing is held twice."""
+    nothing is held twice. A layer held in part here (several hosts) gets only its runs written, and
+    its parameters become parameters on the meta device (the same object for every alias)."""
     masters, deliveries, on_device = {}, {}, set()
+    partial = [layer for layer in graph.layers if not host.layers[layer.id].whole]
+    if copy and partial:
+        fill_held_masters(model, partial, {layer.id: host.layers[layer.id] for layer in partial}, weights)
+        for layer in partial:
+            arrays = host.layers[layer.id]
+            if arrays.delivery is not None:
+                arrays.delivery.copy_(arrays.master)
     for layer in graph.layers:
         arrays = host.layers[layer.id]
+        if not arrays.whole:
+            for p in layer.params:
+                masters[p.name] = torch.empty(p.shape, dtype=torch.float32, device="meta")
+            continue
         if arrays.layout.lean:
             views = device_state.param_views(layer.id)
             masters.update(views)
@@ -205,11 +227,12 @@ def load_weights(model: nn.Module, graph: LayerGraph, host: HostState, *, bf16: 
     if device_state is not None:  # what the lean layers' parameters were, for the model after close()
         device_state.param_dtypes = {name: model.get_parameter(name).dtype for name in on_device}
     if copy:
+        whole = [layer for layer in graph.layers if host.layers[layer.id].whole]
         if weights is None:
-            for name, master in masters.items():
-                copy_in_pieces_(master, model.get_parameter(name))
+            for name in (p.name for layer in whole for p in layer.params):
+                copy_in_pieces_(masters[name], model.get_parameter(name))
         else:
-            fill_masters(graph, masters, weights)
+            fill_masters(whole, masters, weights)
         for name, delivery in deliveries.items():
             delivery.copy_(masters[name])
     if device_state is not None:

@@ -151,16 +151,19 @@ def offloaded_activation_bytes(graph, plan) -> int:
                                              if policy.get(layer.id) == "offload")
 
 
-def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_layers=()) -> dict[str, int]:
-    """Host RAM of the plan by category, all ranks (costmodel.memory.host_memory): the plan's own
-    `host_memory` when it has one for this layout (the lean layers a one-rank plan assumes), else the
-    same count made here from its schedule (a plan saved without its explanation; a rank in a worker
-    process, whose host state is not lean)."""
+def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_layers=(),
+                     numels=None) -> dict[str, int]:
+    """Host RAM of the plan by category, all ranks of this host (costmodel.memory.host_memory): the
+    plan's own `host_memory` when it has one for this layout (the lean layers a one-rank plan
+    assumes), else the same count made here from its schedule (a plan saved without its explanation;
+    a rank in a worker process, whose host state is not lean; one host of several, holding `numels`
+    parameters of each layer: backend/state/host_state.py host_runs)."""
     planned_lean = tuple(plan.device_state) if plan.workload.world_size == 1 else ()
     if plan.host_memory and tuple(sorted(lean_layers)) == tuple(sorted(planned_lean)) \
-            and world_size == plan.workload.world_size:
+            and world_size == plan.workload.world_size and numels is None:
         return dict(plan.host_memory)
-    return mem.host_memory([layer.numel for layer in graph.layers], 2 if precision == "bf16" else 4,
+    numels = [layer.numel for layer in graph.layers] if numels is None else list(numels)
+    return mem.host_memory(numels, 2 if precision == "bf16" else 4,
                            world_size=world_size, lean=lean_layers, spare=plan.early_order,
                            offloaded_bytes=world_size * offloaded_activation_bytes(graph, plan),
                            max_chunk_numel=max((-(-d.numel // max(1, d.chunks)) for d in plan.decisions
@@ -168,14 +171,15 @@ def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_l
 
 
 def compile_needs(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
-                  lean_layers=()) -> Needs:
+                  lean_layers=(), numels=None) -> Needs:
     """What `compile` allocates for this graph and plan on this device: the plan's host memory
     (`plan_host_memory`: one host state shared by the ranks, spare state, offloaded activations,
     pinned buffers), and the plan's device peak per rank (host RAM when the ranks are CPU processes).
     `control_ints` is implied by the plan (costmodel.memory.step_flag_ints) and kept for callers."""
     device_bytes = int(plan.peak_device_bytes or 0)
     on_cpu = torch.device(device).type == "cpu"
-    host = plan_host_memory(graph, plan, precision=precision, world_size=world_size, lean_layers=lean_layers)
+    host = plan_host_memory(graph, plan, precision=precision, world_size=world_size, lean_layers=lean_layers,
+                            numels=numels)
     return Needs(host_state_bytes=host["state"] + host["spare"],
                  host_other_bytes=(device_bytes * world_size if on_cpu else 0) + host["offloaded_activations"]
                  + host["pinned_buffers"] + host.get("load_staging", 0),
@@ -211,12 +215,13 @@ def check_memory(needs: Needs, available: Available, *, headroom_bytes: int = HO
 
 
 def check_compile(graph, plan, device, *, precision: str, world_size: int = 1, control_ints: int = 0,
-                  lean_layers=(), available: Available | None = None) -> Needs:
+                  lean_layers=(), numels=None, available: Available | None = None) -> Needs:
     """The preflight of `compile`: what it will allocate against what the machine has free (the
     device figure is that of `device`, the device the caller will use; every GPU of a host with
-    several ranks is assumed alike)."""
+    several ranks is assumed alike; `numels`: the parameters of each layer this host holds, one host
+    of several)."""
     needs = compile_needs(graph, plan, device, precision=precision, world_size=world_size,
-                          control_ints=control_ints, lean_layers=lean_layers)
+                          control_ints=control_ints, lean_layers=lean_layers, numels=numels)
     if os.environ.get("SLIDEDP_SKIP_PREFLIGHT", "") not in ("", "0"):
         return needs
     check_memory(needs, available if available is not None else available_memory(device))

@@ -61,7 +61,7 @@ def check_weights_source(model: nn.Module, graph: LayerGraph, weights) -> None:
                 f"(e.g. {meta[0]}): pass weights= (a safetensors checkpoint folder or a function that fills "
                 "each parameter), or use slidedp.plan() to plan only")
     elif not callable(weights):
-        _checkpoint_tensors(graph, weights)
+        _checkpoint_tensors(graph.layers, weights)
 
 
 def safetensors_files(path) -> list[Path]:
@@ -88,13 +88,13 @@ def checkpoint_shapes(weights) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return shapes
 
 
-def _checkpoint_tensors(graph: LayerGraph, weights) -> dict[Path, list[tuple[str, str]]]:
-    """{file: [(parameter, key in the file)]} for every stored parameter of `graph`, its shape
+def _checkpoint_tensors(layers, weights) -> dict[Path, list[tuple[str, str]]]:
+    """{file: [(parameter, key in the file)]} for every stored parameter of `layers`, its shape
     checked against the file's header."""
     shapes = checkpoint_shapes(weights)
     wanted: dict[Path, list[tuple[str, str]]] = {}
     missing = []
-    for layer in graph.layers:
+    for layer in layers:
         for p in layer.params:
             key = next((k for k in (p.name, *p.aliases) if k in shapes), None)
             if key is None:
@@ -125,16 +125,16 @@ def read_rows_into(dst: torch.Tensor, reader, key: str, *, piece_bytes: int = LO
         copy_in_pieces_(flat[r : r + rows], sl[r : r + rows], piece_bytes=piece_bytes)
 
 
-def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -> None:
-    """Write every stored parameter's initial value into `masters[name]` (fp32 views, of the host
-    state or of the device's master) from the checkpoint folder or function `weights` (checked by
-    `check_weights_source`)."""
+def fill_masters(layers, masters: dict[str, torch.Tensor], weights) -> None:
+    """Write every stored parameter of `layers` its initial value into `masters[name]` (fp32 views,
+    of the host state or of the device's master) from the checkpoint folder or function `weights`
+    (checked by `check_weights_source`)."""
     if callable(weights):
-        for layer in graph.layers:
+        for layer in layers:
             for p in layer.params:
                 weights(p.name, masters[p.name])
         return
-    wanted = _checkpoint_tensors(graph, weights)
+    wanted = _checkpoint_tensors(layers, weights)
     for i, (f, items) in enumerate(sorted(wanted.items()), 1):
         log.info("loading weights: %s (%d/%d files, %d tensors)", f.name, i, len(wanted), len(items))
         with safe_open(str(f), framework="pt", device="cpu") as reader:
@@ -142,22 +142,55 @@ def fill_masters(graph: LayerGraph, masters: dict[str, torch.Tensor], weights) -
                 read_rows_into(masters[name], reader, key)
 
 
+def fill_held_masters(model: nn.Module, layers, held: dict, weights) -> None:
+    """Write the initial weights of the layers held in part on this host (several hosts) into their
+    runs: `held[layer id]` is the layer's `LayerArrays` (backend/state/host_state.py), whose runs
+    [lo, hi) of the layer are packed in its master. One parameter at a time: from the model's own
+    (weights=None), or whole in a temporary (fp32, one parameter) from `weights`."""
+    sources = None if weights is None or callable(weights) else {
+        name: (f, key) for f, items in _checkpoint_tensors(layers, weights).items() for name, key in items}
+    for layer in layers:
+        arrays, start = held[layer.id], 0
+        for p in layer.params:
+            end = start + p.numel
+            parts = [(max(lo, start), min(hi, end), here.start - lo) for lo, hi, here in arrays.held()
+                     if lo < end and start < hi]  # (a, b, where element 0 of the layer would sit here)
+            if parts:
+                if weights is None:
+                    value = model.get_parameter(p.name).detach().reshape(-1)
+                else:
+                    value = torch.empty(p.shape, dtype=torch.float32)
+                    if callable(weights):
+                        weights(p.name, value)
+                    else:
+                        f, key = sources[p.name]
+                        with safe_open(str(f), framework="pt", device="cpu") as reader:
+                            read_rows_into(value, reader, key)
+                    value = value.reshape(-1)
+                for a, b, shift in parts:
+                    arrays.master[shift + a : shift + b].copy_(value[a - start : b - start])
+            start = end
+
+
 def bind_parameters(model: nn.Module, graph: LayerGraph, views: dict[str, torch.Tensor]) -> None:
     """Make each stored parameter (under its name and every alias) a view of the host state. A
-    parameter on the meta device is replaced by a new nn.Parameter (the same object for every
-    alias, so ties hold); others keep their object and take the view as their data."""
+    parameter on the meta device, or whose view is (a layer held in part on this host: several
+    hosts), is replaced by a new nn.Parameter (the same object for every alias, so ties hold);
+    others keep their object and take the view as their data."""
+    stored = set()
     for layer in graph.layers:
         for p in layer.params:
+            stored.update((p.name, *p.aliases))
             param = model.get_parameter(p.name)
             view = views[p.name]
-            if param.device.type != "meta":
+            if param.device.type != "meta" and view.device.type != "meta":
                 param.data = view
                 continue
             new = nn.Parameter(view, requires_grad=param.requires_grad)
             for name in (p.name, *p.aliases):
                 owner, _, attr = name.rpartition(".")
                 model.get_submodule(owner)._parameters[attr] = new
-    left = [n for n, q in model.named_parameters(remove_duplicate=False) if q.device.type == "meta"]
+    left = [n for n, q in model.named_parameters(remove_duplicate=False) if q.device.type == "meta" and n not in stored]
     if left:
         raise UnsupportedModelError(f"{len(left)} parameters the model does not train are on the meta device "
                                     f"(e.g. {left[0]}); weights= loads trained parameters only")

@@ -184,9 +184,10 @@ class Explanation:
     # timeline event names, in order: the chain of ops that sets the step (each starts as the one
     # before it ends; their durations add up to the predicted step, scheduler/oracles/critical_path.py)
     critical_path: tuple[str, ...] = ()
-    # host RAM of the plan, all ranks (costmodel.memory.host_memory; 0 and {}: not known): the host
-    # state ("state": fp32 master, moments, delivery copy, gradient, page-aligned, lean for the layers
-    # whose optimizer state a one-rank engine keeps on the device: nothing of them), early updates'
+    # host RAM of the plan, all ranks of one host (costmodel.memory.host_memory; 0 and {}: not known):
+    # the host state ("state": fp32 master, moments, delivery copy, gradient, page-aligned, lean for
+    # the layers whose optimizer state a one-rank engine keeps on the device: nothing of them; with
+    # several hosts the chunks one host's ranks own, of the host holding the most), early updates'
     # spare state ("spare"), offloaded activations ("offloaded_activations", pinned), the pinned
     # gradient staging ("pinned_buffers") and the bounded staging of those device layers' state
     # ("load_staging"); peak_host_bytes is their sum, held the whole step

@@ -582,7 +582,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
     if problem.hosts > 1:
         auto_notes.append(f"{problem.hosts} hosts of {problem.ranks_per_host} rank(s): every host layer delivered "
                           "sharded and reduced on the GPUs (a rank reads from its host only what its host updates); "
-                          "each host holds the whole host state and updates the chunks its ranks own; collectives "
+                          "each host holds and updates only the chunks its ranks own; collectives "
                           f"between hosts at {problem.link_bytes_per_s / 1e9:.1f} GB/s per host")
     elif problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
         auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")

@@ -1,10 +1,16 @@
 """Run by test_hosts.py as N "hosts" on one machine, each `torchrun --nnodes N --node-rank k
---nproc-per-node G`: every host's first rank makes its own host state.
+--nproc-per-node G`: every host's first rank makes its own host state, holding the chunks its ranks own.
 
-    torchrun --nnodes 2 --node-rank K --nproc-per-node 1 --master-addr 127.0.0.1 --master-port P \
-        tests/multirank/hosts_job.py OUT_DIR
+    torchrun --nnodes 2 --node-rank K --nproc-per-node G --master-addr 127.0.0.1 --master-port P \\
+        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed]
+
+Steps on the batches of `batches(world_size)`: step 1 is poisoned on the last host (its block 1 gives
+nan), so every rank skips it; a checkpoint after step 2, reloaded for step 3 again. Given a
+checkpoint of one host, it is loaded, saved again and trained one more step (resharding 1 -> N).
+With --until-killed the hosts train until the test kills one.
 """
 
+import json
 import os
 import sys
 
@@ -16,36 +22,77 @@ from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD
 from tests.models import VOCAB, make_model
 from tests.multirank.test_data_parallel import routed_plan
 
+POISONED = 1  # the step whose gradient is not finite
 
-def main(out_dir: str) -> None:
+
+def batches(world_size: int, n: int = 5) -> list[torch.Tensor]:
+    """Global batches of two passes each (gradient accumulation)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (world_size * BATCH * 2, SEQ), generator=gen) for _ in range(n)]
+
+
+def poison(model, switch: dict):
+    def hook(module, args, output):
+        if not switch["on"]:
+            return None
+        out = output[0] if isinstance(output, tuple) else output
+        return (out * float("nan"), *output[1:]) if isinstance(output, tuple) else out * float("nan")
+
+    return model.model.layers[1].register_forward_hook(hook)
+
+
+def main(out_dir: str, extra: str | None) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    model = make_model("llama", tied=True)  # every rank builds the same model
     hosts = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
+    model = make_model("llama", tied=True)  # every rank builds the same model
+    switch = {"on": False}
+    if int(os.environ["GROUP_RANK"]) == hosts - 1:
+        poison(model, switch)
     plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=1, hosts=hosts)
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              world_size=world_size, plan=plan, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD),
                              max_grad_norm=CLIP)
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, VOCAB, (world_size * BATCH * 2, SEQ), generator=gen) for _ in range(3)]
-    checkpoint = os.path.join(out_dir, "checkpoint")
-    losses = []
+    data = batches(world_size)
+    comm = engine.runner.comm
+    if extra == "--until-killed":
+        with engine:
+            for step in range(10**6):
+                engine.step(data[step % 2 * 2])
+                if step == 1 and rank == world_size - 1:
+                    open(os.path.join(out_dir, "training"), "w").close()
+        return
+    memory = comm.all_gather(dict(host=comm.host_index, state_bytes=engine.host.nbytes,
+                                  allocated_bytes=engine.host.allocated_bytes(),
+                                  held_numels=[layout.held_numel for layout in engine.host.layouts]))
+    two = os.path.join(out_dir, "two-hosts")
+    losses, skipped = [], []
     with engine:
-        for step, ids in enumerate(batches):  # two passes a step: gradient accumulation on the host
-            losses.append(engine.step(ids))
-            if step == 1:
-                engine.save_checkpoint(checkpoint)
+        for step in range(4):
+            switch["on"] = step == POISONED
+            losses.append(engine.step(data[step]))
+            skipped.append(engine.last_step.skipped)
+            switch["on"] = False
+            if step == 2:
+                engine.save_checkpoint(two)
         state = engine.state_dict()
-        engine.load_checkpoint(checkpoint)  # read on the first host, shared with the others
-        again = engine.step(batches[2])
+        engine.load_checkpoint(two)
+        again = engine.step(data[3])
         state_again = engine.state_dict()
-        pid = torch.tensor([os.getpid() if engine.runner.leader else 0])
-        torch.distributed.all_reduce(pid, group=engine.runner.comm.host_group)  # every host's state maker
+        from_one = {}
+        if extra is not None:  # a checkpoint of one host: loaded here, saved again, one more step
+            engine.load_checkpoint(extra)
+            engine.save_checkpoint(os.path.join(out_dir, "one-resaved"))
+            losses.append(engine.step(data[4]))
+            from_one = engine.state_dict()
     if rank == 0:
         save_file({k: v.clone() for k, v in state.items()}, os.path.join(out_dir, "state.safetensors"))
         save_file({k: v.clone() for k, v in state_again.items()}, os.path.join(out_dir, "state_again.safetensors"))
-        save_file({"losses": torch.tensor(losses + [again], dtype=torch.float64)},
-                  os.path.join(out_dir, "losses.safetensors"))
+        if from_one:
+            save_file({k: v.clone() for k, v in from_one.items()}, os.path.join(out_dir, "from_one.safetensors"))
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(dict(losses=losses, again=again, skipped=skipped, memory=memory,
+                           plan_host_memory=plan.host_memory), f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import slidedp
+from slidedp.costmodel import memory as mem
 from slidedp.costmodel import ops
 from slidedp.costmodel.hardware import LINKS, PRESETS
 from slidedp.scheduler.decisions import SolverOptions
@@ -42,8 +43,19 @@ def test_two_hosts_route_every_layer_sharded_and_reduce_on_the_gpus(model):
     assert "over 2 hosts of 4" in text and "host memory per host" in text and "2 hosts of 4 rank(s)" in text
     plan.validate()
     one_host = slidedp.plan(model, "2GiB", world_size=8, **KW)
-    # per host: the same whole host state, the pinned staging of 4 ranks instead of 8
-    assert plan.host_memory["state"] == one_host.host_memory["state"]
+    # per host: the chunks its 4 ranks own (as the runtime lays them out, for the host holding the
+    # most), the pinned staging of 4 ranks instead of 8
+    layers = [(d.numel, d.chunks, d.owners) for d in plan.decisions]
+    on_device = {i for i, d in enumerate(plan.decisions) if d.layer_id in plan.device_state}
+    elem = 2 if plan.workload.precision == "bf16" else 4
+    per_host = [mem.host_state_bytes(mem.host_held_numels(layers, 8, 2, h, whole=on_device), elem,
+                                     control_ints=mem.step_flag_ints(4, len(layers))) for h in range(2)]
+    assert plan.host_memory["state"] == max(per_host)
+    whole = mem.host_state_bytes([d.numel for d in plan.decisions], elem,
+                                 control_ints=mem.step_flag_ints(4, len(layers)))
+    on_device_bytes = mem.host_state_bytes([plan.decisions[i].numel for i in on_device], elem)
+    assert plan.host_memory["state"] <= whole / 2 + on_device_bytes / 2 + (1 << 20)
+    assert plan.host_memory["state"] < one_host.host_memory["state"]
     assert plan.host_memory["pinned_buffers"] < one_host.host_memory["pinned_buffers"]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from slidedp.backend.lowering.weight_window import schedule_window
 from slidedp.costmodel import memory as mem
-from slidedp.costmodel.memory import DTYPE_BYTES
+from slidedp.costmodel.memory import DTYPE_BYTES, chunk_bounds
 from slidedp.ir.graph import BLOCK, LayerGraph
 from slidedp.scheduler.plan import Schedule
 
@@ -64,15 +64,6 @@ class Program:
 
     def text(self) -> str:
         return "\n".join(op.text() for op in self.ops)
-
-
-def chunk_bounds(numel: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    """`chunks` nearly equal contiguous pieces of [0, numel) (fewer if numel is smaller)."""
-    if numel == 0:
-        return ((0, 0),)
-    chunks = max(1, min(chunks, numel))
-    size = -(-numel // chunks)
-    return tuple((lo, min(lo + size, numel)) for lo in range(0, numel, size))
 
 
 class _Builder:

@@ -164,11 +164,12 @@ class Rank:
                     a, b = max(lo, start), min(hi, end)
                     if a >= b:
                         continue
-                    p, g, m, v, out = (x[a:b] if x is not None else None for x in arrays)
+                    here = layer.at(a, b)  # where [a, b) sits in this host's arrays
+                    p, g, m, v, out = (x[here] if x is not None else None for x in arrays)
                     cpu_adamw.adamw_step(
                         p, g, m, v, out, lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
                         weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=clip,
-                        num_threads=num_threads, to=None if spare is None else tuple(x[a:b] for x in spare))
+                        num_threads=num_threads, to=None if spare is None else tuple(x[here] for x in spare))
             if self.flags is not None:
                 self.flags.mark_updated(self.rank, layer_id, rounds)
 
@@ -215,41 +216,35 @@ class Rank:
 
     def sync_host(self) -> None:
         """Flush, then bring the host state up to date: the state kept on the device copied down
-        (by each host's first rank: every rank holds the same); with several hosts, every chunk
-        from its owner's host into every host's state."""
+        (by each host's first rank: every rank holds the same); with several hosts, once every
+        host's updates are done (each host holds only its share: `gather_layer` reads the rest)."""
         self.flush()
         if self.device_state is not None and self.leader:
             self.device_state.store_to_host()
         if self.comm is not None and self.comm.hosts > 1:
-            self.comm.barrier()  # every host's updates are done
-            if self.leader:
-                G = self.comm.local_world_size
-                for layer_id, arrays, chunks, owners in self._host_layers():
-                    for (lo, hi), owner in zip(chunks, owners):
-                        for t in arrays:
-                            self.comm.broadcast_between_hosts_(t[lo:hi], owner // G)
             self.comm.barrier()
 
-    def share_first_host_state(self) -> None:
-        """Several hosts: every host's state <- the first host's, whole (after a checkpoint was read
-        there); the caller then reloads every rank."""
-        if self.comm is None or self.comm.hosts == 1:
-            return
-        if self.leader:
-            for _, arrays, _, _ in self._host_layers():
-                for t in arrays:
-                    self.comm.broadcast_between_hosts_(t, 0)
-        self.comm.barrier()
-
-    def _host_layers(self):
-        """(layer id, its host arrays that hold state, chunks, owners) of the layers kept on the host."""
-        for layer_id, chunks in self.routes.chunks.items():
-            if self.device_state is not None and layer_id in self.device_state:
-                continue
-            layer = self.host.layers[layer_id]
-            arrays = [t for t in (layer.master, layer.exp_avg, layer.exp_avg_sq, layer.delivery)
-                      if t is not None and t.numel()]
-            yield layer_id, arrays, chunks, self.routes.owners[layer_id]
+    def gather_layer(self, layer_id: int, name: str = "master") -> torch.Tensor:
+        """A new CPU tensor of the whole layer's host array `name` ("master", "exp_avg", ...) on
+        every rank, after `sync_host`: with several hosts a collective of every rank, each run of
+        chunks broadcast from the first rank of the host that holds it (one layer in memory)."""
+        arrays = self.host.layers[layer_id]
+        src = getattr(arrays, name)
+        if arrays.whole:
+            return src.clone()
+        out = torch.empty(arrays.layout.numel, dtype=src.dtype)
+        G = self.comm.local_world_size
+        runs: list[list[int]] = []  # [lo, hi, holding host] of consecutive chunks held by one host
+        for (lo, hi), owner in zip(self.routes.chunks[layer_id], self.routes.owners[layer_id]):
+            if runs and runs[-1][2] == owner // G and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, owner // G])
+        for lo, hi, h in runs:
+            if h == self.comm.host_index:
+                out[lo:hi] = src[arrays.at(lo, hi)]
+            self.comm.broadcast_all_(out[lo:hi], h * G)
+        return out
 
     def reload(self, step: int) -> None:
         """The host state was rewritten (a checkpoint): reload the resident weights and the state

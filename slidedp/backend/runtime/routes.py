@@ -39,7 +39,7 @@ import torch
 from slidedp.backend.lowering.program import chunk_bounds
 from slidedp.backend.state.step_flags import StepFlags
 from slidedp.backend.runtime.streams import Streams
-from slidedp.costmodel.memory import HOST_STAGING_SLOTS
+from slidedp.costmodel.memory import HOST_STAGING_SLOTS, chunk_owners
 
 
 class Routes:
@@ -52,8 +52,7 @@ class Routes:
         self.reduction = {d.layer_id: d.reduction if flags is not None else "gpu" for d in plan.decisions}
         self.chunks = {d.layer_id: chunk_bounds(d.numel, d.chunks) for d in plan.decisions}
         self._on_device = frozenset(plan.device_state)  # their gradients are never staged on the host
-        self.owners = {d.layer_id: tuple(d.owners[c] if c < len(d.owners) else c % world_size
-                                          for c in range(len(self.chunks[d.layer_id])))
+        self.owners = {d.layer_id: chunk_owners(d.owners, len(self.chunks[d.layer_id]), world_size)
                        for d in plan.decisions}
         self.rounds = 0  # update rounds started, the same on every rank
         self.wait_s = 0.0  # time spent in wait_updated (reset by the rank each step)
@@ -113,9 +112,10 @@ class Routes:
         else:
             self.wait_updated(layer_id)
         sharded = self.world_size > 1 and self.delivery[layer_id] == "sharded"
+        at = self.host.layers[layer_id].at  # where a range of the layer sits in this host's arrays
         for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
             if not sharded or owner == self.rank:
-                self.streams.copy("h2d", dst[lo:hi], src[lo:hi])
+                self.streams.copy("h2d", dst[lo:hi], src[at(lo, hi)])
             if sharded:
                 with self.streams.on("h2d"):
                     self.comm.broadcast_(dst[lo:hi], owner)
@@ -188,6 +188,7 @@ class Routes:
             self._device_gradient(layer_id, acc, local_sumsq)
             return
         target = self.host.layers[layer_id].grad
+        at = self.host.layers[layer_id].at
         chunks = self.chunks[layer_id]
         if self.reduction[layer_id] == "cpu":
             ticket = self.passes * self.world_size + self.rank
@@ -195,7 +196,7 @@ class Routes:
             for i, chunk in enumerate(chunks):
                 last = i == len(chunks) - 1
                 self._stage(chunk, acc, lambda staged, lo, hi, last=last: self._add_in_turn(
-                    layer_id, target[lo:hi], staged, ticket, overwrite, last))
+                    layer_id, target[at(lo, hi)], staged, ticket, overwrite, last))
             return
         owned = self.owned(layer_id)
         if self.world_size > 1:
@@ -208,13 +209,13 @@ class Routes:
         if self._first:
             self.wait_updated(layer_id)  # the last update still reads this gradient
             for lo, hi in owned:
-                self._copy_down(target[lo:hi], acc[lo:hi])
+                self._copy_down(target[at(lo, hi)], acc[lo:hi])
             self._guards.append(self.streams.record("d2h"))
             self._landing(layer_id, self._guards[-1], [])
             return
         first_task = len(self._pending)
         for chunk in owned:
-            self._stage(chunk, acc, lambda staged, lo, hi: target[lo:hi].add_(staged))
+            self._stage(chunk, acc, lambda staged, lo, hi: target[at(lo, hi)].add_(staged))
         self._landing(layer_id, None, self._pending[first_task:])
 
     def _landing(self, layer_id: int, event, tasks: list[Future]) -> None:
@@ -341,8 +342,8 @@ class Routes:
                 grad = self.device_state.layers[layer_id].grad
                 device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
             else:
-                grad = self.host.layers[layer_id].grad
-                host += sum(_sumsq(grad[lo:hi]) for lo, hi in self.owned(layer_id))
+                arrays = self.host.layers[layer_id]
+                host += sum(_sumsq(arrays.grad[arrays.at(lo, hi)]) for lo, hi in self.owned(layer_id))
         total = torch.tensor(host, dtype=torch.float64)
         if device:
             total += torch.stack(device).double().sum().cpu()

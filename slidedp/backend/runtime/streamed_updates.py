@@ -89,8 +89,9 @@ class StreamedUpdates:
             pairs = [(slot.master, arrays.master), (slot.exp_avg, arrays.exp_avg),
                      (slot.exp_avg_sq, arrays.exp_avg_sq)]
             s.wait("h2d", slot.free)
+            here = arrays.at(lo, hi)  # where the piece sits in this host's arrays
             for dev, host in pairs + [(slot.grad, arrays.grad)]:
-                s.copy("h2d", dev[: hi - lo], host[lo:hi])
+                s.copy("h2d", dev[: hi - lo], host[here])
             s.wait("update", s.record("h2d"))
             with s.on("update"):
                 for start, end, decay in segments:
@@ -105,7 +106,7 @@ class StreamedUpdates:
             if arrays.delivery is not None:
                 pairs.append((slot.delivery, arrays.delivery))
             for dev, host in pairs:
-                s.copy("d2h", host[lo:hi], dev[: hi - lo])
+                s.copy("d2h", host[here], dev[: hi - lo])
             slot.free = s.record("d2h")
         self.ready[layer_id] = s.record("d2h")
         if self.on_done is not None:

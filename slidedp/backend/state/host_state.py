@@ -67,15 +67,24 @@ class LayerLayout:
     grad: ArraySpec
     spare: tuple[ArraySpec, ArraySpec, ArraySpec] | None = None  # master, exp_avg, exp_avg_sq
     lean: bool = False  # the state lives on the device alone: every array here is empty
+    runs: tuple[tuple[int, int], ...] | None = None  # the layer's element ranges held here, packed (None: all)
+
+    @property
+    def held_numel(self) -> int:
+        """Elements of each array here: the layer's, or those of its runs (0 for a lean layer)."""
+        return 0 if self.lean else self.numel if self.runs is None else sum(hi - lo for lo, hi in self.runs)
 
 
 def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                spare_layers=(), lean_layers=()) -> tuple[list[LayerLayout], int, int]:
+                spare_layers=(), lean_layers=(), held=None) -> tuple[list[LayerLayout], int, int]:
     """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
     in `spare_layers`; nothing but empty arrays for the `lean_layers`, whose optimizer state lives
-    on the device of the engine's own process), then `control_ints` int64 counters; returns
+    on the device of the engine's own process; only the element runs `held[layer id]` of the layers
+    held in part, several hosts: `host_runs`), then `control_ints` int64 counters; returns
     (layouts, control region offset in bytes, total bytes)."""
-    spare_layers, lean_layers = set(spare_layers), set(lean_layers)
+    spare_layers, lean_layers, held = set(spare_layers), set(lean_layers), dict(held or {})
+    if held and (spare_layers or lean_layers):
+        raise ValueError("a host state held in part (several hosts) has no lean layers and no early updates")
     if spare_layers & lean_layers:
         raise ValueError(f"layers {sorted(spare_layers & lean_layers)} cannot be both lean and updated early")
     layouts, cursor = [], 0
@@ -92,7 +101,8 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
             offsets.append((p.name, start, p.numel, p.shape))
             start += p.numel
         lean = layer.id in lean_layers
-        n = 0 if lean else layer.numel  # the arrays' length here
+        runs = tuple(held[layer.id]) if layer.id in held else None
+        n = 0 if lean else layer.numel if runs is None else sum(hi - lo for lo, hi in runs)  # the arrays' length
         layouts.append(
             LayerLayout(
                 layer_id=layer.id,
@@ -105,12 +115,14 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
                 grad=take(n, grad_dtype),
                 spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
                 lean=lean,
+                runs=runs,
             )
         )
     control = take(control_ints, "int64").offset_bytes
     total = max(cursor, PAGE_BYTES)
     if delivery_bf16 == (grad_dtype == "bfloat16"):  # the count the planner and the preflight use
-        assert total == mem.host_state_bytes([layer.numel for layer in graph.layers], 2 if delivery_bf16 else 4,
+        assert total == mem.host_state_bytes([layout.numel if layout.lean else layout.held_numel for layout in layouts],
+                                             2 if delivery_bf16 else 4,
                                              lean=lean_layers, spare=spare_layers, control_ints=control_ints)
     return layouts, control, total
 
@@ -135,6 +147,32 @@ class LayerArrays:
         self.grad = tensor(layout.grad)
         self.spare = None if layout.spare is None else tuple(tensor(spec) for spec in layout.spare)
 
+    @property
+    def whole(self) -> bool:
+        """Every element of the layer is held here (one host, or a layer kept whole on every host)."""
+        return self.layout.runs is None
+
+    def at(self, lo: int, hi: int) -> slice:
+        """Where the layer's elements [lo, hi) sit in this host's arrays (inside one held run)."""
+        runs = self.layout.runs
+        if runs is None:
+            return slice(lo, hi)
+        base = 0
+        for a, b in runs:
+            if a <= lo and hi <= b:
+                return slice(base + lo - a, base + hi - a)
+            base += b - a
+        raise IndexError(f"layer {self.layout.layer_id}: elements [{lo}, {hi}) are not held on this host")
+
+    def held(self) -> list[tuple[int, int, slice]]:
+        """(lo, hi, where here) of every run of the layer held here."""
+        runs = self.layout.runs if self.layout.runs is not None else ((0, self.layout.numel),)
+        out, base = [], 0
+        for lo, hi in runs:
+            out.append((lo, hi, slice(base, base + hi - lo)))
+            base += hi - lo
+        return out
+
     def swap_spare(self) -> None:
         """The spare master and moments (written by an out-of-place update) become current."""
         current = (self.master, self.exp_avg, self.exp_avg_sq)
@@ -147,6 +185,8 @@ class LayerArrays:
         return self.delivery if self.delivery is not None else self.master
 
     def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.whole and flat.numel() != self.layout.numel:
+            raise ValueError(f"layer {self.layout.layer_id} is held in part on this host: its parameters have no views")
         return {
             name: flat[start : start + numel].view(shape)
             for name, start, numel, shape in self.layout.param_offsets
@@ -161,11 +201,11 @@ class HostState:
     """
 
     def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                 spare_layers=(), lean_layers=(), _attach: tuple | None = None):
+                 spare_layers=(), lean_layers=(), held=None, _attach: tuple | None = None):
         if _attach is None:
             self.layouts, self.control_offset, self.nbytes = plan_layout(
                 graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints,
-                spare_layers=spare_layers, lean_layers=lean_layers)
+                spare_layers=spare_layers, lean_layers=lean_layers, held=held)
             self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
         else:
             path, self.layouts, self.control_offset, self.nbytes = _attach
@@ -197,6 +237,15 @@ class HostState:
     def control(self) -> np.ndarray:
         """The int64 counters of the control region (shared with every process that maps the file)."""
         return np.frombuffer(self._buf, dtype=np.int64, count=self.control_ints, offset=self.control_offset)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of memory the shared file takes now (its pages that have been written)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    @property
+    def sharded(self) -> bool:
+        """Some layer is held in part here (several hosts)."""
+        return any(layout.runs is not None for layout in self.layouts)
 
     @property
     def base_ptr(self) -> int:
@@ -233,3 +282,20 @@ class HostState:
         if tensor.dtype == torch.bfloat16:
             return tensor.view(torch.int16).numpy().view(np.uint16)
         return tensor.numpy()
+
+
+def host_runs(plan, world_size: int, host: int, ranks_per_host: int) -> dict[int, tuple[tuple[int, int], ...]]:
+    """{layer id: element runs} that host `host` holds of each layer streamed from the host: the
+    chunks its ranks (numbered host by host, `ranks_per_host` each) own in the plan; {} for one host.
+    The layers whose state every rank keeps on its device are held whole (absent here)."""
+    if world_size == ranks_per_host:
+        return {}
+    ranks = range(host * ranks_per_host, (host + 1) * ranks_per_host)
+    on_device = set(plan.device_state)
+    out = {}
+    for d in plan.decisions:
+        if d.layer_id in on_device:
+            continue
+        bounds = mem.chunk_bounds(d.numel, d.chunks)
+        out[d.layer_id] = mem.held_runs(bounds, mem.chunk_owners(d.owners, len(bounds), world_size), ranks)
+    return out

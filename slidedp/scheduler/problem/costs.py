@@ -319,16 +319,29 @@ class ProblemCosts:
         return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
 
     def host_memory(self, d: Decisions) -> dict[str, int]:
-        """Host RAM of `d` by category, of one host's ranks (all ranks on one host;
-        costmodel.memory.host_memory): the host state as laid out for this problem (every host holds
-        it whole), the spare state of d's early updates, its offloaded activations and the pinned
-        staging of its largest chunk."""
-        g, W = self.problem.graph, self.problem.ranks_per_host
+        """Host RAM of `d` by category, of one host's ranks (costmodel.memory.host_memory): the host
+        state as laid out for this problem (with several hosts, that of the host holding the most:
+        each holds the chunks its ranks own, backend/state/host_state.py host_runs), the spare state
+        of d's early updates, its offloaded activations and the pinned staging of its largest chunk."""
+        g, G, p = self.problem.graph, self.problem.ranks_per_host, self.problem
         max_chunk = max((-(-layer.numel // c.chunks) for layer, c in zip(g.layers, d.layers)
-                         if layer.id not in self.problem.device_state), default=0)
-        return mem.host_memory([layer.numel for layer in g.layers], self.elem, world_size=W,
-                               lean=host_lean_layers(self.problem), spare=d.early_order,
-                               offloaded_bytes=W * self.host_offload_bytes(d), max_chunk_numel=max_chunk)
+                         if layer.id not in p.device_state), default=0)
+
+        def of_host(numels) -> dict[str, int]:
+            return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p), spare=d.early_order,
+                                   offloaded_bytes=G * self.host_offload_bytes(d), max_chunk_numel=max_chunk)
+
+        return max((of_host(numels) for numels in self.host_numels(d)), key=lambda parts: parts["state"])
+
+    def host_numels(self, d: Decisions) -> list[list[int]]:
+        """Per host, the parameters of each layer it holds under `d` (chunk k of the layer at update
+        position q owned by rank `owner(q, k)`, as the plan records it): one list for one host."""
+        p, g = self.problem, self.problem.graph
+        position = {layer: q for q, layer in enumerate(d.order(self.n_layers))}
+        layers = [(layer.numel, c.chunks, tuple(self.owner(position[layer.id], k) for k in range(c.chunks)))
+                  for layer, c in zip(g.layers, d.layers)]
+        return [mem.host_held_numels(layers, p.world_size, p.hosts, h, whole=p.device_state)
+                for h in range(p.hosts)]
 
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
         """The device peak within the budget and the offloaded activations within host memory."""
@@ -375,13 +388,19 @@ def host_lean_layers(problem: Problem) -> frozenset:
 
 def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int]:
     """Host RAM every plan of `problem` takes whatever its decisions (one host's ranks): the host state with
-    its control region, and the pinned gradient staging of the largest chunk of a host layer any
-    decisions can have (the fewest chunks: the smallest chunk multiple times the ranks). Early updates' spare state and
-    offloaded activations come on top, as the decisions choose them."""
+    its control region (with several hosts, a bound on a host's share over every chunk count), and the
+    pinned gradient staging of the largest chunk of a host layer any decisions can have (the fewest
+    chunks: the smallest chunk multiple times the ranks). Early updates' spare state and offloaded
+    activations come on top, as the decisions choose them."""
     g, W, G = problem.graph, problem.world_size, problem.ranks_per_host
     elem = DTYPE_BYTES[g.compute_dtype]
     fewest = min(options.chunk_multiples) * W
-    return mem.host_memory([layer.numel for layer in g.layers], elem, world_size=G, lean=host_lean_layers(problem),
+    numels = [layer.numel for layer in g.layers]
+    if problem.hosts > 1:  # a host holds its ranks' chunks: at most chunks / hosts of them, whatever the count
+        numels = [n if layer.id in problem.device_state else
+                  max(min(n, -(-m * W // problem.hosts) * -(-n // (m * W))) for m in options.chunk_multiples)
+                  for layer, n in zip(g.layers, numels)]
+    return mem.host_memory(numels, elem, world_size=G, lean=host_lean_layers(problem),
                            max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
                                                 if layer.id not in problem.device_state), default=0))
 
