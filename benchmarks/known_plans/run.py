@@ -38,13 +38,14 @@ class Config:
     model: str  # a preset of slidedp/train/shapes.py
     hardware: str
     world_size: int  # every rank of every host
-    budget_gib: float  # device memory per GPU
+    budget_gib: float  # device memory per GPU; 0: the smallest that plans (the floor), found by the planner
     host_memory_gib: float  # per host
     seq_len: int
     micro_batches: int  # per rank and pass over the weights, one row each
     hosts: int = 1
     link: str | None = None  # between hosts (costmodel/hardware.py LINKS)
     passes: int = 1  # passes over the weights per step (`step()` with passes x micro_batches rows per rank)
+    clip: bool = True  # gradient clipping at 1.0
 
     @property
     def tokens_per_step(self) -> int:
@@ -62,8 +63,12 @@ CONFIGS = (
     # 1,048,576 tokens: 16 passes of 4 micro-batches of 4096 tokens per rank (one pass of 64 would keep 105 GiB
     # of block inputs on each GPU)
     Config("qwen3-14b-h100x4-1m", "qwen3-14b", "h100-sxm", 4, 70, 1800, 4096, 4, passes=16),
+    Config("qwen2.5-72b-rtx4090x4", "qwen2.5-72b", "rtx4090", 4, 24, 1200, 4096, 1),
     Config("qwen2.5-72b-4hosts-rtx4090x4", "qwen2.5-72b", "rtx4090", 16, 24, 512, 4096, 1, hosts=4,
            link="eth-1x100"),
+    # the floors of the Qwen3-4B shape on one GPU, no clipping as SlideFormer's figures (5.3 and 6.7 GiB)
+    Config("qwen3-4b-h200x1-floor-4096", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 1, clip=False),
+    Config("qwen3-4b-h200x1-floor-16384", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 4, clip=False),
     *(_h200(shape, gpus) for shape in ("4b", "8b") for gpus in (1, 2, 4, 8)),
 )
 
@@ -81,11 +86,23 @@ def solve(config: Config) -> dict:
     params = sum(p.numel() for p in model.parameters())
     record = {**asdict(config), "params": params, "tokens_per_step": config.tokens_per_step}
     t0 = time.perf_counter()
+
+    def plan_at(budget):
+        return slidedp.plan(model, budget, batch_size=1, seq_len=config.seq_len, world_size=config.world_size,
+                            micro_batches=config.micro_batches, precision="bf16", hardware=config.hardware,
+                            host_memory=f"{config.host_memory_gib}GiB", hosts=config.hosts, link=config.link,
+                            compile_blocks=True, max_grad_norm=1.0 if config.clip else None)
+
     try:
-        plan = slidedp.plan(model, f"{config.budget_gib}GiB", batch_size=1, seq_len=config.seq_len,
-                            world_size=config.world_size, micro_batches=config.micro_batches, precision="bf16",
-                            hardware=config.hardware, host_memory=f"{config.host_memory_gib}GiB",
-                            hosts=config.hosts, link=config.link, compile_blocks=True)
+        if config.budget_gib:
+            plan = plan_at(f"{config.budget_gib}GiB")
+        else:
+            try:
+                plan_at(1)
+                raise AssertionError("a plan within 1 byte")
+            except slidedp.InfeasibleBudgetError as e:
+                record["floor_bytes"] = e.min_budget_bytes
+            plan = plan_at(record["floor_bytes"])
     except slidedp.InfeasibleBudgetError as e:
         record.update(error=str(e).splitlines()[0], min_budget_bytes=e.min_budget_bytes,
                       min_host_bytes=getattr(e, "min_host_bytes", None), solve_s=time.perf_counter() - t0)
@@ -108,11 +125,15 @@ def solve(config: Config) -> dict:
 
 
 def strong_scaling(records: list[dict]) -> dict[str, float]:
-    """Planned strong-scaling efficiency of each H200 configuration against one GPU of its shape."""
-    one = {r["model"]: r["predicted_tokens_per_s"] for r in records
-           if r["hardware"] == "h200-sxm" and r["world_size"] == 1 and "predicted_step_s" in r}
-    return {r["name"]: r["predicted_tokens_per_s"] / (r["world_size"] * one[r["model"]])
-            for r in records if r["hardware"] == "h200-sxm" and r["model"] in one and "predicted_step_s" in r}
+    """Planned strong-scaling efficiency of each configuration against the one-GPU configuration of the
+    same model, hardware, budget and tokens per step (where there is one)."""
+    def key(r):
+        return r["model"], r["hardware"], r["budget_gib"], r["tokens_per_step"]
+
+    planned = [r for r in records if "predicted_step_s" in r]
+    one = {key(r): r["predicted_tokens_per_s"] for r in planned if r["world_size"] == 1}
+    return {r["name"]: r["predicted_tokens_per_s"] / (r["world_size"] * one[key(r)]) for r in planned
+            if key(r) in one}
 
 
 def render(records: list[dict]) -> str:
@@ -123,16 +144,17 @@ def render(records: list[dict]) -> str:
     rows = []
     for r in records:
         where = f"{r['hosts']} x {r['world_size'] // r['hosts']} {r['hardware']}"
+        budget = f"floor {gib(r['floor_bytes'])}" if r.get("floor_bytes") else f"{r['budget_gib']:g}"
         if "predicted_step_s" in r:
             bound = "~" if r.get("predicted_step_is_estimate") else ""
-            rows.append([r["name"], where, f"{r['tokens_per_step']:,}", bound + num(r["predicted_step_s"], ".3f"),
+            rows.append([r["name"], where, budget, f"{r['tokens_per_step']:,}", bound + num(r["predicted_step_s"], ".3f"),
                          bound + f"{r['predicted_tokens_per_s']:,.0f}",
                          f"{eff[r['name']]:.0%}" if r["name"] in eff else "–",
                          gib(r["peak_device_bytes"]), gib(r["peak_host_bytes"]), num(r["host_bytes_per_param"], ".2f")])
         else:
-            rows.append([r["name"], where, f"{r['tokens_per_step']:,}", "no plan: " + r["error"][:160],
+            rows.append([r["name"], where, budget, f"{r['tokens_per_step']:,}", "no plan: " + r["error"][:160],
                          "–", "–", "–", "–", "–"])
-    return markdown_table(["configuration", "GPUs", "tokens/step", "predicted step s", "predicted tokens/s",
+    return markdown_table(["configuration", "GPUs", "budget GiB per GPU", "tokens/step", "predicted step s", "predicted tokens/s",
                            "planned strong eff. (vs 1 GPU)", "peak device GiB per GPU", "peak host GiB per host",
                            "host B/param"], rows)
 

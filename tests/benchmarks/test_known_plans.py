@@ -10,7 +10,8 @@ def test_plans_are_saved_and_recorded_with_predictions_and_failures(tmp_path, mo
     fits = mod.Config("tiny-1", "llama-tiny", "h200-sxm", 1, 8, 16, 64, 2)
     two = mod.Config("tiny-2", "llama-tiny", "h200-sxm", 2, 8, 16, 64, 1)
     too_small = mod.Config("tiny-too-small", "llama-tiny", "h200-sxm", 1, 0.001, 16, 64, 2)
-    monkeypatch.setattr(mod, "CONFIGS", (fits, two, too_small))
+    floor = mod.Config("tiny-floor", "llama-tiny", "h200-sxm", 1, 0, 16, 64, 2, clip=False)
+    monkeypatch.setattr(mod, "CONFIGS", (fits, two, too_small, floor))
     out = tmp_path / "record.json"
     assert mod.main(["--out", str(out), "--allow-dirty"]) == 0
     records = {r["name"]: r for r in json.loads(out.read_text())}
@@ -25,6 +26,9 @@ def test_plans_are_saved_and_recorded_with_predictions_and_failures(tmp_path, mo
     # no plan: the record says why and the smallest device budget that would plan
     bad = records["tiny-too-small"]
     assert "predicted_step_s" not in bad and bad["min_budget_bytes"] > 0.001 * 2**30 and bad["error"]
+    # budget 0: planned at the smallest budget that plans, which the record names
+    lowest = records["tiny-floor"]
+    assert lowest["floor_bytes"] > 0 and lowest["peak_device_bytes"] <= lowest["floor_bytes"]
     eff = mod.strong_scaling(list(records.values()))
     assert eff["tiny-1"] == 1.0 and 0 < eff["tiny-2"] <= 1.05  # the same tokens per step over two ranks
     table = mod.render(list(records.values()))
