@@ -17,3 +17,17 @@ def _data_cache(tmp_path_factory):
         os.environ.pop("SLIDEDP_DATA_CACHE", None)
     else:
         os.environ["SLIDEDP_DATA_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_unchanged():
+    """A test that leaves torch's intra-op thread count changed fails (and the count is restored):
+    later tests would otherwise sum in another order than when run alone (test_exactness.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    if after != before:
+        torch.set_num_threads(before)
+        pytest.fail(f"the test left torch's thread count at {after} (it was {before})", pytrace=False)

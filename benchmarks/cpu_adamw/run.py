@@ -228,7 +228,8 @@ def verify(inputs: Inputs, impls: list[str], bf16_copy: bool, threads: int) -> l
 
 
 def time_case(fn, inputs: Inputs, bf16_copy: bool, threads: int, *, min_run_s: float, max_run_s: float) -> dict:
-    """Median and IQR of one implementation's step at `threads` threads (torch's and Numba's)."""
+    """Median and IQR of one implementation's step at `threads` threads (torch's and Numba's); the
+    caller's thread counts are restored after (main() also runs inside other processes: the tests)."""
     arrays = inputs.reset()
     out = inputs.out_bf16 if bf16_copy else None
     step = FIRST_STEP
@@ -238,14 +239,19 @@ def time_case(fn, inputs: Inputs, bf16_copy: bool, threads: int, *, min_run_s: f
         fn(arrays, out, step, threads)
         step += 1
 
+    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
     torch.set_num_threads(threads)
     numba.set_num_threads(threads)
-    one_step()  # warm-up
-    timer = benchmark.Timer(stmt="one_step()", globals={"one_step": one_step}, num_threads=threads,
-                            timer=timeit.default_timer)
-    m = timer.adaptive_autorange(threshold=0.05, min_run_time=min_run_s, max_run_time=max_run_s)
-    if torch.get_num_threads() != threads:
-        raise SystemExit(f"torch ran with {torch.get_num_threads()} threads, not {threads}")
+    try:
+        one_step()  # warm-up
+        timer = benchmark.Timer(stmt="one_step()", globals={"one_step": one_step}, num_threads=threads,
+                                timer=timeit.default_timer)
+        m = timer.adaptive_autorange(threshold=0.05, min_run_time=min_run_s, max_run_time=max_run_s)
+        if torch.get_num_threads() != threads:
+            raise SystemExit(f"torch ran with {torch.get_num_threads()} threads, not {threads}")
+    finally:
+        torch.set_num_threads(torch_threads)
+        numba.set_num_threads(numba_threads)
     nbytes = inputs.numel * (STATE_BYTES + GRAD_BYTES[inputs.grad_dtype] + (COPY_BYTES if bf16_copy else 0))
     return dict(median_s=m.median, iqr_s=m.iqr, calls=m.number_per_run * len(m.raw_times),
                 state_bytes=nbytes, state_gb_per_s=nbytes / m.median / 1e9)

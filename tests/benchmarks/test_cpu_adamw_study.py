@@ -75,7 +75,10 @@ def test_results_that_differ_are_refused_before_timing(tmp_path, monkeypatch, wr
 def test_without_git_the_commit_comes_from_bench_git_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "REPO", tmp_path)  # no checkout there
     monkeypatch.setenv("BENCH_GIT_COMMIT", "b" * 40)
+    threads = study.torch.get_num_threads(), study.numba.get_num_threads()
     assert study.main(_quick(tmp_path, "--impls", "numba", "torch_fused", "--grad-dtypes", "bf16")) == 0
+    # timed at 1 thread, in this process: the caller's thread counts are as they were
+    assert (study.torch.get_num_threads(), study.numba.get_num_threads()) == threads
     rec = json.loads((tmp_path / "r.json").read_text())
     assert rec["git_commit"] == "b" * 40 and rec["commit_from"] == "BENCH_GIT_COMMIT" and rec["dirty"] is False
     assert {c["impl"] for c in rec["cases"]} == {"numba", "torch_fused"}
