@@ -52,6 +52,22 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
     return numel * (12 + elem_bytes)
 
 
+def device_state_shard_numel(numel: int, chunks: int, world_size: int) -> int:
+    """Parameters of a device-state layer the busiest rank keeps when the state is sharded by chunk
+    owner: `chunks` pieces of ceil(numel / chunks) (the last shorter), dealt round-robin over the
+    ranks, so a rank owns at most ceil(pieces / W) of them: min(numel, ceil(pieces / W) * size)."""
+    if numel <= 0:
+        return 0
+    size = -(-numel // max(1, min(chunks, numel)))
+    pieces = -(-numel // size)
+    return min(numel, -(-pieces // world_size) * size)
+
+
+def device_state_shard_bytes(numel: int, elem_bytes: int, chunks: int, world_size: int) -> int:
+    """`device_state_bytes` of the busiest rank's shard (device_state_shard_numel), about 1/W of it."""
+    return device_state_bytes(device_state_shard_numel(numel, chunks, world_size), elem_bytes)
+
+
 # Parameters per piece of a streamed update (backend/runtime/streamed_updates.py): 32 MiB of each fp32 array.
 STREAMED_PIECE_NUMEL = 1 << 23
 STREAMED_SLOTS = 2  # pieces in flight: one coming up while the one before is updated and goes down

@@ -73,6 +73,18 @@ def chunk_bounds(numel: int, chunks: int) -> tuple[tuple[int, int], ...]:
     return tuple((lo, min(lo + size, numel)) for lo in range(0, numel, size))
 
 
+def _device_state_numel(layer, schedule: Schedule) -> int:
+    """Parameters of a device-state layer the busiest rank keeps: its owned chunks when sharded."""
+    if not schedule.device_state_sharded:
+        return layer.numel
+    d = schedule.decisions[layer.id]
+    owned: dict[int, int] = {}
+    for c, (lo, hi) in enumerate(chunk_bounds(layer.numel, d.chunks)):
+        owner = d.owners[c] if c < len(d.owners) else 0
+        owned[owner] = owned.get(owner, 0) + hi - lo
+    return max(owned.values())
+
+
 class _Builder:
     def __init__(self):
         self.ops: list[Op] = []
@@ -117,7 +129,8 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                   + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
                   + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
                          for layer in graph.layers if layer.id not in device_state), default=0)  # cast in place there
-                  + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state)
+                  + sum(mem.device_state_bytes(_device_state_numel(layer, schedule), c)
+                        for layer in graph.layers if layer.id in device_state)
                   + (mem.streamed_update_bytes(c) if streamed else 0))
     tokens = graph.batch_size * graph.seq_len
     epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
