@@ -89,6 +89,20 @@ def streamed_epilogue_working_bytes(tokens: int, hidden_size: int, chunk_rows: i
     per_mb = tokens * hidden_size * (3 * elem_bytes + 8) + tokens * 16
     forward = micro_batches * per_mb + chunk * chunk_rows * (2 * elem_bytes + 8)
     return max(forward, micro_batches * tokens * hidden_size * (3 * elem_bytes + 6 * 4))
+def device_state_shard_numel(numel: int, chunks: int, world_size: int) -> int:
+    """Parameters of a device-state layer the busiest rank keeps when the state is sharded by chunk
+    owner: `chunks` pieces of ceil(numel / chunks) (the last shorter), dealt round-robin over the
+    ranks, so a rank owns at most ceil(pieces / W) of them: min(numel, ceil(pieces / W) * size)."""
+    if numel <= 0:
+        return 0
+    size = -(-numel // max(1, min(chunks, numel)))
+    pieces = -(-numel // size)
+    return min(numel, -(-pieces // world_size) * size)
+
+
+def device_state_shard_bytes(numel: int, elem_bytes: int, chunks: int, world_size: int) -> int:
+    """`device_state_bytes` of the busiest rank's shard (device_state_shard_numel), about 1/W of it."""
+    return device_state_bytes(device_state_shard_numel(numel, chunks, world_size), elem_bytes)
 
 
 # Parameters per piece of a streamed update (backend/runtime/streamed_updates.py): 32 MiB of each fp32 array.

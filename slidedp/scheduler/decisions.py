@@ -40,6 +40,10 @@ class Problem:
     # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
     # prologue (solve.py).
     device_state: frozenset = frozenset()
+    # Several ranks: each keeps the device state only of the chunks it owns (reduce-scattered
+    # gradient, owner's update, weights all-gathered into the slots at each load); False: every
+    # rank keeps the same full copy (all-reduced gradient, the same update everywhere).
+    device_state_sharded: bool = False
     # Host bytes the spare master and moments of early updates may take together with the offloaded
     # activations of all ranks (backend/runtime/early_updates.py: one rank, no clipping); None: early
     # updates are not allowed.
@@ -81,6 +85,8 @@ class Problem:
         if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
                 or self.vocab_chunk_numel < 1:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
+        if self.device_state_sharded and (self.world_size == 1 or self.hosts > 1):
+            raise ValueError("device_state_sharded needs several ranks of one host (world_size > 1, hosts == 1)")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
             raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
@@ -172,6 +178,9 @@ class SolverOptions:
     # the planner chooses; with a fixed device_state_blocks, None means no).
     device_state_blocks: int | None = None
     device_state_prologue: bool | None = None
+    # Several ranks: the device state sharded by chunk owner (None: yes, the default with W > 1;
+    # False: every rank keeps the same full copy). Ignored with one rank.
+    device_state_sharded: bool | None = None
     # Streamed updates (Problem.streamed_updates): None lets the planner choose how many host layers,
     # an int fixes it (0: none).
     streamed_layers: int | None = None
@@ -210,6 +219,8 @@ class SolverOptions:
         if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
                 or self.vocab_chunk_numel < 1:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
+        if self.device_state_sharded not in (None, True, False):
+            raise ValueError(f"device_state_sharded must be a bool or None, got {self.device_state_sharded!r}")
         if self.device_state_prologue not in (None, True, False):
             raise ValueError(f"device_state_prologue must be a bool or None, got {self.device_state_prologue!r}")
         if not self.update_orders or not set(self.update_orders) <= {FORWARD_ORDER, HEAD_FIRST}:

@@ -61,6 +61,15 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
             o = costs.option(i, c.chunks, c.delivery, c.reduction)
             layer_bytes = g.layers[i].numel * costs.elem
             loads = 1 + (i in reloaded)
+            if i in costs.problem.device_state:  # nothing over PCIe; collectives between the devices
+                numel = g.layers[i].numel
+                if costs.problem.device_state_sharded:  # weights all-gathered, gradient reduce-scattered
+                    coll += (loads * layer_bytes + 4 * numel) * (W - 1) / W
+                else:  # gradient all-reduced
+                    coll += 2 * 4 * numel * (W - 1) / W
+                for lane, t in busy_by_layer.get(i, {}).items():
+                    busy[lane] += t
+                continue
             per_rank = layer_bytes if c.delivery == REPLICATED else layer_bytes / W
             h2d += loads * per_rank
             d2h += layer_bytes if c.reduction == CPU else layer_bytes / W

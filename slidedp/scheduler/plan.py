@@ -19,6 +19,9 @@ against its runner-up, and which search made the decisions. The schedule:
                           device (the same on every rank): loaded once, updated there after the
                           step's norm, their weights copied into the slots within the device, their
                           gradient all-reduced between the devices (the CPU skips them)
+  device_state_sharded    several ranks: each keeps the device state only of the chunks it owns
+                          (decisions[i].owners); the gradient is reduce-scattered onto the owners,
+                          each updates its chunks, and every load all-gathers the owners' weights
   early_order             host layers the CPU updates during the backward, as each gradient lands
                           (one rank, no clipping; backend/runtime/early_updates.py)
   streamed_updates        host layers the devices update at the step boundary, their fp32 state
@@ -146,6 +149,7 @@ class Schedule:
     streamed_updates: tuple[int, ...] = ()
     loss_chunk_tokens: int = 0  # 0 : the whole micro-batch at once
     vocab_chunk_rows: int = 0  # rows per chunk of a streamed vocabulary table (0: none streamed)
+    device_state_sharded: bool = False
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
@@ -156,6 +160,7 @@ class Schedule:
             **{k: tuple(data.get(k, ())) for k in ("update_order", "device_state", "early_order", "streamed_updates")},
             loss_chunk_tokens=data.get("loss_chunk_tokens", 0),
             vocab_chunk_rows=data.get("vocab_chunk_rows", 0),
+            device_state_sharded=data.get("device_state_sharded", False),
         )
 
     def to_dict(self) -> dict:
@@ -388,9 +393,7 @@ class Plan:
             *([_host_line(self)] if self.peak_host_bytes else []),
             (f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
              "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
-            *([f"  optimizer state on the device: {_blocks_label(self.decisions, self.device_state)} "
-               f"({format_bytes(self.memory.get('device_state_bytes', 0))}, updated there, no PCIe traffic)"]
-              if self.device_state else []),
+            *([_device_state_line(self)] if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
             *([f"  streamed vocabulary: {', '.join(d.name for d in self.decisions if d.activation == 'streamed')} "
@@ -598,6 +601,20 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         if both:
             bad(f"{a} and {b} must not share layers (state on the host vs on the device, updated once), "
                 f"both hold {sorted(both, key=str)}")
+    if not isinstance(s.device_state_sharded, bool):
+        bad(f"device_state_sharded must be true or false, got {s.device_state_sharded!r}")
+    elif s.device_state_sharded:
+        if world_size == 1:
+            bad("device_state_sharded: the device state is sharded over several ranks, the plan runs on 1")
+        if hosts > 1:
+            bad(f"device_state_sharded: over {hosts} hosts every host keeps the device state whole (a full "
+                "copy per rank)")
+        if not s.device_state:
+            bad("device_state_sharded: there is no device state to shard (device_state is empty)")
+        unowned = [decisions[i].name for i in s.device_state if _is_int(i) and 0 <= i < n
+                   and not decisions[i].owners]
+        if unowned:
+            bad(f"device_state_sharded: {', '.join(unowned[:4])} name no chunk owners (decisions[i].owners)")
     if s.early_order and world_size != 1:
         bad(f"early_order: updates during the backward need one rank, the plan runs on {world_size}")
     if not _is_int(s.loss_chunk_tokens) or s.loss_chunk_tokens < 0:
@@ -637,6 +654,17 @@ def _window_loads_problem(n_blocks: int, window: int, loads) -> str | None:
         if block not in where:
             return f"block {block} is read at visit {p} but no load brings it"
     return None
+
+
+def _device_state_line(plan: "Plan") -> str:
+    """The layers whose optimizer state lives on the device, its bytes per rank, and its layout."""
+    per_rank = format_bytes(plan.memory.get("device_state_bytes", 0))
+    W = plan.workload.world_size
+    layout = (f"{per_rank} per rank, sharded by chunk owner over {W} ranks: gradient reduce-scattered, each "
+              "rank updates its chunks, weights all-gathered at each load" if plan.device_state_sharded else
+              f"{per_rank}" + (f" per rank, the same full copy on each of {W} ranks" if W > 1 else ""))
+    return (f"  optimizer state on the device: {_blocks_label(plan.decisions, plan.device_state)} ({layout}; "
+            "updated there, no PCIe traffic)")
 
 
 def _host_line(plan: "Plan") -> str:

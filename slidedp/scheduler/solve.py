@@ -213,7 +213,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "vocab_streamed_tried": vocab_tried,
         "wall_s": wall,
-        "searches": {**_searches(sol, tried, costs.options), **_vocab_searched(vocab_tried, costs)},
+        "searches": {**_searches(sol, tried, costs.options, sharded=costs.problem.device_state_sharded),
+                     **_vocab_searched(vocab_tried, costs)},
     }
     if host_budget_bytes is not None:
         solver["host_budget_bytes"] = int(host_budget_bytes)
@@ -229,7 +230,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     return plan
 
 
-def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions) -> dict[str, str]:
+def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions, *,
+              sharded: bool = False) -> dict[str, str]:
     """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to it)."""
     core = sol.chosen_by.split(" + ")[0]
     searches = {"window, chunks, activations, routes, update owners":
@@ -243,6 +245,11 @@ def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions) -
     elif len(device_state_tried) > 1:
         searches["optimizer state on the device"] = (f"sweep around the solver: {len(device_state_tried)} choices, "
                                                      "each solved in full (solve._device_state_search)")
+    if sharded:
+        searches["device state sharded by chunk owner"] = (
+            "fixed by SolverOptions.device_state_sharded" if options.device_state_sharded
+            else "the default with several ranks (SolverOptions.device_state_sharded=False keeps a full copy "
+                 "on every rank)")
     if sol.decisions.early_order:
         searches["early updates"] = "simulation of the update order (search/early_order.py)"
     if sol.decisions.streamed:
@@ -379,7 +386,11 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     never cross PCIe and their update leaves the CPU, which is what bounds a step once the host's
     DRAM is busy. The prologue is worth its (often large) embedding table when the step is otherwise
     compute-bound: its CPU update comes first in the next step and nothing on the GPU can start before
-    it. Every rank keeps the same copy (their gradient is all-reduced between the devices).
+    it. With several ranks the state is sharded by chunk owner unless options.device_state_sharded
+    is False (the default: Problem.device_state_sharded): each rank keeps and updates the chunks it
+    owns (about 1/W of the bytes, so W times as many layers fit), their gradient reduce-scattered and
+    their weights all-gathered at each load; False keeps the same full copy on every rank (gradient
+    all-reduced, the same update everywhere).
     options.device_state_blocks fixes k (and _prologue, default no, the prologue), _prologue alone
     fixes the family searched; with neither, nothing goes to the device unless its bandwidth is known
     (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and
@@ -405,11 +416,22 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
                                    else [])
     results: dict[tuple[bool, int], tuple[ProblemCosts, Solution] | None] = {}  # None: does not fit
     searching = False
+    W = problem.world_size
+    # several hosts: every host keeps device-state layers whole (run/launch.py), so a full copy per rank
+    sharded = W > 1 and problem.hosts == 1 and options.device_state_sharded is not False
+    elem = mem.DTYPE_BYTES[g.compute_dtype]
+
+    def state_bytes(layers) -> int:
+        """Device-state bytes per rank of these layers (the busiest rank's shard when sharded)."""
+        if not sharded:
+            return mem.device_state_bytes(sum(layer.numel for layer in layers), elem)
+        fewest = min(options.chunk_multiples) * W  # the largest chunks any option has
+        return sum(mem.device_state_shard_bytes(layer.numel, elem, fewest, W) for layer in layers)
 
     def problem_of(choice: tuple[bool, int]) -> Problem:
         with_prologue, k = choice
         ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
-        p = replace(problem, device_state=ids)
+        p = replace(problem, device_state=ids, device_state_sharded=sharded and bool(ids))
         if host_budget is None:
             return p
         left = max(0, host_budget - host_fixed_bytes(p, options))
@@ -485,7 +507,6 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         if results.get((False, 0)) is None:
             raise host_too_small((False, 0), min_budget)
         return done((False, 0))
-    elem = mem.DTYPE_BYTES[g.compute_dtype]
     spare = budget_bytes - min_budget
     searching = True  # progress from here: a search takes several solves
     if results.get((False, 0)) is not None:
@@ -497,11 +518,11 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         if with_prologue and prologue.id in problem.vocab_streamed:
             continue
         numel = prologue.numel if with_prologue else 0
-        if with_prologue and (numel == 0 or mem.device_state_bytes(numel, elem) > spare):
+        first = [prologue] if with_prologue else []
+        if with_prologue and (numel == 0 or state_bytes(first) > spare):
             continue
         k_max = 0
-        while k_max < len(candidates) and mem.device_state_bytes(
-                numel + sum(b.numel for b in candidates[: k_max + 1]), elem) <= spare:
+        while k_max < len(candidates) and state_bytes(first + candidates[: k_max + 1]) <= spare:
             k_max += 1
         leanest.append((with_prologue, k_max))
         k_min = next((k for k in range(k_max + 1) if host_fits((with_prologue, k))), None)
@@ -600,6 +621,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         window_loads=window_loads(costs.n_blocks, decisions.window),
         update_order=order,
         device_state=tuple(sorted(problem.device_state)),
+        device_state_sharded=problem.device_state_sharded,
         early_order=decisions.early_order,
         streamed_updates=decisions.streamed,
         loss_chunk_tokens=problem.effective_loss_chunk_tokens,

@@ -2,6 +2,7 @@
 torch.optim.AdamW on the same global batches, and what happens when a rank fails."""
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -147,25 +148,84 @@ def test_a_killed_rank_stops_every_process():
     _assert_all_gone(engine, shm_before)
 
 
-@pytest.mark.parametrize("world_size, prologue", [(2, False), (3, True)])
-def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, prologue, tmp_path):
-    """The first two blocks (and the prologue, with the tied head's weight) keep their optimizer
-    state on every rank's device (gradient all-reduced, the same update everywhere, rank 0 writes it
-    back): exact against torch.optim.AdamW, and a checkpoint of it restores the same weights."""
+def device_state_plan(model, world_size, *, prologue, sharded=None, blocks=2):
     from slidedp.scheduler.decisions import SolverOptions
     from slidedp.scheduler.solve import solve_plan
 
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+    return solve_plan(graph, budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"], world_size=world_size,
+                      precision="fp32", options=SolverOptions(device_state_blocks=blocks, device_state_prologue=prologue,
+                                                              device_state_sharded=sharded))
+
+
+@pytest.mark.parametrize("world_size, prologue, sharded", [(2, False, False), (3, True, False), (2, False, True),
+                                                           (3, True, True)],
+                         ids=["2-replicated", "3-prologue-replicated", "2-sharded", "3-prologue-sharded"])
+def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, prologue, sharded, tmp_path):
+    """The first two blocks (and the prologue, with the tied head's weight) keep their optimizer
+    state on the devices: every rank the same copy (gradient all-reduced, the same update
+    everywhere, rank 0 writes it back), or sharded by chunk owner (gradient reduce-scattered, each
+    rank updates and writes back its chunks, weights all-gathered at each load). Exact against
+    torch.optim.AdamW (clipping, two passes), and a checkpoint of it restores the same weights."""
     model = make_model("qwen3", tied=True)
     ref = copy.deepcopy(model).eval()
-    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
-    plan = solve_plan(graph, budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"], world_size=world_size,
-                      precision="fp32", options=SolverOptions(device_state_blocks=2, device_state_prologue=prologue))
+    plan = device_state_plan(model, world_size, prologue=prologue, sharded=None if sharded else False)
     assert plan.device_state == ((0,) if prologue else ()) + (1, 2)
+    assert plan.device_state_sharded == sharded
     with compile_ranks(model, world_size, plan) as engine:
         state = train_against_reference(engine, ref, world_size=world_size, steps=4)
         engine.save_checkpoint(tmp_path / "ckpt")
         engine.load_checkpoint(tmp_path / "ckpt")
         assert all(torch.equal(v, state[k]) for k, v in engine.state_dict().items())
+
+
+def test_sharded_device_state_keeps_a_third_per_rank_and_round_trips_checkpoints(tmp_path):
+    """Three ranks: each keeps the device state of its own chunks (about 1/3 of the full copy each,
+    every chunk on exactly one rank); a checkpoint written from the shards (the same on-disk format)
+    loads bitwise into an engine keeping full copies and into a fresh sharded one, which then steps
+    exactly like the engine that wrote it."""
+    world_size = 3
+    model = make_model("qwen3", tied=True)
+    ref = copy.deepcopy(model).eval()
+    sharded = device_state_plan(model, world_size, prologue=True)
+    full = device_state_plan(model, world_size, prologue=True, sharded=False)
+    assert sharded.device_state_sharded and not full.device_state_sharded
+    assert "sharded by chunk owner over 3 ranks" in sharded.summary()
+    assert sharded.memory["device_state_bytes"] < full.memory["device_state_bytes"] / 2
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, VOCAB, (world_size * BATCH * 2, SEQ), generator=gen) for _ in range(2)]
+    with compile_ranks(model, world_size, full) as engine:
+        full_bytes = engine.runner.device_state_bytes()
+    with compile_ranks(model, world_size, sharded) as engine:
+        shard_bytes = engine.runner.device_state_bytes()
+        train_against_reference(engine, ref, world_size=world_size, steps=3)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        written = engine.state_dict()
+        losses = [engine.step(b) for b in batches]
+        final = engine.state_dict()
+    assert len(set(full_bytes)) == 1 and sum(shard_bytes) == full_bytes[0]  # each chunk kept once
+    assert max(shard_bytes) <= full_bytes[0] / world_size * 1.1, (shard_bytes, full_bytes)
+    assert max(shard_bytes) <= sharded.memory["device_state_bytes"]  # as planned
+    with compile_ranks(make_model("qwen3", tied=True, seed=1), world_size, full) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(v, written[k]) for k, v in engine.state_dict().items())
+    with compile_ranks(make_model("qwen3", tied=True, seed=1), world_size, sharded) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(v, written[k]) for k, v in engine.state_dict().items())
+        assert [engine.step(b) for b in batches] == losses
+        assert all(torch.equal(v, final[k]) for k, v in engine.state_dict().items())
+
+
+def test_a_sharded_device_state_is_refused_on_one_rank():
+    model = make_model("qwen3", tied=True)
+    plan = device_state_plan(model, 2, prologue=False)
+    assert plan.device_state_sharded and plan.problems(2) == []
+    assert plan.problems(1)  # its owners name rank 1
+    one_owner = plan.replace(decisions=tuple(dataclasses.replace(d, owners=(0,) * d.chunks, delivery="replicated",
+                                                                 reduction="cpu") for d in plan.decisions))
+    assert any("device_state_sharded" in p and "runs on 1" in p for p in one_owner.problems(1))
+    assert any("device_state_sharded" in p for p in plan.replace(device_state=()).problems(2))
+    assert slidedp.Plan.from_dict(plan.to_dict()).device_state_sharded
 
 
 def test_one_rank_in_a_worker_process(monkeypatch):

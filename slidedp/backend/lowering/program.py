@@ -66,6 +66,18 @@ class Program:
         return "\n".join(op.text() for op in self.ops)
 
 
+def _device_state_numel(layer, schedule: Schedule) -> int:
+    """Parameters of a device-state layer the busiest rank keeps: its owned chunks when sharded."""
+    if not schedule.device_state_sharded:
+        return layer.numel
+    d = schedule.decisions[layer.id]
+    owned: dict[int, int] = {}
+    for c, (lo, hi) in enumerate(chunk_bounds(layer.numel, d.chunks)):
+        owner = d.owners[c] if c < len(d.owners) else 0
+        owned[owner] = owned.get(owner, 0) + hi - lo
+    return max(owned.values())
+
+
 class _Builder:
     def __init__(self):
         self.ops: list[Op] = []
@@ -118,7 +130,8 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                   + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
                          for layer in graph.layers if layer.id not in device_state and layer.id not in vocab),
                         default=0)  # cast in place there; a streamed table's casts are in its own buffers
-                  + sum(mem.device_state_bytes(layer.numel, c) for layer in graph.layers if layer.id in device_state)
+                  + sum(mem.device_state_bytes(_device_state_numel(layer, schedule), c)
+                        for layer in graph.layers if layer.id in device_state)
                   + (mem.streamed_update_bytes(c) if streamed else 0))
     tokens = graph.batch_size * graph.seq_len
     if epi.id in vocab:

@@ -13,9 +13,10 @@ of a multi-rank engine (backend/runtime/workers.py). A step:
      early_updates.py), they started with the last pass, each as its gradient landed, and are now
      kept (or taken back if the gradient is not finite); the next step's loads wait for each layer's
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
-     (device_state.py; every rank keeps the same copy and applies the same update) are updated
-     there instead, on a stream of their own, before any later copy (the copy streams wait for it
-     by an event); rank 0 writes them back to the shared host state when it is read. Layers whose
+     (device_state.py) are updated there instead, on a stream of their own, before any later copy
+     (the copy streams wait for it by an event): sharded by chunk owner, each rank its own chunks,
+     and each writes them back to the shared host state when it is read; else every rank keeps the
+     same copy, applies the same update, and the host's first rank writes it back. Layers whose
      update is streamed (streamed_updates.py) make a round trip through the device, each rank's
      chunks through its own.
 """
@@ -219,8 +220,10 @@ class Rank:
         (by each host's first rank: every rank holds the same); with several hosts, once every
         host's updates are done (each host holds only its share: `gather_layer` reads the rest)."""
         self.flush()
-        if self.device_state is not None and self.leader:
-            self.device_state.store_to_host()
+        if self.device_state is not None and (self.leader or self.device_state.sharded):
+            self.device_state.store_to_host()  # sharded: each rank its own chunks
+            if self.device_state.sharded and self.comm is not None and self.comm.hosts == 1:
+                self.comm.barrier()  # every rank's chunks are there before any reads them
         if self.comm is not None and self.comm.hosts > 1:
             self.comm.barrier()
 
@@ -260,7 +263,8 @@ class Rank:
             self.updates.flush()
             if self.streamed is not None:  # its copies write the host state, which closes after this
                 self.streamed.close()
-            if self.device_state is not None and self.leader:  # the model's parameters (host views)
+            # the model's parameters (host views); sharded: each rank its own chunks
+            if self.device_state is not None and (self.leader or self.device_state.sharded):
                 self.device_state.store_to_host()
         finally:
             self.updates.close()
@@ -283,7 +287,9 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
         routes_for=lambda streams: Routes(plan=plan, host=host, streams=streams, rank=rank, world_size=world_size,
                                           comm=comm, flags=flags))
     if device_state is None and plan.device_state:
-        device_state = DeviceState(host, plan.device_state, device=device)
+        owned = ({i: executor.routes.owned(i) for i in plan.device_state}
+                 if plan.device_state_sharded and world_size > 1 else None)  # sharded: this rank's chunks
+        device_state = DeviceState(host, plan.device_state, device=device, owned=owned)
     streamed = None
     if plan.streamed_updates:
         # Several ranks: each marks a streamed layer updated once its own chunks are back on the host (the

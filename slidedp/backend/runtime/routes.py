@@ -21,10 +21,13 @@ Layers whose update is streamed through the device (`streamed`) take the routes;
 their next load waits for that update on the device, anything else that reads or writes their host
 arrays on the host; with several, everything waits for every rank's mark (step_flags.py).
 
-Layers whose optimizer state lives on the device (`device_state`: every rank keeps the same copy)
-take neither route: the weights are copied into the slot from the device's own master, the gradient
-is summed over the ranks on the devices (all-reduce) into the device's buffer, and rank 0 alone
-counts it in the norm.
+Layers whose optimizer state lives on the device (`device_state`) take neither route. When every
+rank keeps the same copy, the weights are copied into the slot from the device's own master, the
+gradient is summed over the ranks on the devices (all-reduce) into the device's buffer, and rank 0
+alone counts it in the norm. Sharded by chunk owner (`device_state.sharded`), each owner casts its
+chunks of the master into the slot and broadcasts them (an all-gather, on the H2D stream), each
+chunk's gradient is summed onto its owner (reduces, a reduce-scatter, on the D2H stream) into the
+owner's buffer, and each rank counts its own chunks in the norm.
 """
 
 from __future__ import annotations
@@ -105,7 +108,16 @@ class Routes:
         """The layer's weights from the host into the device buffer `dst` (on the H2D stream)."""
         if self.device_state is not None and layer_id in self.device_state:
             self.streams.wait("h2d", self.device_state.ready.get(layer_id))  # its last update
-            self.streams.copy("h2d", dst, self.device_state.layers[layer_id].master)  # within the device, cast
+            d = self.device_state.layers[layer_id]
+            if not self.device_state.sharded:
+                self.streams.copy("h2d", dst, d.master)  # within the device, cast
+                return
+            for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
+                if owner == self.rank:
+                    off = d.at(lo, hi)
+                    self.streams.copy("h2d", dst[lo:hi], d.master[off:off + hi - lo])
+                with self.streams.on("h2d"):
+                    self.comm.broadcast_(dst[lo:hi], owner)
             return
         if self._streamed_here(layer_id):
             self.streams.wait("h2d", self.streamed.ready.get(layer_id))  # its last update, on the device
@@ -235,7 +247,11 @@ class Routes:
     def _device_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """The gradient of a layer whose state lives on the device: summed over the ranks there, into
         its buffer (cast on the D2H stream like the host's copy), added to it in a later pass."""
-        target = self.device_state.layers[layer_id].grad
+        d = self.device_state.layers[layer_id]
+        target = d.grad
+        if self.device_state.sharded:
+            self._device_gradient_sharded(layer_id, d, acc)
+            return
         if self.world_size > 1:
             with self.streams.on("d2h"):
                 self.comm.all_reduce_(acc)
@@ -252,6 +268,28 @@ class Routes:
                 target.add_(acc.to(target.dtype))
                 if acc.is_cuda:
                     acc.record_stream(self.streams.d2h)  # not reused before this add has run
+        self._guards.append(self.streams.record("d2h"))
+
+    def _device_gradient_sharded(self, layer_id: int, d, acc: torch.Tensor) -> None:
+        """Each chunk's gradient summed onto its owner (on the D2H stream), into the owner's buffer
+        (cast like the host's copy; added to it in a later pass); this rank's chunks counted in the norm."""
+        owned = self.owned(layer_id)
+        with self.streams.on("d2h"):
+            for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
+                self.comm.reduce_(acc[lo:hi], owner)
+            if owned:
+                self._device_sumsq[layer_id] = sum(torch.dot(acc[lo:hi], acc[lo:hi]) for lo, hi in owned)
+        if self._first:
+            self.streams.wait("d2h", self.device_state.ready.get(layer_id))  # the last update read it
+        with self.streams.on("d2h"):
+            for lo, hi in owned:
+                off = d.at(lo, hi)
+                if self._first:
+                    d.grad[off:off + hi - lo].copy_(acc[lo:hi])
+                else:
+                    d.grad[off:off + hi - lo].add_(acc[lo:hi].to(d.grad.dtype))
+            if acc.is_cuda:
+                acc.record_stream(self.streams.d2h)  # not reused before these copies have run
         self._guards.append(self.streams.record("d2h"))
 
     def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -334,13 +372,15 @@ class Routes:
         device, host = [], 0.0
         for layer_id in self.chunks:
             on_device = self.device_state is not None and layer_id in self.device_state
-            if on_device and self.rank > 0:  # every rank holds the same summed gradient: counted once
+            sharded = on_device and self.device_state.sharded
+            if on_device and self.rank > 0 and not sharded:  # every rank holds the same sum: counted once
                 continue
             if n_passes == 1 and layer_id in self._device_sumsq:
                 device.append(self._device_sumsq[layer_id].float())
             elif on_device:
-                grad = self.device_state.layers[layer_id].grad
-                device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
+                grad = self.device_state.layers[layer_id].grad  # sharded: this rank's chunks
+                if grad.numel():
+                    device.append(torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2)
             else:
                 arrays = self.host.layers[layer_id]
                 host += sum(_sumsq(arrays.grad[arrays.at(lo, hi)]) for lo, hi in self.owned(layer_id))

@@ -7,7 +7,8 @@ the shared host state, never from the pickle), the layer graph, the plan and the
 the host state (`HostState.attach`), joins the process group (NCCL between GPUs, gloo between CPU
 processes) and builds its executor and `Rank`. Then it serves commands: `step` (its rows of the
 global batch), `flush` (finish pending updates), `reload` (host state rewritten by the controller,
-e.g. from a checkpoint), `device_memory` (peak device memory, for benchmarks), `close`.
+e.g. from a checkpoint), `device_memory` (peak device memory, for benchmarks), `device_state_bytes`
+(the bytes of the optimizer state the rank keeps on its device), `close`.
 
 Failure: a worker that raises reports the error and exits; one that dies is seen through its
 process sentinel. Either way the controller marks the failure in the shared flags (every waiting
@@ -186,6 +187,10 @@ class WorkerPool:
         "max_reserved_bytes"} (torch.cuda's counters; None on the CPU); `reset` starts new peaks."""
         return self.call("device_memory", [dict(reset=reset)] * self.world_size)
 
+    def device_state_bytes(self) -> list[int]:
+        """Bytes of the optimizer state each rank keeps on its device, in rank order."""
+        return self.call("device_state_bytes", [{}] * self.world_size)
+
     def close(self, graceful: bool = True) -> None:
         if self._closed:
             return
@@ -266,6 +271,8 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
                 reply = runner.reload(kwargs["step"])
             elif command == "device_memory":
                 reply = _device_memory(device, kwargs["reset"])
+            elif command == "device_state_bytes":
+                reply = runner.device_state.nbytes if runner.device_state is not None else 0
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", reply))

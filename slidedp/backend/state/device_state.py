@@ -20,6 +20,12 @@ the host).
 AdamW is `torch._fused_adamw_` (the kernel of `torch.optim.AdamW(fused=True)`, on CUDA and on the
 CPU) on pieces of `piece_numel` parameters, each with its gradient taken to fp32 and multiplied by
 the clip coefficient first, as the CPU optimizer does (backend/kernels/cpu_adamw.py).
+
+Sharded (`owned`: several ranks, plan.device_state_sharded): a rank keeps master, moments and
+gradient only of the chunks it owns, packed one after another (`DeviceLayer.shards`: (start, end,
+offset) of each), and updates only them; loads and the gradient go through routes.py (all-gather of
+the owners' weights, reduce-scatter onto the owners). `store_to_host` and `load_from_host` copy each
+rank's own chunks, so every rank calls them and the shared host state holds the whole layer.
 """
 
 from __future__ import annotations
@@ -38,30 +44,54 @@ class DeviceLayer:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor  # this step's gradient, in the host gradient's dtype
+    shards: tuple[tuple[int, int, int], ...]  # (start, end, offset here) of each range kept: the layer, or owned chunks
+
+    def at(self, lo: int, hi: int) -> int:
+        """Offset here of the kept range [lo, hi) of the layer."""
+        return next(off for a, b, off in self.shards if (a, b) == (lo, hi))
 
 
 class DeviceState:
-    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24):
+    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24,
+                 owned: dict[int, list[tuple[int, int]]] | None = None):
+        """`owned` (sharded): {layer id: the (start, end) chunks this rank keeps}; None: whole layers."""
         self.host, self.device, self.piece_numel = host, device, piece_numel
+        self.sharded = owned is not None
         self.layers: dict[int, DeviceLayer] = {}
         self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last update, recorded where it ran
         self.lean = frozenset(i for i in layer_ids if host.layers[i].layout.lean)  # nothing of them on the host
+        if self.sharded and self.lean:
+            raise ValueError("sharded device state needs the host to keep the layers (several ranks)")
         for layer_id in layer_ids:
             arrays = host.layers[layer_id]
-            n = arrays.layout.numel
+            ranges = owned[layer_id] if self.sharded else [(0, arrays.layout.numel)]
+            shards, n = [], 0
+            for lo, hi in ranges:
+                shards.append((lo, hi, n))
+                n += hi - lo
             master = torch.empty(n, dtype=torch.float32, device=device)
             self.layers[layer_id] = DeviceLayer(master, torch.zeros_like(master), torch.zeros_like(master),
-                                                torch.empty(n, dtype=arrays.grad.dtype, device=device))
+                                                torch.empty(n, dtype=arrays.grad.dtype, device=device),
+                                                tuple(shards))
         self.load_from_host()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array kept on the device (master, moments, gradient)."""
+        return sum(t.numel() * t.element_size() for d in self.layers.values()
+                   for t in (d.master, d.exp_avg, d.exp_avg_sq, d.grad))
 
     def __contains__(self, layer_id: int) -> bool:
         return layer_id in self.layers
 
     def _pairs(self, d: DeviceLayer, arrays):
-        """(device, host) tensors kept in both places: master and moments, none for a lean layer."""
+        """(device, host) tensors kept in both places: master and moments of each kept range, none for
+        a lean layer."""
         if arrays.layout.lean:
             return []
-        return [(d.master, arrays.master), (d.exp_avg, arrays.exp_avg), (d.exp_avg_sq, arrays.exp_avg_sq)]
+        return [(here[off:off + hi - lo], there[lo:hi]) for lo, hi, off in d.shards
+                for here, there in ((d.master, arrays.master), (d.exp_avg, arrays.exp_avg),
+                                    (d.exp_avg_sq, arrays.exp_avg_sq))]
 
     def wait_updates(self) -> None:
         """The current stream waits (on the device) until every started update has run."""
@@ -72,6 +102,8 @@ class DeviceState:
     def arrays(self, layer_id: int) -> dict[str, torch.Tensor]:
         """The layer's flat fp32 master, exp_avg and exp_avg_sq on the device, once every started
         update has run (what checkpoints of lean layers read and write)."""
+        if self.sharded:
+            raise ValueError("a sharded device state holds only this rank's chunks: read the host state")
         self.wait_updates()
         self._synchronize()
         d = self.layers[layer_id]
@@ -100,19 +132,23 @@ class DeviceState:
                 continue
             for src, dst in self._pairs(d, arrays):
                 dst.copy_(src)
-            if arrays.delivery is not None:
-                arrays.delivery.copy_(arrays.master)  # round to nearest even, as the CPU optimizer writes it
+            if arrays.delivery is not None:  # round to nearest even, as the CPU optimizer writes it
+                for lo, hi, _ in d.shards:
+                    arrays.delivery[lo:hi].copy_(arrays.master[lo:hi])
 
     def update(self, layer_id: int, segments, opt: AdamW, *, step: int, clip: float) -> None:
-        """AdamW of one layer on the current stream; `segments` are its (start, end, decay) runs."""
+        """AdamW of one layer's kept ranges on the current stream; `segments` are its (start, end,
+        decay) runs, in the layer's coordinates."""
         d = self.layers[layer_id]
         # a fill on the device: a tensor from a host scalar would wait for the stream's earlier work
         steps = [torch.full((), float(step), dtype=torch.float32, device=self.device)]
-        for start, end, decay in segments:
-            for lo in range(start, end, self.piece_numel):
-                hi = min(lo + self.piece_numel, end)
-                adamw_piece_(d.master[lo:hi], d.exp_avg[lo:hi], d.exp_avg_sq[lo:hi], d.grad[lo:hi], steps, opt,
-                             decay=decay, clip=clip)
+        for first, last, off in d.shards:
+            for start, end, decay in segments:
+                a, b = max(first, start) - first + off, min(last, end) - first + off
+                for lo in range(a, b, self.piece_numel):
+                    hi = min(lo + self.piece_numel, b)
+                    adamw_piece_(d.master[lo:hi], d.exp_avg[lo:hi], d.exp_avg_sq[lo:hi], d.grad[lo:hi], steps,
+                                 opt, decay=decay, clip=clip)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -191,7 +191,16 @@ class ProblemCosts:
                 )
                 if layer.id in problem.vocab_streamed:  # its chunks' casts: costmodel.memory.vocab_stream_bytes
                     option = replace(option, staging_bytes=0)
-                if on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
+                if on_device and problem.device_state_sharded:
+                    # each load: the owners cast their master's chunks into the slot and the GPUs
+                    # all-gather them (chunk by chunk, on the H2D stream); the fp32 gradient is
+                    # reduce-scattered onto the owners on the D2H stream
+                    gather = ops.all_gather_time_s(numel * self.elem, W, hw, **across) / load_pieces
+                    scatter = ops.reduce_scatter_time_s(numel * 4, W, hw, **across) / grad_pieces
+                    option = replace(option, fwd_piece=t(gather), fwd_piece_duplex=t(gather), bwd_piece=t(gather),
+                                     grad_piece=t(scatter), update_piece=0, all_gather=0, reduce_scatter=0,
+                                     staging_bytes=0)
+                elif on_device:  # the fp32 gradient all-reduced between the devices, on the D2H stream
                     all_reduce = ops.all_reduce_time_s(numel * 4, W, hw, **across) / grad_pieces
                     option = replace(option, fwd_piece=0, fwd_piece_duplex=0, bwd_piece=0, grad_piece=t(all_reduce),
                                      update_piece=0, all_gather=0, reduce_scatter=0, staging_bytes=0)
@@ -231,8 +240,11 @@ class ProblemCosts:
         # of its own, in forward order, beside the next forward (backend/runtime/rank.py); the forward reaches
         # each such layer after the forward of the layers before it, and is delayed (at its start) by
         # the most any update, with those before it, runs past that: max_k (sum_{j<=k} U_j - F_<k).
+        # Sharded (several ranks): each rank keeps and updates only its chunks, the busiest rank's
+        # share at the largest chunk size any option of the layer has (about numel / W).
         on_device = [layer for layer in g.layers if layer.id in problem.device_state]
-        self.device_state_bytes = sum(mem.device_state_bytes(layer.numel, self.elem) for layer in on_device)
+        self.device_state_numel = {layer.id: self.device_state_shard_numel(layer) for layer in on_device}
+        self.device_state_bytes = sum(mem.device_state_bytes(n, self.elem) for n in self.device_state_numel.values())
         prologue_fwd = t(ops.forward_time_s(pro, hw, m))
         forward_before, elapsed = {g.prologue.id: 0}, prologue_fwd
         for b in g.blocks:
@@ -240,9 +252,16 @@ class ProblemCosts:
         forward_before[g.epilogue.id] = elapsed
         updated, self.device_update = 0, 0
         for layer in on_device:
-            updated += t(ops.device_update_time_s(layer.numel, hw))
+            updated += t(ops.device_update_time_s(self.device_state_numel[layer.id], hw))
             self.device_update = max(self.device_update, updated - forward_before[layer.id])
         self.prologue_fwd = prologue_fwd + self.device_update
+
+    def device_state_shard_numel(self, layer) -> int:
+        """Parameters of a device-state layer the busiest rank keeps: all of them unless sharded."""
+        W = self.problem.world_size
+        if not self.problem.device_state_sharded:
+            return layer.numel
+        return max(mem.device_state_shard_numel(layer.numel, o.chunks, W) for o in self.layer_options[layer.id])
 
     def _streamed_updates(self, rates: "_Rates") -> None:
         """Per host layer and chunk count, each chunk's streamed-update pieces as (up, down) ticks."""
