@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from slidedp.budget import parse_with_unit
 from slidedp.costmodel.hardware import LINKS, PRESETS as HARDWARE_PRESETS
@@ -51,13 +52,18 @@ def _model_from_spec(spec: str):
 
 
 def _link_arg(value: str | None):
-    """--link: a preset name, or a rate in bytes/s."""
+    """--link: a preset name, a rate in bytes/s, or the JSON of `slidedp calibrate --link`."""
     if value is None:
         return None
     try:
         return float(value)
     except ValueError:
-        return value
+        pass
+    if value.endswith(".json") or Path(value).is_file():
+        from slidedp.profiler.link import load_link
+
+        return load_link(value)
+    return value
 
 
 def _plan(args) -> int:
@@ -157,6 +163,8 @@ def _report(args) -> int:
 
 
 def _calibrate(args) -> int:
+    if args.link:
+        return _calibrate_link(args)
     from slidedp.profiler.calibrate import calibrate
 
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
@@ -165,6 +173,24 @@ def _calibrate(args) -> int:
           f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
           f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
     print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
+    return 0
+
+
+def _calibrate_link(args) -> int:
+    import torch.distributed as dist
+
+    from slidedp.profiler.link import measure_link
+
+    out = "link.json" if args.out == "hardware.json" else args.out
+    result = measure_link(parse_with_unit(args.link_bytes, "--link-bytes").device_bytes)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"link between {result['hosts']} hosts ({result['ranks_per_host']} rank(s) each, {result['backend']}): "
+              f"{result['link_bytes_per_s'] / 1e9:.3g} GB/s per host (all-gather of "
+              f"{result['nbytes'] / 2**20:.0f} MiB: median {result['median_s'] * 1e3:.1f} ms, IQR "
+              f"{result['iqr_s'] * 1e3:.1f} ms)\nwritten to {out} (use it with slidedp plan --nodes "
+              f"{result['hosts']} --link {out})", flush=True)
+    dist.destroy_process_group()
     return 0
 
 
@@ -217,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1,
                    help="hosts the --world-size ranks span, as torchrun --nnodes (default 1)")
     p.add_argument("--link", default=None,
-                   help=f"with --nodes > 1: each host's link into the network, one of {', '.join(LINKS)} or bytes/s")
+                   help=f"with --nodes > 1: each host's link into the network, one of {', '.join(LINKS)}, bytes/s, "
+                        "or the JSON of slidedp calibrate --link")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 
@@ -235,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="hardware.json", help="where to write the profile (default hardware.json)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="what to measure")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes, rougher figures")
+    p.add_argument("--link", action="store_true",
+                   help="measure the link between hosts instead: run on every host under torchrun --nnodes N "
+                        "(N >= 2); writes link.json (or --out) for slidedp plan --link")
+    p.add_argument("--link-bytes", default="256MiB", help="with --link: the all-gather's size (default 256MiB)")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")
