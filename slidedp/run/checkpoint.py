@@ -162,6 +162,20 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _read_tensor_into(f, dst: torch.Tensor, path: Path, name: str) -> None:
+    """Fill `dst` from the open file `f` at its position, in pieces (through the staging buffer for a
+    device tensor); a file that ends first is refused as truncated."""
+    pieces = ((None, None, dst),) if dst.device.type == "cpu" else pieces_into(dst, piece_bytes=_CHUNK_BYTES)
+    for _, _, piece in pieces:
+        view = _byte_view(piece)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done : done + _CHUNK_BYTES])
+            if not n:
+                raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
+            done += n
+
+
 def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
     """Read the named tensors of a safetensors file into existing contiguous tensors (same dtype and
     number of elements): a CPU tensor without an intermediate copy, a device tensor a piece at a
@@ -177,15 +191,7 @@ def read_safetensors_into(path: Path, targets: dict[str, torch.Tensor]) -> None:
                 raise CheckpointError(f"{path}: tensor {name!r} is {info['dtype']} {info['shape']}, expected "
                                       f"{dst.dtype} with {dst.numel()} elements")
             f.seek(start + lo)
-            pieces = ((None, None, dst),) if dst.device.type == "cpu" else pieces_into(dst, piece_bytes=_CHUNK_BYTES)
-            for _, _, piece in pieces:
-                view = _byte_view(piece)
-                done = 0
-                while done < len(view):
-                    n = f.readinto(view[done : done + _CHUNK_BYTES])
-                    if not n:
-                        raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
-                    done += n
+            _read_tensor_into(f, dst, path, name)
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -670,15 +676,7 @@ class _PieceReader:
                                   f"{dst.dtype} with {total} elements")
         with open(path, "rb") as f:
             f.seek(start + lo + first * size)
-            pieces = ((None, None, dst),) if dst.device.type == "cpu" else pieces_into(dst, piece_bytes=_CHUNK_BYTES)
-            for _, _, piece in pieces:
-                view = _byte_view(piece)
-                done = 0
-                while done < len(view):
-                    n = f.readinto(view[done : done + _CHUNK_BYTES])
-                    if not n:
-                        raise CheckpointError(f"{path}: ends inside tensor {name!r} (truncated)")
-                    done += n
+            _read_tensor_into(f, dst, path, name)
 
 
 def check_engine_checkpoint(engine, folder: str | os.PathLike, *, verify: bool = True):

@@ -43,7 +43,8 @@ import torch
 
 from slidedp.train.data import PackedDataset, _resolve_eos, _tokenizer_fingerprint
 from slidedp.train.sources import (
-    Example, _example, _jsonl_examples, find_data_files, read_text_file, set_chat_template, tokenize_example,
+    Example, _example, _jsonl_examples, find_data_files, packed_dataset, read_text_file, set_chat_template,
+    tokenize_example,
 )
 
 CACHE_ENV = "SLIDEDP_DATA_CACHE"
@@ -334,11 +335,7 @@ def load_arrow_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = _resolve_eos(tokenizer, None) if pad is None else int(pad)
     rows = rows_of(parts, seq_len, pad, packing=packing, max_rows=max_rows)
-    if rows["input_ids"].shape[0] == 0:
-        raise ValueError(f"config key {key!r}: {spec} gives no row of {seq_len} tokens with a trained label "
-                         f"({'packing' if packing else 'padding'}; rows whose labels are all -100 are dropped); "
-                         "add data or lower seq_len")
-    return PackedDataset(rows["input_ids"], seed=seed, labels=rows["labels"], attention_mask=rows["attention_mask"])
+    return packed_dataset(rows, spec=spec, key=key, seq_len=seq_len, packing=packing, seed=seed)
 
 
 __all__ = ["CACHE_ENV", "default_cache_dir", "examples_of", "is_cached", "load_arrow_dataset", "rows_of",

@@ -459,6 +459,11 @@ def read_plain_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool
     set_chat_template(tokenizer, chat_template)
     files = find_data_files(spec, key)
     rows = build_rows(iter_examples(files, encoding), tokenizer, seq_len, packing=packing, max_rows=max_rows)
+    return packed_dataset(rows, spec=spec, key=key, seq_len=seq_len, packing=packing, seed=seed)
+
+
+def packed_dataset(rows: dict, *, spec: str, key: str, seq_len: int, packing: bool, seed: int) -> PackedDataset:
+    """The ``PackedDataset`` of `rows` (``build_rows``' dict); no row at all is refused naming the key."""
     if rows["input_ids"].shape[0] == 0:
         raise ValueError(f"config key {key!r}: {spec} gives no row of {seq_len} tokens with a trained label "
                          f"({'packing' if packing else 'padding'}; rows whose labels are all -100 are dropped); "
@@ -467,5 +472,5 @@ def read_plain_dataset(spec: str, tokenizer: Any, seq_len: int, *, packing: bool
 
 
 __all__ = ["CHAT_ROLES", "Example", "SUFFIXES", "build_rows", "chat_template_text", "check_encoding",
-           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "read_plain_dataset", "read_text_file",
+           "find_data_files", "have_datasets", "is_saved_dataset", "iter_examples", "packed_dataset", "read_plain_dataset", "read_text_file",
            "set_chat_template", "tokenize_chat", "tokenize_example"]
