@@ -10,7 +10,7 @@ from slidedp._version import __version__  # noqa: E402,F401
 from slidedp.budget import Budget  # noqa: E402
 from slidedp.costmodel.hardware import Hardware  # noqa: E402
 from slidedp.errors import (  # noqa: E402
-    HostLostError, InfeasibleBudgetError, SlidedpError, UnsupportedModelError, WorkerError,
+    HostLostError, InfeasibleBudgetError, NonFiniteGradientError, SlidedpError, UnsupportedModelError, WorkerError,
 )
 from slidedp.optim import AdamW  # noqa: E402
 from slidedp.options import CompileOptions  # noqa: E402
@@ -29,7 +29,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "HostLostError", "InfeasibleBudgetError", "Plan",
-    "SlidedpError", "SolverOptions",
+    "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "HostLostError", "InfeasibleBudgetError",
+    "NonFiniteGradientError", "Plan", "SlidedpError", "SolverOptions",
     "UnsupportedModelError", "WorkerError", "compile", "plan", "__version__",
 ]

@@ -56,7 +56,7 @@ def _resolve_device(device: str) -> torch.device:
 
 def check_request(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
                   max_grad_norm, hardware, micro_batches, compile_blocks, planning_only=False,
-                  host_memory=None, hosts=1, link=None) -> Request:
+                  host_memory=None, hosts=1, link=None, nonfinite="skip") -> Request:
     """Every argument checked (TypeError / ValueError naming it) and resolved; allocates nothing.
     `host_memory`: the host RAM the plan may take, per host (None: plan unbounded, compile what is
     available). `hosts`: how many hosts the `world_size` ranks span; `link`: the link between them
@@ -88,6 +88,8 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
         raise TypeError(f"optimizer must be a slidedp.AdamW, got {type(optimizer).__name__}")
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if nonfinite not in ("skip", "stop"):
+        raise ValueError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
     if compile_blocks is not None and not isinstance(compile_blocks, bool):
         raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
     host_memory_bytes = None
@@ -105,7 +107,8 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
                    device=dev, precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                    hardware=hw, micro_batches=micro_batches,
                    compile_blocks=compile_blocks, planning_only=planning_only,
-                   host_memory_bytes=host_memory_bytes, hosts=hosts, link_bytes_per_s=link_bytes_per_s)
+                   host_memory_bytes=host_memory_bytes, hosts=hosts, link_bytes_per_s=link_bytes_per_s,
+                   nonfinite=nonfinite)
 
 
 def position_limit(config) -> tuple[int | None, str]:
@@ -185,6 +188,10 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
         if given.early_order and not _early_allowed(request.world_size, request.max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
+        if given.streamed_gradients and not _grads_streamable(request):
+            raise ValueError("the plan streams the gradients into the update (streamed_gradients), which needs "
+                             "max_grad_norm=None, nonfinite='stop' and one rank in this process; solve a plan "
+                             "for this run")
         streamed, elsewhere = set(given.streamed_updates), set(given.device_state) | set(given.early_order)
         if streamed - set(range(len(graph.layers))) or streamed & elsewhere:
             raise ValueError(f"the plan's streamed_updates {given.streamed_updates} must be layer ids whose state "
@@ -199,6 +206,7 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
                       precision=precision, micro_batches=request.micro_batches, version=__version__,
                       compiled_blocks=_compile_blocks(request), options=solver_options,
                       early_host_bytes=1 << 62 if _early_allowed(request.world_size, request.max_grad_norm) else None,
+                      grads_streamable=_grads_streamable(request),
                       streamed_updates=hw.gpu_memory_bytes_per_s > 0, host_budget_bytes=host_budget(request),
                       hosts=request.hosts, link_bytes_per_s=request.link_bytes_per_s)
 
@@ -230,6 +238,12 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
     """Early updates (backend/runtime/early_updates.py) need the whole gradient only for its finite check:
     not with clipping, and they run on one rank in the engine's own process."""
     return max_grad_norm is None and in_engine_process(world_size)
+
+
+def _grads_streamable(request: Request) -> bool:
+    """The gradients may stream into the update (backend/runtime/routes.py): early updates allowed, and
+    a non-finite gradient stops training (an update applied as its gradient lands cannot be taken back)."""
+    return _early_allowed(request.world_size, request.max_grad_norm) and request.nonfinite == "stop"
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,
@@ -272,7 +286,7 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
          host_memory: int | str | None = None, options: CompileOptions | None = None, hosts: int = 1,
-         link=None) -> Plan:
+         link=None, nonfinite: str = "skip") -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
@@ -293,7 +307,8 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
+                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks,
+                             nonfinite=nonfinite))
     if kw["device"] == "auto":
         kw["device"] = "cpu" if kw["hardware"] is None and not torch.cuda.is_available() else "auto"
     if solver_options is not None:
@@ -311,7 +326,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
             world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
             compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
-            host_memory: int | str | None = None, link=None) -> Engine:
+            host_memory: int | str | None = None, link=None, nonfinite: str = "skip") -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
@@ -349,7 +364,8 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     """
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
-                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks))
+                             hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks,
+                             nonfinite=nonfinite))
     given = _given_plan(plan)
     hosts = launched_hosts(kw["world_size"]) if isinstance(kw["world_size"], int) else 1
     if hosts > 1 and link is None and given is not None:

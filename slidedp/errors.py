@@ -30,7 +30,8 @@ class InfeasibleBudgetError(SlidedpError, ValueError):
 
 
 class NonFiniteGradientError(SlidedpError, FloatingPointError):
-    """Raised when non-finite gradients repeat more often than allowed."""
+    """A non-finite gradient where training must stop: `compile(..., nonfinite="stop")` (the message says
+    whether anything was applied), or non-finite steps repeating more often than `slidedp train` allows."""
 
 
 class InsufficientMemoryError(SlidedpError, MemoryError):

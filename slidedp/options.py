@@ -22,6 +22,9 @@ class CompileOptions:
     hardware: object = None  # a preset name, a profile path, a Hardware, or None (detected)
     micro_batches: int = 1  # micro-batches per rank sharing one pass over the weights
     compile_blocks: bool | None = None  # torch.compile the blocks; None: on CUDA, as a given plan says
+    # a step whose gradient is not finite: "skip" it (nothing changes), or "stop" (NonFiniteGradientError);
+    # "stop" with max_grad_norm=None on one rank lets the plan stream gradients into the update
+    nonfinite: str = "skip"
 
     def as_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -204,17 +204,28 @@ def step_flag_ints(world_size: int, n_layers: int) -> int:
     return 1 + (world_size + 1) * n_layers
 
 
-def host_layer_bytes(numel: int, elem_bytes: int, *, lean: bool = False) -> int:
+def host_layer_bytes(numel: int, elem_bytes: int, *, lean: bool = False, copy: bool = True, grad: bool = True) -> int:
     """One layer of the host state, page-aligned arrays: fp32 master (4 B per parameter), both AdamW
     moments (8 B), the delivery copy in the compute dtype (2 B in bf16; none in fp32, where H2D reads
-    the master) and the gradient (elem B): 16 B per parameter in bf16. A lean layer (its optimizer
-    state, master weights included, on the device of a one-rank engine) takes nothing: 0 B."""
+    the master, nor where `copy` is False: made on load) and the gradient (elem B; none where `grad`
+    is False: streamed into the update): 16 B per parameter in bf16, 12 with neither. A lean layer (its
+    optimizer state, master weights included, on the device of a one-rank engine) takes nothing: 0 B."""
     if lean:
         return 0
     arrays = [numel * 4, numel * 4, numel * 4]
-    arrays += [numel * elem_bytes] if elem_bytes != 4 else []
-    arrays += [numel * elem_bytes]
+    arrays += [numel * elem_bytes] if elem_bytes != 4 and copy else []
+    arrays += [numel * elem_bytes] if grad else []
     return sum(_page(a) for a in arrays)
+
+
+def host_grad_bytes(numel: int, elem_bytes: int) -> int:
+    """The gradient of a host layer (page-aligned): what streaming it into the update saves."""
+    return _page(numel * elem_bytes)
+
+
+def host_copy_bytes(numel: int, elem_bytes: int) -> int:
+    """The delivery copy of a host layer (page-aligned): what making it on load saves (0 in fp32)."""
+    return 0 if elem_bytes == 4 else _page(numel * elem_bytes)
 
 
 def host_spare_bytes(numel: int) -> int:
@@ -222,12 +233,14 @@ def host_spare_bytes(numel: int) -> int:
     return 3 * _page(numel * 4)
 
 
-def host_state_bytes(numels, elem_bytes: int, *, lean=(), spare=(), control_ints: int = 0) -> int:
+def host_state_bytes(numels, elem_bytes: int, *, lean=(), spare=(), no_copy=(), no_grad=(),
+                     control_ints: int = 0) -> int:
     """Bytes of the whole host state: every layer (`numels[i]` parameters; the indices in `lean` lean,
-    those in `spare` with a spare copy), then the control region of `control_ints` counters."""
-    lean, spare = set(lean), set(spare)
-    total = sum(host_layer_bytes(n, elem_bytes, lean=i in lean) + (host_spare_bytes(n) if i in spare else 0)
-                for i, n in enumerate(numels))
+    those in `spare` with a spare copy, those in `no_copy` without a delivery copy, those in `no_grad`
+    without a gradient), then the control region of `control_ints` counters."""
+    lean, spare, no_copy, no_grad = set(lean), set(spare), set(no_copy), set(no_grad)
+    total = sum(host_layer_bytes(n, elem_bytes, lean=i in lean, copy=i not in no_copy, grad=i not in no_grad)
+                + (host_spare_bytes(n) if i in spare else 0) for i, n in enumerate(numels))
     return max(total + _page(control_ints * 8), HOST_PAGE_BYTES)
 
 
@@ -243,14 +256,16 @@ def load_staging_bytes(lean) -> int:
     return LOAD_STAGING_BYTES if len(tuple(lean)) else 0
 
 
-def host_memory(numels, elem_bytes: int, *, world_size: int, lean=(), spare=(), offloaded_bytes: int = 0,
-                max_chunk_numel: int = 0) -> dict[str, int]:
+def host_memory(numels, elem_bytes: int, *, world_size: int, lean=(), spare=(), no_copy=(), no_grad=(),
+                offloaded_bytes: int = 0, max_chunk_numel: int = 0) -> dict[str, int]:
     """Host RAM of a plan by category (bytes, all ranks): "state" (the host state with its control
-    region; nothing for the lean layers), "spare" (early updates' spare state),
+    region; nothing for the lean layers, no delivery copy for those in `no_copy`, no gradient for those
+    in `no_grad`), "spare" (early updates' spare state),
     "offloaded_activations" (pinned, `offloaded_bytes` for all ranks), "pinned_buffers" (gradient
     staging) and "load_staging" (the lean layers' bounded staging, `load_staging_bytes`). Their sum
     is the plan's peak_host_bytes."""
-    state = host_state_bytes(numels, elem_bytes, lean=lean, control_ints=step_flag_ints(world_size, len(numels)))
+    state = host_state_bytes(numels, elem_bytes, lean=lean, no_copy=no_copy, no_grad=no_grad,
+                             control_ints=step_flag_ints(world_size, len(numels)))
     return {"state": state, "spare": sum(host_spare_bytes(numels[i]) for i in set(spare)),
             "offloaded_activations": int(offloaded_bytes),
             "pinned_buffers": host_staging_bytes(max_chunk_numel, elem_bytes, world_size),

@@ -14,6 +14,7 @@ from slidedp.backend.runtime.rank import Rank
 from slidedp.backend.runtime.workers import WorkerPool
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
+from slidedp.errors import NonFiniteGradientError
 from slidedp.backend.state.host_state import host_runs
 from slidedp.run.checkpoint import (
     CheckpointError, apply_engine_meta, atomic_checkpoint, check_engine_checkpoint,
@@ -45,7 +46,7 @@ class Engine:
 
     def __init__(self, *, model: nn.Module, graph: LayerGraph, plan: Plan, host: HostState,
                  runner: "Rank | WorkerPool", optimizer: AdamW, max_grad_norm: float | None,
-                 device: torch.device, precision: str):
+                 device: torch.device, precision: str, nonfinite: str = "skip"):
         self.model = model
         self.graph = graph
         self.plan = plan
@@ -54,6 +55,7 @@ class Engine:
         self.executor = runner.executor if isinstance(runner, Rank) else None  # the local rank's
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite  # a non-finite gradient: "skip" the step, or "stop" (raise)
         self.device = device
         self.precision = precision
         self.skipped_steps = 0
@@ -71,6 +73,9 @@ class Engine:
         """One optimizer step on the global batch; returns the token-weighted mean loss."""
         self._check_open()
         result, tokens = self._run(input_ids, labels, attention_mask, self.optimizer)
+        if result.skipped and self.nonfinite == "stop":
+            raise NonFiniteGradientError(f"step {self.host.step + 1}: the gradient is not finite (norm "
+                                         f"{result.grad_norm}); nothing was applied (nonfinite='stop')")
         if result.skipped:
             self.skipped_steps += 1
             log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far",

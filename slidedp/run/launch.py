@@ -59,6 +59,7 @@ class Request:
     host_memory_bytes: int | None = None  # host RAM the plan may take (None: plan unbounded, compile what is available)
     hosts: int = 1  # the hosts the ranks span (torchrun --nnodes)
     link_bytes_per_s: float = 0.0  # each host's rate into the network between hosts (hosts > 1)
+    nonfinite: str = "skip"  # a non-finite gradient: "skip" the step or "stop" (NonFiniteGradientError)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -154,7 +155,9 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
         check_compile(graph, plan, dev, precision=request.precision, world_size=local, control_ints=flag_ints,
                       lean_layers=lean, numels=numels)  # host RAM, /dev/shm, free device memory: refuse with numbers
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints, spare_layers=plan.early_order, lean_layers=lean, held=held)
+                         control_ints=flag_ints, spare_layers=() if plan.streamed_gradients else plan.early_order,
+                         lean_layers=lean, no_copy_layers=plan.copies_made_on_load(),
+                         no_grad_layers=plan.streamed_gradient_layers(), held=held)
     if rank is not None:
         handle = comm.from_leader(host.handle() if host is not None else None)
         host = host if leader else HostState.attach(handle)
@@ -189,7 +192,8 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
             host.close()
         raise
     return Engine(model=model, graph=graph, plan=plan, host=host, runner=runner, optimizer=request.optimizer,
-                  max_grad_norm=request.max_grad_norm, device=dev, precision=request.precision)
+                  max_grad_norm=request.max_grad_norm, device=dev, precision=request.precision,
+                  nonfinite=request.nonfinite)
 
 
 @torch.no_grad()

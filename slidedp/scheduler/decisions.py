@@ -22,6 +22,10 @@ ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD)
 REPLICATED, SHARDED = "replicated", "sharded"
 CPU, GPU = "cpu", "gpu"
 FORWARD_ORDER, HEAD_FIRST = "forward", "head_first"
+# A host layer's delivery copy (the weights in the compute dtype, which H2D copies read): kept in host
+# RAM beside the fp32 master (written by each update), or made on load (H2D copies read the master,
+# twice the bytes, and the device casts each chunk): 2 B per parameter less host RAM in bf16.
+KEPT, ON_LOAD = "kept", "on_load"
 # Layer groups that share a delivery and a reduction route.
 GROUPS = ("prologue", "blocks", "epilogue")
 
@@ -64,6 +68,15 @@ class Problem:
     # The solver picks the set (solve._vocab_search).
     vocab_streamed: frozenset = frozenset()
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
+    # Host layers may make their delivery copy on load (LayerChoice.host_copy): offered where a host
+    # budget could bind (solve.py); the copies kept then share `host_offload_bytes` with the offloaded
+    # activations, the host state's fixed part counting none.
+    copies_on_load: bool = False
+    # The host layers' gradients may stream into their update (Decisions.grads_streamed): one rank, no
+    # clipping, one pass, and a non-finite gradient stops training instead of skipping the step
+    # (CompileOptions.nonfinite "stop"). The host state's fixed part then counts no gradient; one kept
+    # counts against `host_offload_bytes` with the offloaded activations.
+    grads_streamable: bool = False
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
@@ -85,6 +98,8 @@ class Problem:
         if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
                 or self.vocab_chunk_numel < 1:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
+        if self.grads_streamable and self.world_size > 1:
+            raise ValueError("grads_streamable needs one rank (world_size 1)")
         if self.device_state_sharded and (self.world_size == 1 or self.hosts > 1):
             raise ValueError("device_state_sharded needs several ranks of one host (world_size > 1, hosts == 1)")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
@@ -123,6 +138,7 @@ class LayerChoice:
     activation: str  # recompute | keep | offload (blocks); resident | streamed (prologue, epilogue)
     delivery: str = REPLICATED
     reduction: str = CPU
+    host_copy: str = KEPT  # the delivery copy kept in host RAM, or made on load (KEPT, ON_LOAD)
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,10 @@ class Decisions:
     # Host layers updated on the device at the step boundary, their fp32 master and moments streamed
     # up and back down (in this order, before any load of the next step); not on the CPU lane.
     streamed: tuple[int, ...] = ()
+    # Every host layer's gradient streams into its update (Problem.grads_streamable): each chunk is
+    # applied in place from the staging buffer it lands in, so the host keeps no gradient and no spare;
+    # early_order is then every host layer in landing order.
+    grads_streamed: bool = False
 
     def order(self, n_layers: int) -> tuple[int, ...]:
         """Layer ids in CPU update order (also the order of the next step's weight loads)."""
@@ -162,6 +182,8 @@ class SolverOptions:
     deliveries: tuple[str, ...] = (REPLICATED, SHARDED)
     reductions: tuple[str, ...] = (CPU, GPU)
     update_orders: tuple[str, ...] = (FORWARD_ORDER, HEAD_FIRST)
+    # Delivery copies (LayerChoice.host_copy); ON_LOAD only counts where Problem.copies_on_load.
+    host_copies: tuple[str, ...] = (KEPT, ON_LOAD)
     # CP-SAT's deterministic time (its own work units; on a slow core one unit can take several
     # seconds of a large model) for all windows together: the search is reproducible whatever the
     # machine's load, unlike a wall-clock limit.
@@ -204,6 +226,8 @@ class SolverOptions:
             raise ValueError(f"activations must include 'recompute' and be among {ACTIVATIONS}")
         if not self.deliveries or not set(self.deliveries) <= {REPLICATED, SHARDED}:
             raise ValueError(f"deliveries must be among {(REPLICATED, SHARDED)}, got {self.deliveries!r}")
+        if KEPT not in self.host_copies or not set(self.host_copies) <= {KEPT, ON_LOAD}:
+            raise ValueError(f"host_copies must include 'kept' and be among {(KEPT, ON_LOAD)}, got {self.host_copies!r}")
         if not self.reductions or not set(self.reductions) <= {CPU, GPU}:
             raise ValueError(f"reductions must be among {(CPU, GPU)}, got {self.reductions!r}")
         if self.device_state_blocks is not None and (isinstance(self.device_state_blocks, bool) or not isinstance(

@@ -9,7 +9,9 @@ from dataclasses import replace
 from slidedp.budget import format_bytes
 from slidedp.costmodel import ops
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions
+from slidedp.scheduler.decisions import (
+    CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, ON_LOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions,
+)
 from slidedp.scheduler.plan import Alternative, GroupPrediction
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
@@ -58,7 +60,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
         busy = dict.fromkeys(LANES, 0)
         for i in ids:
             c = d.layers[i]
-            o = costs.option(i, c.chunks, c.delivery, c.reduction)
+            o = costs.option_of(i, c)
             layer_bytes = g.layers[i].numel * costs.elem
             loads = 1 + (i in reloaded)
             if i in costs.problem.device_state:  # nothing over PCIe; collectives between the devices
@@ -70,14 +72,15 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
                 for lane, t in busy_by_layer.get(i, {}).items():
                     busy[lane] += t
                 continue
-            per_rank = layer_bytes if c.delivery == REPLICATED else layer_bytes / W
+            load_bytes = g.layers[i].numel * 4 if c.host_copy == ON_LOAD else layer_bytes  # fp32 master
+            per_rank = load_bytes if c.delivery == REPLICATED else load_bytes / W
             h2d += loads * per_rank
             d2h += layer_bytes if c.reduction == CPU else layer_bytes / W
             if c.delivery == SHARDED:
                 coll += loads * layer_bytes * (W - 1) / W
             if c.reduction == GPU:
                 coll += layer_bytes * (W - 1) / W
-            dram += loads * ops.delivery_dram_bytes(layer_bytes, W, c.delivery)
+            dram += loads * ops.delivery_dram_bytes(load_bytes, W, c.delivery)
             dram += ops.reduction_dram_bytes(g.layers[i].numel, costs.elem, W, c.reduction)
             if c.activation == OFFLOAD:
                 saved = m * costs.blocks[i].saved_bytes
@@ -128,6 +131,8 @@ def _ms(seconds: float) -> str:
 
 
 def _compare(chosen_s: float, other_s: float | None, peak: int, budget: int) -> str:
+    if other_s is None and peak <= budget:
+        return "does not fit the host budget"
     if other_s is None:
         return f"does not fit ({format_bytes(peak)} > budget {format_bytes(budget)})"
     delta = other_s - chosen_s
@@ -174,7 +179,7 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
     mult = first.chunks // W
     options = costs.options.chunk_multiples
     cands = [(f"{k * W} chunks", d.replace_layers(blocks, chunks=k * W)) for k in options if k != mult]
-    o = costs.option(blocks[0], first.chunks, first.delivery, first.reduction)
+    o = costs.option_of(blocks[0], first)
     eff = ops.transfer_efficiency(o.piece_bytes, hw.transfer_efficiency)
     add("chunks per block", f"{first.chunks} chunks", _runner_up(costs, budget_bytes, cands),
         f"A chunk of {format_bytes(o.piece_bytes)} copies at {eff:.0%} of the link's rate; smaller chunks "
@@ -183,7 +188,7 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
     # Update order.
     other_orders = [o for o in costs.options.update_orders if o != d.update_order]
     E = costs.epilogue_id
-    head = costs.option(E, d.layers[E].chunks, d.layers[E].delivery, d.layers[E].reduction)
+    head = costs.option_of(E, d.layers[E])
     head_update = _ms(head.update_lane_ticks() * sim.tick_s)
     head_load = _ms(head.load_pieces * head.fwd_piece * sim.tick_s)
     if d.update_order == HEAD_FIRST:
@@ -223,6 +228,16 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
                 f"CPU: {W} gradient copies land per block and the CPU sums them "
                 f"({_ms(ops.cpu_reduce_time_s(numel, costs.elem, W, hw, lanes=W))} per block per rank lane); "
                 f"GPU: reduce-scatter ({_ms(ops.reduce_scatter_time_s(layer_bytes, W, hw))}), then 1/{W} goes down.")
+
+    # Delivery copies, where they are a decision (a host budget that may bind).
+    if costs.copyable:
+        made = sorted(i for i in costs.copyable if d.layers[i].host_copy == ON_LOAD)
+        chosen = f"{len(made)} of {len(costs.copyable)} made on load"
+        cands = [(f"all {x}", d.replace_layers(costs.copyable, host_copy=x)) for x in costs.options.host_copies
+                 if any(d.layers[i].host_copy != x for i in costs.copyable)]
+        add("delivery copies", chosen, _runner_up(costs, budget_bytes, cands),
+            f"A kept copy takes {costs.elem} B per parameter of host RAM; made on load, the layer's loads read "
+            "the fp32 master (4 B per parameter over PCIe, twice the bytes) and the device casts each chunk.")
     return tuple(out)
 
 

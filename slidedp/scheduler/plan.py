@@ -24,6 +24,8 @@ against its runner-up, and which search made the decisions. The schedule:
                           each updates its chunks, and every load all-gathers the owners' weights
   early_order             host layers the CPU updates during the backward, as each gradient lands
                           (one rank, no clipping; backend/runtime/early_updates.py)
+  streamed_gradients      every host layer's gradient updates it as it lands, in place, from the
+                          staging buffer (no gradient in host RAM; early_order is the landing order)
   streamed_updates        host layers the devices update at the step boundary, their fp32 state
                           streamed up and back down (backend/runtime/streamed_updates.py)
   loss_chunk_tokens       the epilogue computes the loss over this many tokens at a time
@@ -68,6 +70,9 @@ class LayerDecision:
     delivery: str = "replicated"  # "replicated" | "sharded"
     reduction: str = "cpu"  # "cpu" | "gpu"
     owners: tuple[int, ...] = ()  # rank whose CPU threads update each chunk (() : rank 0)
+    # the delivery copy (weights in the compute dtype) kept in host RAM, or made on load from the
+    # fp32 master (H2D of 4 B per parameter, cast on the device): "kept" | "on_load"
+    host_copy: str = "kept"
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Schedule:
     early_order: tuple[int, ...] = ()
     streamed_updates: tuple[int, ...] = ()
     loss_chunk_tokens: int = 0  # 0 : the whole micro-batch at once
+    streamed_gradients: bool = False  # every host layer's gradient applied as it lands (no host gradient)
     vocab_chunk_rows: int = 0  # rows per chunk of a streamed vocabulary table (0: none streamed)
     device_state_sharded: bool = False
 
@@ -161,6 +167,7 @@ class Schedule:
             loss_chunk_tokens=data.get("loss_chunk_tokens", 0),
             vocab_chunk_rows=data.get("vocab_chunk_rows", 0),
             device_state_sharded=data.get("device_state_sharded", False),
+            streamed_gradients=data.get("streamed_gradients", False),
         )
 
     def to_dict(self) -> dict:
@@ -289,6 +296,14 @@ class Plan:
     def activation_policy(self) -> dict[int, str]:
         return {d.layer_id: d.activation for d in self.decisions}
 
+    def copies_made_on_load(self) -> tuple[int, ...]:
+        """Layer ids whose delivery copy is made on load (LayerDecision.host_copy)."""
+        return tuple(d.layer_id for d in self.decisions if d.host_copy == "on_load")
+
+    def streamed_gradient_layers(self) -> tuple[int, ...]:
+        """Layer ids whose gradient streams into their update (streamed_gradients: every host layer)."""
+        return tuple(self.early_order) if self.streamed_gradients else ()
+
     # -- persistence ------------------------------------------------------------------------
     def to_dict(self, explanation: bool = True) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("schedule", "explanation")}
@@ -365,7 +380,6 @@ class Plan:
             pass
         return out
 
-
     # -- presentation (text only; HTML and traces: slidedp.report) ---------------------------
     def summary(self) -> str:
         """Decisions and predictions per layer group, and why each decision beat its runner-up."""
@@ -391,11 +405,15 @@ class Plan:
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
             *([_host_line(self)] if self.peak_host_bytes else []),
-            (f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
+            (f"  streamed gradients: each host layer updated in place as its gradient lands ({len(self.early_order)} "
+             "layers; no gradient in host RAM; no clipping, one rank, a non-finite gradient stops training)"
+             if self.streamed_gradients else
+             f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
              "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
             *([_device_state_line(self)] if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
+            *([_copies_line(self)] if any(d.host_copy == "on_load" for d in self.decisions) else []),
             *([f"  streamed vocabulary: {', '.join(d.name for d in self.decisions if d.activation == 'streamed')} "
                f"({self.vocab_chunk_rows} rows at a time; not resident)"]
               if any(d.activation == "streamed" for d in self.decisions) else []),
@@ -478,11 +496,10 @@ def _groups(decisions) -> list[list[LayerDecision]]:
     """Consecutive layers of the same kind with identical decisions, for a compact table."""
     groups: list[list[LayerDecision]] = []
     for d in decisions:
-        key = (d.kind, d.chunks, d.activation, d.delivery, d.reduction)
-        if groups and groups[-1][0].kind == BLOCK and d.kind == BLOCK and key == (
-            groups[-1][0].kind, groups[-1][0].chunks, groups[-1][0].activation,
-            groups[-1][0].delivery, groups[-1][0].reduction,
-        ):
+        def key(x: LayerDecision) -> tuple:
+            return (x.kind, x.chunks, x.activation, x.delivery, x.reduction, x.host_copy)
+
+        if groups and groups[-1][0].kind == BLOCK and d.kind == BLOCK and key(d) == key(groups[-1][0]):
             groups[-1].append(d)
         else:
             groups.append([d])
@@ -573,6 +590,10 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             elif value == routed and not routes_allowed:
                 bad(f"{at}.{field_name} {routed!r} needs several ranks and GPU peer-to-peer (world_size "
                     f"{world_size}, gpu_p2p_bytes_per_s {p2p!r}); only {plain!r} here")
+        if d.host_copy not in ("kept", "on_load"):
+            bad(f"{at}.host_copy must be 'kept' or 'on_load', got {d.host_copy!r}")
+        elif d.host_copy == "on_load" and w.precision == "fp32":
+            bad(f"{at}.host_copy 'on_load' has no meaning in fp32 precision (loads read the master): 'kept'")
         owners = d.owners
         if not isinstance(owners, tuple) or (owners and _is_int(d.chunks) and len(owners) != d.chunks):
             bad(f"{at}.owners must name one rank per chunk ({d.chunks!r}) or none, got {owners!r}")
@@ -617,6 +638,14 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             bad(f"device_state_sharded: {', '.join(unowned[:4])} name no chunk owners (decisions[i].owners)")
     if s.early_order and world_size != 1:
         bad(f"early_order: updates during the backward need one rank, the plan runs on {world_size}")
+    if not isinstance(s.streamed_gradients, bool):
+        bad(f"streamed_gradients must be true or false, got {s.streamed_gradients!r}")
+    elif s.streamed_gradients:
+        host_layers = ids - set(s.device_state)
+        landing = [i for i in list(range(n - 2, -1, -1)) + [n - 1] if i in host_layers]
+        if list(s.early_order) != landing or s.streamed_updates:
+            bad("streamed_gradients: every host layer is updated as its gradient lands: early_order must be "
+                f"{landing} (last block first, the epilogue last) and streamed_updates empty")
     if not _is_int(s.loss_chunk_tokens) or s.loss_chunk_tokens < 0:
         bad(f"loss_chunk_tokens must be an integer >= 0, got {s.loss_chunk_tokens!r}")
     vocab = [d.layer_id for d in decisions if isinstance(d, LayerDecision) and d.activation == "streamed"]
@@ -665,6 +694,15 @@ def _device_state_line(plan: "Plan") -> str:
               f"{per_rank}" + (f" per rank, the same full copy on each of {W} ranks" if W > 1 else ""))
     return (f"  optimizer state on the device: {_blocks_label(plan.decisions, plan.device_state)} ({layout}; "
             "updated there, no PCIe traffic)")
+
+
+def _copies_line(plan: "Plan") -> str:
+    """The layers whose delivery copy is made on load, and the host RAM that saves."""
+    made = [d for d in plan.decisions if d.host_copy == "on_load"]
+    saved = sum(d.numel for d in made) * 2  # bf16
+    return (f"  delivery copies made on load: {_blocks_label(plan.decisions, [d.layer_id for d in made])} "
+            f"({format_bytes(saved)} less host RAM; their loads read the fp32 master, twice the bytes, "
+            "cast on the device)")
 
 
 def _host_line(plan: "Plan") -> str:

@@ -21,7 +21,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
 from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes, host_fixed_memory
-from slidedp.scheduler.decisions import GPU, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.decisions import GPU, OFFLOAD, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
@@ -127,10 +127,13 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
     # Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
     # above models the step boundary, so its bound is not one for them: the analytical one is.
+    # Where the gradients may stream into the update, CP-SAT's host budget counts none of them: the
+    # decisions that keep them must also fit with them, else they stream.
     early = early_order.search(costs, budget_bytes, decisions)
-    if early is not None and early.makespan < best_sim.makespan:
+    kept_fits = costs.fits(decisions, best_sim.peak_bytes, budget_bytes)
+    if early is not None and (early.makespan < best_sim.makespan or not kept_fits):
         decisions, best_sim = early.decisions, early.simulation
-        chosen_by += " + early updates"
+        chosen_by += f" + {early.by}"
         results = [replace(r, best_bound=None) for r in results]
         lower = cpsat.lower_bound(costs, early=True)
     # Streamed updates (if allowed): the device takes the first host layers' updates off the CPU.
@@ -169,12 +172,14 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                options: SolverOptions | None = None, version: str = "0", explain: bool = True,
                compiled_blocks: bool = False, host_offload_bytes: int | None = None,
                early_host_bytes: int | None = None, streamed_updates: bool = False,
-               host_budget_bytes: int | None = None, hosts: int = 1, link_bytes_per_s: float = 0.0) -> Plan:
+               host_budget_bytes: int | None = None, hosts: int = 1, link_bytes_per_s: float = 0.0,
+               grads_streamable: bool = False) -> Plan:
     """Solve a schedule for `graph` under a per-GPU budget (see `solve`) and make its Plan;
     offloaded activations take at most `host_offload_bytes` of host memory per rank (None: no limit);
     early updates (one rank, no clipping) may take `early_host_bytes` for their spare state, with the
     offloaded activations of all ranks (None: no early updates); `streamed_updates` lets the devices
-    update some host layers (each rank its own chunks).
+    update some host layers (each rank its own chunks); `grads_streamable` lets the host layers'
+    gradients stream into their update (one rank, no clipping, a non-finite gradient stops training).
     `host_budget_bytes` (None: unbounded) bounds everything the plan takes of host RAM, all ranks
     together (Explanation.host_memory: host state, spare state, offloaded activations, pinned
     buffers): a hard constraint like the device budget (InfeasibleBudgetError with min_host_bytes).
@@ -182,7 +187,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates,
-                      hosts=hosts, link_bytes_per_s=link_bytes_per_s)
+                      hosts=hosts, link_bytes_per_s=link_bytes_per_s, grads_streamable=grads_streamable)
     options = options or SolverOptions()
     problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
     costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
@@ -213,7 +218,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "vocab_streamed_tried": vocab_tried,
         "wall_s": wall,
-        "searches": {**_searches(sol, tried, costs.options, sharded=costs.problem.device_state_sharded),
+        "searches": {**_searches(sol, tried, costs.options, sharded=costs.problem.device_state_sharded,
+                                 copies=bool(costs.copyable)),
                      **_vocab_searched(vocab_tried, costs)},
     }
     if host_budget_bytes is not None:
@@ -231,11 +237,12 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
 
 
 def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions, *,
-              sharded: bool = False) -> dict[str, str]:
-    """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to it)."""
+              sharded: bool = False, copies: bool = False) -> dict[str, str]:
+    """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to
+    it). `copies`: the delivery copies were a decision of the model (ProblemCosts.copyable)."""
     core = sol.chosen_by.split(" + ")[0]
-    searches = {"window, chunks, activations, routes, update owners":
-                "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"}
+    decisions = "window, chunks, activations, routes, update owners" + (", delivery copies" if copies else "")
+    searches = {decisions: "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"}
     polish = _polished(sol.chosen_by)
     if polish:
         searches[f"{polish}, changed last"] = ("local search from the decisions above, judged by the simulator "
@@ -250,7 +257,10 @@ def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions, *
             "fixed by SolverOptions.device_state_sharded" if options.device_state_sharded
             else "the default with several ranks (SolverOptions.device_state_sharded=False keeps a full copy "
                  "on every rank)")
-    if sol.decisions.early_order:
+    if sol.decisions.grads_streamed:
+        searches["gradients streamed into the update"] = ("simulation against the step boundary and early updates "
+                                                          "(search/early_order.py)")
+    elif sol.decisions.early_order:
         searches["early updates"] = "simulation of the update order (search/early_order.py)"
     if sol.decisions.streamed:
         searches["streamed updates"] = ("fixed by SolverOptions.streamed_layers" if options.streamed_layers is not None
@@ -434,8 +444,9 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         p = replace(problem, device_state=ids, device_state_sharded=sharded and bool(ids))
         if host_budget is None:
             return p
+        p = replace(p, copies_on_load=copies_may_bind(p, options, host_budget))
         left = max(0, host_budget - host_fixed_bytes(p, options))
-        per_rank = left // p.world_size
+        per_rank = left // p.ranks_per_host
         return replace(p, host_offload_bytes=per_rank if p.host_offload_bytes is None else min(p.host_offload_bytes, per_rank),
                        early_host_bytes=None if p.early_host_bytes is None else min(p.early_host_bytes, left))
 
@@ -553,6 +564,24 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
     return done(min(feasible, key=lambda c: (step_s(c), c[1], c[0])))
 
 
+def copies_may_bind(problem: Problem, options: SolverOptions, host_budget: int) -> bool:
+    """Whether making a delivery copy on load can matter: the host budget is below what the plan could
+    take with every copy kept (its fixed part, every block's activations offloaded, early updates'
+    spare state). Otherwise keeping them is never worse (a load made from the fp32 master moves twice
+    the bytes) and the choice is left out of the model."""
+    kept = replace(problem, copies_on_load=False)
+    most = host_fixed_bytes(kept, options)
+    if OFFLOAD in options.activations:
+        most += problem.ranks_per_host * problem.micro_batches * sum(b.costs.saved_activation_bytes
+                                                                     for b in problem.graph.blocks)
+    if problem.early_host_bytes is not None:
+        most += sum(mem.host_spare_bytes(layer.numel) for layer in problem.graph.layers)
+    if problem.grads_streamable:  # the fixed part counts no gradient where they may stream
+        most += sum(mem.host_grad_bytes(layer.numel, mem.DTYPE_BYTES[problem.graph.compute_dtype])
+                    for layer in problem.graph.layers)
+    return host_budget < most
+
+
 def _largest_terms(breakdown: dict) -> str:
     items = sorted(breakdown.items(), key=lambda kv: -kv[1])[:3]
     return ", ".join(f"{k} {format_bytes(v)}" for k, v in items)
@@ -571,7 +600,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
     position = {layer: p for p, layer in enumerate(order)}
     layer_decisions = tuple(
         LayerDecision(layer.id, layer.name, layer.kind, layer.numel, c.chunks, c.activation, c.delivery, c.reduction,
-                      owners=tuple(costs.owner(position[layer.id], k) for k in range(c.chunks)))
+                      owners=tuple(costs.owner(position[layer.id], k) for k in range(c.chunks)),
+                      host_copy=c.host_copy)
         for layer, c in zip(g.layers, decisions.layers))
     busy = {lane: sim.lane_busy.get(lane, 0) * tick for lane in (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)}
     bottleneck = max(busy, key=busy.get)
@@ -586,6 +616,10 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
     memory_timeline = tuple(MemoryPoint(t * tick, sim.footprint.per_position[x], sim.pinned_host_bytes[x])
                             for x, t in enumerate(starts))
     auto_notes = [
+        "streamed gradients: each chunk of a host layer's gradient updates it in place from the staging buffer "
+        "it lands in (no gradient kept in host RAM, no spare state); a non-finite gradient stops training "
+        "(nonfinite='stop'), the state part-updated"
+        if decisions.grads_streamed else
         "early updates: each host layer's update starts once its gradient has landed (early_order), out of "
         "place, kept once the whole gradient is finite; the next step's loads wait for their layer's update"
         if decisions.early_order else
@@ -623,6 +657,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         device_state=tuple(sorted(problem.device_state)),
         device_state_sharded=problem.device_state_sharded,
         early_order=decisions.early_order,
+        streamed_gradients=decisions.grads_streamed,
         streamed_updates=decisions.streamed,
         loss_chunk_tokens=problem.effective_loss_chunk_tokens,
         vocab_chunk_rows=problem.vocab_chunk_rows if problem.vocab_streamed else 0,

@@ -109,11 +109,16 @@ class TrainingConfig:
     seed: int = _key(0, "data order and random init, 0 .. 2**32 - 1")
     max_skipped_steps: int = _key(10, "stop after this many consecutive steps skipped for a non-finite "
                                       "gradient; 0: never")
+    nonfinite: str = _key("skip", "a step whose gradient is not finite: skip (nothing changes) or stop the run; "
+                                  "stop, without clipping, lets the plan stream the gradients into the update "
+                                  "(no gradient in host RAM)")
 
     def validate(self) -> None:
         _check_at_least(self, "max_steps", "batch_size", "grad_accum", "seq_len")
         _check_at_least(self, "max_skipped_steps", least=0)
         _check_at_least(self, "seq_len", least=2)
+        if self.nonfinite not in ("skip", "stop"):
+            raise ValueError(f"config key 'nonfinite' must be skip or stop, got {self.nonfinite!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"config key 'seed' must be in 0..{MAX_SEED} (2**32 - 1, the range torch, numpy and "
                              f"random all accept), got {self.seed}")

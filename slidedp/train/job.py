@@ -532,7 +532,7 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
     kwargs = dict(batch_size=training.batch_size, seq_len=training.seq_len, world_size=cfg.engine.world_size,
                   device=device.type, precision=precision, micro_batches=training.grad_accum,
                   max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model),
-                  host_memory=cfg.engine.host_memory or None)
+                  host_memory=cfg.engine.host_memory or None, nonfinite=training.nonfinite)
     try:
         engine = api.compile(model, cfg.engine.budget, plan=plan, **kwargs)
     except ValueError as exc:
@@ -612,7 +612,11 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
                 engine.optimizer = dataclasses.replace(engine.optimizer, lr=lr)
                 batch = train.next_fields(rows_per_step)
                 t0 = time.perf_counter()
-                loss = engine.step(batch.input_ids, batch.labels, batch.attention_mask)
+                try:
+                    loss = engine.step(batch.input_ids, batch.labels, batch.attention_mask)
+                except NonFiniteGradientError as exc:  # nonfinite = stop
+                    raise NonFiniteGradientError(f"step {step}: {exc} (latest checkpoint: {checkpoint or 'none'}; "
+                                                 "resume from it with other settings)") from None
                 step_s = time.perf_counter() - t0
                 info = engine.last_step
                 mask = batch.attention_mask

@@ -24,10 +24,14 @@ def _meta_model():
 
 
 def test_the_host_budget_moves_optimizer_state_to_the_device_and_binds():
+    """(Delivery copies always kept here: making one on load is the other way to fit, tested below.)"""
+    from slidedp.scheduler.decisions import SolverOptions
+
     model = _meta_model()
-    free = slidedp.plan(model, "60GiB", **KW)
+    kw = dict(KW, solver_options=SolverOptions(host_copies=("kept",)))
+    free = slidedp.plan(model, "60GiB", **kw)
     assert free.peak_host_bytes == sum(free.host_memory.values()) and free.solver.get("host_budget_bytes") is None
-    tight = slidedp.plan(model, "60GiB", host_memory=free.peak_host_bytes - 1, **KW)
+    tight = slidedp.plan(model, "60GiB", host_memory=free.peak_host_bytes - 1, **kw)
     assert tight.peak_host_bytes <= free.peak_host_bytes - 1
     assert set(tight.device_state) > set(free.device_state)  # more state on the device: a lean host layout
     assert tight.host_memory["state"] < free.host_memory["state"]
@@ -35,14 +39,47 @@ def test_the_host_budget_moves_optimizer_state_to_the_device_and_binds():
     params = sum(d.numel for d in tight.decisions)
     assert f"{tight.peak_host_bytes / params:.2f} B per parameter" in line
     with pytest.raises(slidedp.InfeasibleBudgetError) as info:
-        slidedp.plan(model, "60GiB", host_memory=10 << 20, **KW)
+        slidedp.plan(model, "60GiB", host_memory=10 << 20, **kw)
     err = info.value
     assert err.min_host_bytes > 10 << 20 and err.host_budget_bytes == 10 << 20
     assert str(err.min_host_bytes) in str(err) and str(err.min_budget_bytes) in str(err)
-    at_min = slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes, **KW)  # achievable
+    at_min = slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes, **kw)  # achievable
     assert at_min.peak_host_bytes <= err.min_host_bytes
     with pytest.raises(slidedp.InfeasibleBudgetError):
-        slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes - 1, **KW)
+        slidedp.plan(model, "60GiB", host_memory=err.min_host_bytes - 1, **kw)
+
+
+def test_a_tight_host_budget_makes_delivery_copies_on_load():
+    """Host RAM a byte short of the plan with every copy kept: CP-SAT makes some copies on load (2 B
+    per parameter less each), credits itself with them, and the plan says so; the least host RAM any
+    plan needs is that with every copy made on load, and planning there makes them all on load."""
+    from slidedp.scheduler.decisions import SolverOptions
+    from slidedp.scheduler.plan import Plan
+
+    model = _meta_model()
+    kw = dict(KW, solver_options=SolverOptions(device_state_blocks=0))  # the host holds every layer
+    free = slidedp.plan(model, "60GiB", **kw)
+    assert free.copies_made_on_load() == ()
+    tight = slidedp.plan(model, "60GiB", host_memory=free.peak_host_bytes - 1, **kw)
+    made = tight.copies_made_on_load()
+    assert made and tight.peak_host_bytes <= free.peak_host_bytes - 1
+    copies = {d.layer_id: mem.host_copy_bytes(d.numel, 2) for d in tight.decisions}
+    assert free.host_memory["state"] - tight.host_memory["state"] == sum(copies[i] for i in made)
+    # a decision of the one model (credited to CP-SAT, or to the heuristic it could not beat)
+    assert "window, chunks, activations, routes, update owners, delivery copies" in tight.solver["searches"]
+    assert "delivery copies made on load" in tight.summary()
+    assert any(a.decision == "delivery copies" for a in tight.alternatives)
+    again = Plan.from_dict(tight.to_dict())
+    again.validate()
+    assert again.copies_made_on_load() == made
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        slidedp.plan(model, "60GiB", host_memory=10 << 20, **kw)
+    with pytest.raises(slidedp.InfeasibleBudgetError) as kept_only:
+        slidedp.plan(model, "60GiB", host_memory=10 << 20, **dict(KW, solver_options=SolverOptions(
+            device_state_blocks=0, host_copies=("kept",))))
+    assert kept_only.value.min_host_bytes - info.value.min_host_bytes == sum(copies.values())
+    leanest = slidedp.plan(model, "60GiB", host_memory=info.value.min_host_bytes, **kw)
+    assert set(leanest.copies_made_on_load()) == set(copies)
 
 
 def test_without_device_state_the_host_state_must_fit_whole():

@@ -55,6 +55,16 @@ CASES = {
         vocab_streamed=True,
         options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
                      update_orders=("forward", "head_first"))),
+    "delivery copies under a host limit": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 2.0, 1.0)), world_size=1, hardware="h200-sxm",
+        copies_on_load=True, host_offload_bytes=200 * 2**20,  # both tables' copies (125 MiB each) do not fit
+        options=dict(activations=("recompute", "keep", "offload"), chunk_multiples=(1, 2), windows=(1, 2),
+                     update_orders=("forward",))),
+    "delivery copies, 2 hosts": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 2.0)), world_size=4, hardware="rtx4090",
+        hosts=2, link_bytes_per_s=12.5e9, copies_on_load=True, host_offload_bytes=40 * 2**20,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward",))),
 }
 
 
@@ -64,7 +74,8 @@ def make_costs(case) -> ProblemCosts:
     vocab = frozenset({0, len(graph.layers) - 1}) if c.get("vocab_streamed") else frozenset()
     return ProblemCosts(Problem(graph, PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
                                 hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
-                                vocab_streamed=vocab),
+                                vocab_streamed=vocab, copies_on_load=c.get("copies_on_load", False),
+                                host_offload_bytes=c.get("host_offload_bytes")),
                         SolverOptions(**c["options"]))
 
 
@@ -228,6 +239,7 @@ def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
     from dataclasses import replace
 
     from slidedp.scheduler.problem.costs import host_fixed_bytes
+    from slidedp.scheduler.solve import copies_may_bind
 
     graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
     hw = PRESETS["h200-sxm"]
@@ -238,6 +250,8 @@ def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
 
     def problem_of(k: int, host_budget: int) -> Problem:
         p = replace(base, device_state=frozenset(candidates[:k]))
+        # delivery copies a decision (kept or made on load) where they may not all fit, as the planner has it
+        p = replace(p, copies_on_load=copies_may_bind(p, options, host_budget))
         return replace(p, host_offload_bytes=max(0, host_budget - host_fixed_bytes(p, options)))
 
     fixed = [host_fixed_bytes(problem_of(k, 0), options) for k in range(len(candidates) + 1)]

@@ -18,7 +18,9 @@ of a multi-rank engine (backend/runtime/workers.py). A step:
      and each writes them back to the shared host state when it is read; else every rank keeps the
      same copy, applies the same update, and the host's first rank writes it back. Layers whose
      update is streamed (streamed_updates.py) make a round trip through the device, each rank's
-     chunks through its own.
+     chunks through its own. With streamed gradients (one rank, no clipping, one pass) every host
+     layer was updated in place as each piece of its gradient landed (`_stream_gradients`); a
+     non-finite one cannot be taken back and raises NonFiniteGradientError, the state part-updated.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from slidedp.backend.state.host_state import HostState
 from slidedp.backend.runtime.routes import Routes
 from slidedp.backend.runtime.streamed_updates import StreamedUpdates
 from slidedp.backend.runtime.update_stream import UpdateStream
+from slidedp.errors import NonFiniteGradientError
 from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 
@@ -68,6 +71,7 @@ class Rank:
         self.streamed = streamed
         self.routes.streamed = streamed
         off_cpu = set(device_state.layers if device_state is not None else ()) | set(streamed.order if streamed else ())
+        off_cpu |= self.routes.grads_streamed  # updated as their gradient lands (_stream_gradients)
         self.updates = UpdateStream(order=[i for i in update_order if i not in off_cpu], num_threads=num_threads)
         if flags is None:
             self.routes.wait_local_update = self.updates.wait
@@ -75,8 +79,12 @@ class Rank:
             flags.on_wait = self.updates.check
         if early_order and (comm is not None or flags is not None):
             raise ValueError("early updates run on one rank in the engine's process only")
-        self.early = EarlyUpdates(host, list(early_order), self.updates, on_swap) if early_order else None
+        if self.routes.grads_streamed and (comm is not None or flags is not None):
+            raise ValueError("streamed gradients run on one rank in the engine's process only")
+        self.early = (EarlyUpdates(host, list(early_order), self.updates, on_swap)
+                      if early_order and not self.routes.grads_streamed else None)
         self._segments: dict[bool, list] = {}
+        self.broken: str | None = None  # why the state is that of a step part-applied (streamed gradients)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -84,6 +92,8 @@ class Rank:
              max_grad_norm: float | None) -> RankStep:
         """A step on the global batch (CPU tensors; this rank takes its share of the rows);
         `optimizer=None` evaluates (no update)."""
+        if self.broken is not None:
+            raise NonFiniteGradientError(f"{self.broken}; load a checkpoint before the next step")
         t0 = time.perf_counter()
         share = input_ids.shape[0] // self.world_size
         rows = slice(self.rank * share, (self.rank + 1) * share)
@@ -96,10 +106,17 @@ class Rank:
             for r in range(0, input_ids.shape[0], batch_size)
         ]
         passes = [mbs[i : i + micro_batches] for i in range(0, len(mbs), micro_batches)]
+        streaming = bool(self.routes.grads_streamed) and optimizer is not None
+        if streaming and len(passes) > 1:
+            raise ValueError(f"the plan streams every gradient into its update (streamed_gradients): one pass per "
+                             f"step, at most {micro_batches * batch_size} rows per rank, got {len(mbs) * batch_size}")
+        if streaming and max_grad_norm is not None:
+            raise ValueError("the plan streams every gradient into its update (streamed_gradients): no clipping")
         self.routes.wait_s = 0.0
         self.updates.gate()  # this step's loads wait for the rounds started before it
         early = self.early is not None and optimizer is not None and max_grad_norm is None
         loss = torch.zeros((), dtype=torch.float64)
+        nonfinite = self._stream_gradients(optimizer) if streaming else None
         try:
             for k, group in enumerate(passes):
                 last = k == len(passes) - 1
@@ -113,13 +130,27 @@ class Rank:
             if early:
                 self._take_back()
             raise
+        except BaseException:
+            if streaming:
+                self.broken = "a step failed while its gradients were streaming into the update"
+            raise
         finally:
             self.routes.early = None
+            self.routes.apply_gradient = None
         totals = torch.stack([loss, sumsq])
         if self.comm is not None:
             self.comm.all_reduce_host(totals)
         loss_value, norm = float(totals[0]), math.sqrt(float(totals[1]))
         timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0)
+        if streaming and (nonfinite or not math.isfinite(norm)):
+            self.host.step += 1  # the step the applied chunks counted in their bias correction
+            self.routes.rounds += 1
+            self.executor.resident_stale.update(self.executor.resident_ids)
+            where = f"in layers {sorted(set(nonfinite))} " if nonfinite else ""
+            self.broken = (f"step {self.host.step}: the gradient is not finite {where}(norm {norm}); with "
+                           "streamed gradients the other layers were already updated in place, so the state is "
+                           "that of a step part-applied (the non-finite chunks were not applied)")
+            raise NonFiniteGradientError(f"{self.broken}; load a checkpoint before the next step")
         if optimizer is None or not math.isfinite(norm):
             if early:
                 self._take_back()
@@ -139,6 +170,34 @@ class Rank:
         """This step's round of host updates, each starting once its layer's gradient has landed."""
         update = self._host_update(opt, self._next_round(), 1.0)
         self.routes.early = self.early.start(lambda layer_id, current, threads: update(layer_id, threads, current))
+
+    def _stream_gradients(self, opt: AdamW) -> list[int]:
+        """This step's streamed gradients: each staged piece updates its layer in place as it lands
+        (bias correction of the step about to be taken), unless it is not finite; returns the list
+        that collects the layers of non-finite pieces (none applied after the first)."""
+        step, host, segments = self.host.step + 1, self.host, self._decay_segments(opt)
+        nonfinite: list[int] = []
+
+        def apply(layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
+            if nonfinite or not bool(torch.isfinite(staged).all()):
+                nonfinite.append(layer_id)
+                return
+            layer = host.layers[layer_id]
+            grad = host.numpy(staged)
+            for start, end, decay in segments[layer_id]:
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    here = layer.at(a, b)
+                    cpu_adamw.adamw_step(
+                        host.numpy(layer.master[here]), grad[a - lo : b - lo], host.numpy(layer.exp_avg[here]),
+                        host.numpy(layer.exp_avg_sq[here]),
+                        None if layer.delivery is None else host.numpy(layer.delivery[here]),
+                        lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                        weight_decay=opt.weight_decay if decay else 0.0, step=step, grad_scale=1.0,
+                        num_threads=self.updates.num_threads)
+
+        self.routes.apply_gradient = apply
+        return nonfinite
 
     def _take_back(self) -> None:
         """Undo this step's early round, if it started (the state is as before the step)."""
@@ -253,6 +312,7 @@ class Rank:
         """The host state was rewritten (a checkpoint): reload the resident weights and the state
         kept on the device, take its step."""
         self.flush()
+        self.broken = None
         self.host.step = step
         self.executor.resident_stale.update(self.executor.resident_ids)
         if self.device_state is not None:

@@ -11,7 +11,8 @@ update it, whatever the route. Per layer group the plan picks
   own, and adds it into the host gradient in rank order (a per-layer turn counter in the shared
   state), so the sum is the same in every run.
 
-With one rank both routes are a plain copy. Gradients of a later pass (gradient accumulation over
+With one rank both routes are a plain copy, or (the plan's `streamed_gradients`) each staged chunk
+goes straight into the layer's update (`apply_gradient`) and the host keeps no gradient. Gradients of a later pass (gradient accumulation over
 several passes) are staged and added on the host. Host-side adds run on one reducer thread per
 rank, so the device streams never wait for another rank. The norm of the whole gradient is the sum
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
@@ -67,7 +68,7 @@ class Routes:
         self._guards: list = []
         self._reducer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-reduce")
         self._pending: list[Future] = []
-        self._grad_dtype, self._staging_slots = host.layers[0].grad.dtype, staging_slots
+        self._grad_dtype, self._staging_slots = getattr(torch, host.layouts[0].grad_dtype), staging_slots
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._piece_tasks: dict[int, int] = {}  # streamed layer -> index of its first staged add this pass
         self._free: queue.Queue[int] = queue.Queue()
@@ -75,6 +76,12 @@ class Routes:
         self.streamed = None  # backend.runtime.streamed_updates.StreamedUpdates, likewise
         self.early = None  # backend.runtime.early_updates.EarlyRound of this step, told when each gradient lands
         self._last = True
+        # Layers whose gradient streams into the update (plan.streamed_gradients, one rank): each staged
+        # piece is handed to `apply_gradient(layer_id, staged, lo, hi)` (set by the rank for the step; None:
+        # no update, an evaluation) instead of landing in a host gradient.
+        self.grads_streamed = frozenset(d.layer_id for d in plan.decisions if d.layer_id not in self._on_device) \
+            if getattr(plan, "streamed_gradients", False) else frozenset()
+        self.apply_gradient: Callable | None = None
 
     def owned(self, layer_id: int) -> list[tuple[int, int]]:
         return [c for c, o in zip(self.chunks[layer_id], self.owners[layer_id]) if o == self.rank]
@@ -154,6 +161,10 @@ class Routes:
             piece.record_stream(self.streams.d2h)
         size = self._staging_numel()
         parts = [(a, min(hi - lo, a + size)) for a in range(0, hi - lo, size)]
+        if layer_id in self.grads_streamed:
+            for part in parts:
+                self._stage(part, piece, lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b))
+            return
         if self.reduction[layer_id] == "cpu":
             ticket = self.passes * self.world_size + self.rank
             overwrite = self._first and self.rank == 0
@@ -175,6 +186,10 @@ class Routes:
         """Every piece of a vocabulary-streamed layer's gradient is on its way: the CPU reduction passes
         the turn to the next rank; with one rank, its sum of squares (all pieces, on the device) is
         kept for the norm and early updates learn when it has landed."""
+        if layer_id in self.grads_streamed:
+            if local_sumsq is not None:
+                self._device_sumsq[layer_id] = local_sumsq
+            return
         if self.reduction[layer_id] == "cpu":
             ticket = self.passes * self.world_size + self.rank
 
@@ -198,6 +213,12 @@ class Routes:
         D2H stream) into the host gradient, by the layer's reduction route."""
         if self.device_state is not None and layer_id in self.device_state:
             self._device_gradient(layer_id, acc, local_sumsq)
+            return
+        if layer_id in self.grads_streamed:  # one rank: every chunk is its own
+            if local_sumsq is not None:
+                self._device_sumsq[layer_id] = local_sumsq
+            for chunk in self.chunks[layer_id]:
+                self._stage(chunk, acc, lambda staged, lo, hi: self._into_update(layer_id, staged, lo, hi))
             return
         target = self.host.layers[layer_id].grad
         at = self.host.layers[layer_id].at
@@ -291,6 +312,12 @@ class Routes:
             if acc.is_cuda:
                 acc.record_stream(self.streams.d2h)  # not reused before these copies have run
         self._guards.append(self.streams.record("d2h"))
+
+    def _into_update(self, layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
+        """A streamed gradient's elements [lo, hi), landed in `staged`: into the layer's update (on the
+        reducer thread, before the staging buffer is reused)."""
+        if self.apply_gradient is not None:
+            self.apply_gradient(layer_id, staged, lo, hi)
 
     def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """On the D2H stream, cast there when the host gradient is bf16."""

@@ -62,11 +62,12 @@ class StreamedUpdates:
         self.ready: dict[int, torch.cuda.Event | None] = {}  # each layer's last piece down
         n = min(piece_numel or memory.STREAMED_PIECE_NUMEL, max(host.layers[i].layout.numel for i in self.order))
         first = host.layers[self.order[0]]
+        copy = next((host.layers[i].delivery for i in self.order if host.layers[i].delivery is not None), None)
         self.piece_numel = n
         self.slots = [
             _Slot(*(torch.empty(n, dtype=torch.float32, device=device) for _ in range(3)),
                   torch.empty(n, dtype=first.grad.dtype, device=device),
-                  None if first.delivery is None else torch.empty(n, dtype=first.delivery.dtype, device=device))
+                  None if copy is None else torch.empty(n, dtype=copy.dtype, device=device))
             for _ in range(memory.STREAMED_SLOTS)]
         self._next = 0
 
@@ -100,7 +101,7 @@ class StreamedUpdates:
                         adamw_piece_(slot.master[a - lo : b - lo], slot.exp_avg[a - lo : b - lo],
                                      slot.exp_avg_sq[a - lo : b - lo], slot.grad[a - lo : b - lo], steps, opt,
                                      decay=decay, clip=clip)
-                if slot.delivery is not None:
+                if arrays.delivery is not None:  # a layer whose copy is made on load has none to write
                     slot.delivery[: hi - lo].copy_(slot.master[: hi - lo])
             s.wait("d2h", s.record("update"))
             if arrays.delivery is not None:

@@ -7,7 +7,8 @@ One anonymous shared-memory file (`memfd_create`) holds every array, page-aligne
 
 followed by a small control region of int64 counters (`StepFlags`, backend/state/step_flags.py) through
 which ranks in other processes signal each other. `delivery` is the bf16 copy of the weights that the optimizer writes and H2D copies read (absent in
-fp32 precision, where H2D reads `master`). `grad` receives the gradient from the device (bf16 or
+fp32 precision, and for the layers whose plan makes the copy on load: H2D reads `master` and the device
+casts it). `grad` receives the gradient from the device (bf16 or
 fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
 copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
 pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
@@ -16,6 +17,9 @@ Layers whose optimizer state lives on the device of a one-rank engine (backend/s
 take no bytes here ("lean"): their master weights, moments and gradient live on the device alone;
 their initial weights are loaded into it, and checkpoints, `state_dict` and exports read it, through a
 bounded host staging buffer (backend/state/staging.py).
+
+Layers whose gradient streams into the update (the plan's `streamed_gradients`: one rank, no clipping)
+have no gradient array: each chunk's gradient is applied from the pinned staging buffer it lands in.
 
 Layers updated during the backward (backend/runtime/early_updates.py) have a spare copy of master and
 moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
@@ -64,10 +68,11 @@ class LayerLayout:
     exp_avg: ArraySpec
     exp_avg_sq: ArraySpec
     delivery: ArraySpec | None
-    grad: ArraySpec
+    grad: ArraySpec | None  # None: the gradient streams into the update (no array here)
     spare: tuple[ArraySpec, ArraySpec, ArraySpec] | None = None  # master, exp_avg, exp_avg_sq
     lean: bool = False  # the state lives on the device alone: every array here is empty
     runs: tuple[tuple[int, int], ...] | None = None  # the layer's element ranges held here, packed (None: all)
+    grad_dtype: str = "float32"  # the gradient's dtype ("bfloat16" | "float32"), held here or streamed
 
     @property
     def held_numel(self) -> int:
@@ -76,13 +81,17 @@ class LayerLayout:
 
 
 def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                spare_layers=(), lean_layers=(), held=None) -> tuple[list[LayerLayout], int, int]:
+                spare_layers=(), lean_layers=(), no_copy_layers=(), no_grad_layers=(),
+                held=None) -> tuple[list[LayerLayout], int, int]:
     """Page-aligned layout of every layer's arrays (with a spare master and moments for the layers
     in `spare_layers`; nothing but empty arrays for the `lean_layers`, whose optimizer state lives
-    on the device of the engine's own process; only the element runs `held[layer id]` of the layers
-    held in part, several hosts: `host_runs`), then `control_ints` int64 counters; returns
-    (layouts, control region offset in bytes, total bytes)."""
+    on the device of the engine's own process; no delivery copy for the `no_copy_layers`, whose loads
+    read the master; no gradient for the `no_grad_layers`, whose gradient streams into the update
+    from the staging buffers; only the element runs `held[layer id]` of the layers held in part, several hosts:
+    `host_runs`), then `control_ints` int64 counters; returns (layouts, control region offset in
+    bytes, total bytes)."""
     spare_layers, lean_layers, held = set(spare_layers), set(lean_layers), dict(held or {})
+    no_copy_layers, no_grad_layers = set(no_copy_layers), set(no_grad_layers)
     if held and (spare_layers or lean_layers):
         raise ValueError("a host state held in part (several hosts) has no lean layers and no early updates")
     if spare_layers & lean_layers:
@@ -111,11 +120,12 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
                 master=take(n, "float32"),
                 exp_avg=take(n, "float32"),
                 exp_avg_sq=take(n, "float32"),
-                delivery=take(n, "bfloat16") if delivery_bf16 else None,
-                grad=take(n, grad_dtype),
+                delivery=take(n, "bfloat16") if delivery_bf16 and layer.id not in no_copy_layers else None,
+                grad=take(n, grad_dtype) if layer.id not in no_grad_layers else None,
                 spare=tuple(take(n, "float32") for _ in range(3)) if layer.id in spare_layers else None,
                 lean=lean,
                 runs=runs,
+                grad_dtype=grad_dtype,
             )
         )
     control = take(control_ints, "int64").offset_bytes
@@ -123,7 +133,9 @@ def plan_layout(graph: LayerGraph, *, delivery_bf16: bool, grad_dtype: str, cont
     if delivery_bf16 == (grad_dtype == "bfloat16"):  # the count the planner and the preflight use
         assert total == mem.host_state_bytes([layout.numel if layout.lean else layout.held_numel for layout in layouts],
                                              2 if delivery_bf16 else 4,
-                                             lean=lean_layers, spare=spare_layers, control_ints=control_ints)
+                                             lean=lean_layers, spare=spare_layers, no_copy=no_copy_layers,
+                                             no_grad=no_grad_layers,
+                                             control_ints=control_ints)
     return layouts, control, total
 
 
@@ -181,7 +193,8 @@ class LayerArrays:
 
     @property
     def source(self) -> torch.Tensor:
-        """What H2D copies read: the bf16 delivery copy, or the fp32 master."""
+        """What H2D copies read: the bf16 delivery copy, or the fp32 master (fp32 precision, or the copy
+        made on load: the device casts what lands, round to nearest even as the optimizer writes it)."""
         return self.delivery if self.delivery is not None else self.master
 
     def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -201,11 +214,13 @@ class HostState:
     """
 
     def __init__(self, graph: LayerGraph | None, *, delivery_bf16: bool, grad_dtype: str, control_ints: int = 0,
-                 spare_layers=(), lean_layers=(), held=None, _attach: tuple | None = None):
+                 spare_layers=(), lean_layers=(), no_copy_layers=(), no_grad_layers=(), held=None,
+                 _attach: tuple | None = None):
         if _attach is None:
             self.layouts, self.control_offset, self.nbytes = plan_layout(
                 graph, delivery_bf16=delivery_bf16, grad_dtype=grad_dtype, control_ints=control_ints,
-                spare_layers=spare_layers, lean_layers=lean_layers, held=held)
+                spare_layers=spare_layers, lean_layers=lean_layers, no_copy_layers=no_copy_layers,
+                no_grad_layers=no_grad_layers, held=held)
             self.fd = os.memfd_create("slidedp-host-state", os.MFD_CLOEXEC)
         else:
             path, self.layouts, self.control_offset, self.nbytes = _attach

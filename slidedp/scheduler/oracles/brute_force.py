@@ -7,7 +7,7 @@ from dataclasses import replace
 from itertools import product
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import GROUPS, Decisions, LayerChoice
+from slidedp.scheduler.decisions import GROUPS, KEPT, Decisions, LayerChoice
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
@@ -15,9 +15,10 @@ from slidedp.scheduler.oracles.timeline import simulate
 
 def all_decisions(costs: ProblemCosts):
     """Every Decisions the options allow: windows x orders x routes per group x chunks per layer
-    x activation per block."""
+    x activation per block x delivery copy per copyable layer."""
     W = costs.problem.world_size
     blocks = sorted(costs.blocks)
+    copy_choices = [costs.options.host_copies if i in costs.copyable else (KEPT,) for i in range(costs.n_layers)]
     for window in costs.windows():
         for order in costs.options.update_orders:
             for routes in product(costs.routes, repeat=len(GROUPS)):
@@ -25,9 +26,10 @@ def all_decisions(costs: ProblemCosts):
                 for mults in product(costs.options.chunk_multiples, repeat=costs.n_layers):
                     for acts in product(costs.options.activations, repeat=len(blocks)):
                         act_of = [costs.edge_activation(0)] + list(acts) + [costs.edge_activation(costs.epilogue_id)]
-                        yield Decisions(window, order, tuple(
-                            LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1])
-                            for i in range(costs.n_layers)))
+                        for copies in product(*copy_choices):
+                            yield Decisions(window, order, tuple(
+                                LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1], copies[i])
+                                for i in range(costs.n_layers)))
 
 
 def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions] | None:

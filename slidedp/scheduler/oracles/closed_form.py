@@ -28,7 +28,7 @@ class ClosedForm:
 
 def lane_update_ticks(costs: ProblemCosts, d: Decisions) -> dict[int, int]:
     """U_L = owned_o * update_piece_o: one rank's CPU lane time for layer L."""
-    return {i: costs.option(i, c.chunks, c.delivery, c.reduction).update_lane_ticks() for i, c in enumerate(d.layers)}
+    return {i: costs.option_of(i, c).update_lane_ticks() for i, c in enumerate(d.layers)}
 
 
 def update_starts(costs: ProblemCosts, d: Decisions) -> tuple[dict[int, int], int]:
@@ -45,7 +45,7 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
     """D of a present op (cpsat._duration with the literals' values)."""
     i = op.layer
     c = d.layers[i]
-    o = costs.option(i, c.chunks, c.delivery, c.reduction)
+    o = costs.option_of(i, c)
     if op.kind == "fwd":
         return costs.prologue_fwd if i == 0 else costs.blocks[i].fwd
     if op.kind == "epi":
@@ -99,7 +99,7 @@ def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
                     e = t + duration(costs, d, op, any_offload)
                     if op.chunkwise:
                         c = d.layers[op.layer]
-                        o = costs.option(op.layer, c.chunks, c.delivery, c.reduction)
+                        o = costs.option_of(op.layer, c)
                         e = max(e, R[op.layer] + o.load_schedule(o.fwd_piece_duplex if any_offload else o.fwd_piece))
                 else:
                     e = t

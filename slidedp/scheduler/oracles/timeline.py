@@ -109,13 +109,19 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     if d.update_order not in costs.options.update_orders:
         raise ValueError(f"update order {d.update_order!r} is not among {costs.options.update_orders}")
     for i, (layer, c) in enumerate(zip(g.layers, d.layers)):
-        costs.option(i, c.chunks, c.delivery, c.reduction)
+        costs.option_of(i, c)
         allowed = costs.options.activations if layer.kind == "block" else (costs.edge_activation(i),)
         if c.activation not in allowed:
             raise ValueError(f"layer {i} ({layer.kind}): activation {c.activation!r} is not among {allowed}")
     blocks = {(c.delivery, c.reduction) for c in d.layers[1:-1]}
     if len(blocks) != 1:
         raise ValueError(f"every block must share one delivery and reduction route, got {sorted(blocks)}")
+    if d.grads_streamed:
+        n, on_device = costs.n_layers, set(costs.problem.device_state)
+        landing = tuple(i for i in tuple(range(n - 2, -1, -1)) + (n - 1,) if i not in on_device)
+        if not costs.problem.grads_streamable or d.streamed or d.early_order != landing:
+            raise ValueError("streamed gradients need a problem that allows them (Problem.grads_streamable), no "
+                             "streamed updates, and every host layer updated as it lands (early_order)")
     if d.streamed:
         if not costs.problem.streamed_updates:
             raise ValueError("streamed updates are not allowed for this problem (Problem.streamed_updates)")
@@ -172,7 +178,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     prog: Lanes = build_lanes(N, d.window, W > 1, costs.head_reload)
     present = condition(d)
     order = d.order(costs.n_layers)
-    opt = [costs.option(i, c.chunks, c.delivery, c.reduction) for i, c in enumerate(d.layers)]
+    opt = [costs.option_of(i, c) for i, c in enumerate(d.layers)]
     any_offload = any(c.activation == OFFLOAD for c in d.layers)
 
     # Pieces: parallel lists indexed by piece id.

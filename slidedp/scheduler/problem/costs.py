@@ -15,7 +15,8 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel import ops
 from slidedp.costmodel.memory import DTYPE_BYTES
 from slidedp.scheduler.decisions import (
-    CPU, GPU, KEEP, OFFLOAD, RECOMPUTE, REPLICATED, RESIDENT, SHARDED, STREAMED, Decisions, Problem, SolverOptions,
+    CPU, GPU, KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, REPLICATED, RESIDENT, SHARDED, STREAMED, Decisions, LayerChoice,
+    Problem, SolverOptions,
 )
 
 
@@ -56,12 +57,16 @@ class TransferOption:
     update_piece: int  # one chunk on one rank's CPU lane: AdamW (+ the sum of W copies, cpu route)
     all_gather: int  # per load, sharded only
     reduce_scatter: int  # per gradient, gpu reduction only
-    staging_bytes: int  # device staging of the gradient (costmodel.memory.grad_staging_bytes)
+    staging_bytes: int  # device staging of the gradient (costmodel.memory.grad_staging_bytes), and of
+    # one fp32 chunk landing to be cast when the delivery copy is made on load
     piece_bytes: int  # bytes of one chunk in the compute dtype
+    host_copy: str = KEPT  # the delivery copy kept in host RAM or made on load (decisions.KEPT, ON_LOAD)
+    copy_host_bytes: int = 0  # host RAM of the kept copy on the host holding most of it, where it is a
+    # decision (copyable_layers); 0 where made on load, or counted in the host state's fixed part
 
     @property
-    def key(self) -> tuple[int, str, str]:
-        return (self.chunks, self.delivery, self.reduction)
+    def key(self) -> tuple[int, str, str, str]:
+        return (self.chunks, self.delivery, self.reduction, self.host_copy)
 
     def update_lane_ticks(self) -> int:
         """A rank's CPU lane time for the whole layer: owned * update_piece."""
@@ -114,6 +119,10 @@ class ProblemCosts:
                        h2d_duplex=ops.h2d_bytes_per_s(hw, G, duplex=True),
                        d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
         self._choose_routes()
+        self.copyable = copyable_layers(problem, self.options)
+        # the gradients a plan keeps unless they stream into the update (Problem.grads_streamable)
+        self.streamable_grad_bytes = sum(mem.host_grad_bytes(layer.numel, DTYPE_BYTES[problem.graph.compute_dtype])
+                                         for layer in streamable_grad_layers(problem))
         if problem.vocab_streamed and self.routes != [(REPLICATED, CPU)]:
             raise ValueError("a vocabulary-streamed prologue or epilogue moves by the replicated delivery and the "
                              f"CPU reduction only; the routes here are {self.routes}")
@@ -165,9 +174,12 @@ class ProblemCosts:
         for layer in g.layers:
             numel, opts = layer.numel, []
             on_device = layer.id in problem.device_state  # copies within the device, update there
-            for mult, (delivery, reduction) in product(self.options.chunk_multiples, self.routes):
+            copies = self.options.host_copies if layer.id in self.copyable else (KEPT,)
+            for mult, (delivery, reduction), copy in product(self.options.chunk_multiples, self.routes, copies):
                 k = mult * W
                 piece_bytes = numel * self.elem / k
+                # made on load: H2D copies read the fp32 master (4 B per parameter) into a landing chunk
+                load_bytes = numel * 4 / k if copy == ON_LOAD else piece_bytes
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
@@ -176,9 +188,9 @@ class ProblemCosts:
                     update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=G)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
-                    fwd_piece=t(ops.transfer_time_s(piece_bytes, rates.h2d_alone, curve)),
-                    fwd_piece_duplex=t(ops.transfer_time_s(piece_bytes, rates.h2d_duplex, curve)),
-                    bwd_piece=t(ops.transfer_time_s(piece_bytes, rates.h2d_duplex, curve)),
+                    fwd_piece=t(ops.transfer_time_s(load_bytes, rates.h2d_alone, curve)),
+                    fwd_piece_duplex=t(ops.transfer_time_s(load_bytes, rates.h2d_duplex, curve)),
+                    bwd_piece=t(ops.transfer_time_s(load_bytes, rates.h2d_duplex, curve)),
                     grad_pieces=grad_pieces,
                     grad_piece=t(ops.transfer_time_s(piece_bytes, rates.d2h_duplex, curve)),
                     update_piece=t(update),
@@ -188,9 +200,15 @@ class ProblemCosts:
                                     if reduction == GPU else 0),
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
+                    host_copy=copy,
+                    copy_host_bytes=self._copy_host_bytes(layer, k) if copy == KEPT else 0,
                 )
                 if layer.id in problem.vocab_streamed:  # its chunks' casts: costmodel.memory.vocab_stream_bytes
                     option = replace(option, staging_bytes=0)
+                if copy == ON_LOAD:  # one chunk (a vocabulary chunk where the table streams) lands in fp32
+                    landing = min(-(-numel // k), problem.vocab_chunk_numel if layer.id in problem.vocab_streamed
+                                  else numel)
+                    option = replace(option, staging_bytes=option.staging_bytes + 4 * landing)
                 if on_device and problem.device_state_sharded:
                     # each load: the owners cast their master's chunks into the slot and the GPUs
                     # all-gather them (chunk by chunk, on the H2D stream); the fp32 gradient is
@@ -207,6 +225,15 @@ class ProblemCosts:
                 opts.append(option)
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
+
+    def _copy_host_bytes(self, layer, chunks: int) -> int:
+        """Host RAM of a copyable layer's kept delivery copy on the host holding most of it: the whole
+        layer on one host; with several, at most ceil(chunks / hosts) of its chunks (a bound)."""
+        if layer.id not in self.copyable:
+            return 0
+        hosts, n = self.problem.hosts, layer.numel
+        held = n if hosts == 1 else min(n, -(-chunks // hosts) * -(-n // chunks))
+        return mem.host_copy_bytes(held, self.elem)
 
     def _block_ticks(self, rates: "_Rates") -> None:
         """Per block: forward, backward per activation policy, offload and reload ticks, and its bytes."""
@@ -347,7 +374,9 @@ class ProblemCosts:
                          if layer.id not in p.device_state), default=0)
 
         def of_host(numels) -> dict[str, int]:
-            return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p), spare=d.early_order,
+            return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p),
+                                   spare=() if d.grads_streamed else d.early_order, no_copy=self.copies_made_on_load(d),
+                                   no_grad=[layer.id for layer in streamable_grad_layers(p)] if d.grads_streamed else (),
                                    offloaded_bytes=G * self.host_offload_bytes(d), max_chunk_numel=max_chunk)
 
         return max((of_host(numels) for numels in self.host_numels(d)), key=lambda parts: parts["state"])
@@ -362,21 +391,39 @@ class ProblemCosts:
         return [mem.host_held_numels(layers, p.world_size, p.hosts, h, whole=p.device_state)
                 for h in range(p.hosts)]
 
+    def copies_made_on_load(self, d: Decisions) -> frozenset:
+        """The layers of `d` whose delivery copy is made on load."""
+        return frozenset(i for i, c in enumerate(d.layers) if c.host_copy == ON_LOAD)
+
+    def kept_copy_bytes(self, d: Decisions) -> int:
+        """Host RAM of the delivery copies `d` keeps where that is a decision (`copy_host_bytes`)."""
+        return sum(self.option_of(i, c).copy_host_bytes for i, c in enumerate(d.layers))
+
+    def host_left_bytes(self, d: Decisions) -> int:
+        """Host RAM of one host that `d` takes beyond the fixed part: its ranks' offloaded activations,
+        the delivery copies it keeps and, where they could stream, the gradients it keeps; within
+        ranks_per_host * host_offload_bytes."""
+        grads = 0 if d.grads_streamed else self.streamable_grad_bytes
+        return self.problem.ranks_per_host * self.host_offload_bytes(d) + self.kept_copy_bytes(d) + grads
+
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
-        """The device peak within the budget and the offloaded activations within host memory."""
+        """The device peak within the budget; the offloaded activations and the kept delivery copies
+        within host memory."""
         limit = self.problem.host_offload_bytes
-        return peak_bytes <= budget_bytes and (limit is None or self.host_offload_bytes(d) <= limit)
+        return peak_bytes <= budget_bytes and (
+            limit is None or self.host_left_bytes(d) <= self.problem.ranks_per_host * limit)
 
     def windows(self) -> tuple[int, ...]:
         """Window sizes worth trying: the options, capped at the number of blocks."""
         return tuple(sorted({min(w, self.n_blocks) for w in self.options.windows}))
 
-    def option(self, layer_id: int, chunks: int, delivery: str, reduction: str) -> TransferOption:
+    def option_of(self, layer_id: int, c: LayerChoice) -> TransferOption:
+        """The transfer option of a layer's choice (its chunks, routes and delivery copy)."""
         try:
-            return self._option_index[(layer_id, chunks, delivery, reduction)]
+            return self._option_index[(layer_id, c.chunks, c.delivery, c.reduction, c.host_copy)]
         except KeyError:
-            raise ValueError(f"layer {layer_id}: no option chunks={chunks}, {delivery}, {reduction} among "
-                             f"{[o.key for o in self.layer_options[layer_id]]}") from None
+            raise ValueError(f"layer {layer_id}: no option chunks={c.chunks}, {c.delivery}, {c.reduction}, copy "
+                             f"{c.host_copy} among {[o.key for o in self.layer_options[layer_id]]}") from None
 
     def owner(self, update_position: int, chunk: int) -> int:
         """Rank whose CPU threads update a chunk: (position in update order + chunk) mod W."""
@@ -398,6 +445,24 @@ class ProblemCosts:
         return total
 
 
+def copyable_layers(problem: Problem, options: SolverOptions) -> frozenset:
+    """Host layers whose delivery copy is a decision (kept or made on load): with a compute dtype
+    narrower than fp32, where the problem offers it (Problem.copies_on_load) and the options allow it;
+    not the layers whose state is on the device (their loads read the device's master)."""
+    g = problem.graph
+    if not problem.copies_on_load or ON_LOAD not in options.host_copies or DTYPE_BYTES[g.compute_dtype] == 4:
+        return frozenset()
+    return frozenset(layer.id for layer in g.layers if layer.id not in problem.device_state and layer.numel)
+
+
+def streamable_grad_layers(problem: Problem) -> list:
+    """The host layers whose gradient may stream into their update (Problem.grads_streamable): every
+    layer with parameters whose state is not on the device."""
+    if not problem.grads_streamable:
+        return []
+    return [layer for layer in problem.graph.layers if layer.numel and layer.id not in problem.device_state]
+
+
 def host_lean_layers(problem: Problem) -> frozenset:
     """Layers whose host state is lean (nothing on the host: costmodel.memory.host_layer_bytes):
     those whose optimizer state is on the device of a one-rank engine, which runs in the engine's own
@@ -407,7 +472,8 @@ def host_lean_layers(problem: Problem) -> frozenset:
 
 def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int]:
     """Host RAM every plan of `problem` takes whatever its decisions (one host's ranks): the host state with
-    its control region (with several hosts, a bound on a host's share over every chunk count), and the
+    its control region (without the delivery copies that are decisions, copyable_layers, nor the
+    gradients that may stream into the update, streamable_grad_layers) (with several hosts, a bound on a host's share over every chunk count), and the
     pinned gradient staging of the largest chunk of a host layer any decisions can have (the fewest
     chunks: the smallest chunk multiple times the ranks). Early updates' spare state and offloaded
     activations come on top, as the decisions choose them."""
@@ -420,7 +486,8 @@ def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int
                   max(min(n, -(-m * W // problem.hosts) * -(-n // (m * W))) for m in options.chunk_multiples)
                   for layer, n in zip(g.layers, numels)]
     return mem.host_memory(numels, elem, world_size=G, lean=host_lean_layers(problem),
-                           max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
+                           no_copy=copyable_layers(problem, options),
+                           no_grad=[layer.id for layer in streamable_grad_layers(problem)], max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
                                                 if layer.id not in problem.device_state), default=0))
 
 

@@ -113,7 +113,7 @@ class Footprint:
 def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str, ...]) -> Footprint:
     """mem(x) at every position for these decisions, and the breakdown of the peak."""
     activation = {i: decisions.layers[i].activation for i in costs.blocks}
-    staging = max(costs.option(i, c.chunks, c.delivery, c.reduction).staging_bytes
+    staging = max(costs.option_of(i, c).staging_bytes
                   for i, c in enumerate(decisions.layers))
     m = costs.problem.micro_batches
     kept_prefix = [0]  # bytes kept by blocks 1..j (the blocks held at a position are always 1..j)

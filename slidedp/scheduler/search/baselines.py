@@ -3,15 +3,16 @@
 hints, and the solver's plan is never slower than any of them that fits.
 
 Common to all: the fewest chunks (one per rank), replicated delivery and CPU reduction (unless the
-options force another route: `ProblemCosts.default_route`), the forward update order, and the
-widest of windows 2 then 1 that fits.
+options force another route: `ProblemCosts.default_route`), the forward update order, the delivery
+copies kept (all made on load where they do not fit the host budget), and the widest of windows 2
+then 1 that fits.
 """
 
 from __future__ import annotations
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, KEEP, RECOMPUTE, Decisions, LayerChoice,
+    FORWARD_ORDER, KEEP, ON_LOAD, RECOMPUTE, Decisions, LayerChoice,
 )
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
@@ -29,7 +30,12 @@ def uniform(costs: ProblemCosts, *, window: int, activation: str, chunk_multiple
     layers = tuple(LayerChoice(k, activation if i in costs.blocks else costs.edge_activation(i), route[0], route[1])
                    for i in range(costs.n_layers))
     order = order or (FORWARD_ORDER if FORWARD_ORDER in costs.options.update_orders else costs.options.update_orders[0])
-    return Decisions(min(window, costs.n_blocks), order, layers)
+    d = Decisions(min(window, costs.n_blocks), order, layers)
+    limit = costs.problem.host_offload_bytes
+    need = costs.host_left_bytes(d) - costs.streamable_grad_bytes  # gradients that may stream do (early_order.py)
+    if limit is not None and need > costs.problem.ranks_per_host * limit:
+        d = d.replace_layers(costs.copyable, host_copy=ON_LOAD)  # every copy made on load where they don't fit
+    return d
 
 
 def peak_bytes(costs: ProblemCosts, d: Decisions) -> int:

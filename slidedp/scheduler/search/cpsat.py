@@ -174,7 +174,7 @@ def _decision_variables(m: cp_model.CpModel, costs: ProblemCosts, acts, orders) 
             v.act[(i, a)] = m.new_bool_var(f"act[L{i},{a}]")
     for i, opts in enumerate(costs.layer_options):
         for o in opts:
-            v.opt[(i, o.key)] = m.new_bool_var(f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction}]")
+            v.opt[(i, o.key)] = m.new_bool_var(f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction},{o.host_copy}]")
     for g in GROUPS:
         for d, r in costs.routes:
             v.route[(g, d, r)] = m.new_bool_var(f"route[{g},{d},{r}]")
@@ -404,7 +404,8 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         staging >= sum_o opt[L,o] staging_o                        for every layer L
         kept_i = kept_(i-1) + m saved_i act[i,keep]                 (blocks 1..i keep, prefix sum)
         base(x) + staging + kept_(j(x)) + sum_i (offload and recompute terms(x) act[i,.]) <= cap
-        sum_i m saved_i act[i,offload] <= host_offload_bytes            (host memory, when limited)
+        G sum_i m saved_i act[i,offload] + sum_L,o copy_L,o opt[L,o] <= G host_offload_bytes
+                                       (host memory of one host's G ranks and kept copies, when limited)
 
     where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward)."""
     for i, opts in enumerate(costs.layer_options):
@@ -428,10 +429,12 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         for policy, pairs in ((OFFLOAD, t.offload), (RECOMPUTE, t.recompute)):
             expr += sum(b * v.act[(i, policy)] for i, b in pairs if (i, policy) in v.act)
         m.add(expr <= cap)
-    limit = costs.problem.host_offload_bytes
-    offloads = [(m_batches * b.saved_bytes, v.act[(i, OFFLOAD)]) for i, b in costs.blocks.items() if (i, OFFLOAD) in v.act]
-    if limit is not None and offloads:
-        m.add(sum(b * lit for b, lit in offloads) <= limit)  # host memory of the offloaded activations
+    limit, G = costs.problem.host_offload_bytes, costs.problem.ranks_per_host
+    host = [(G * m_batches * b.saved_bytes, v.act[(i, OFFLOAD)]) for i, b in costs.blocks.items() if (i, OFFLOAD) in v.act]
+    host += [(o.copy_host_bytes, v.opt[(i, o.key)]) for i, opts in enumerate(costs.layer_options) for o in opts
+             if o.copy_host_bytes]
+    if limit is not None and host:  # host memory of the offloaded activations and the kept delivery copies
+        m.add(sum(b * lit for b, lit in host) <= G * limit)
 
 
 def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
@@ -449,7 +452,7 @@ def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
 def _decision_values(costs: ProblemCosts, v: Vars, d: Decisions):
     """(literal, value) of every decision variable for decisions `d` (hints, pinning)."""
     out = [(lit, d.layers[i].activation == a) for (i, a), lit in v.act.items()]
-    chosen = {i: (x.chunks, x.delivery, x.reduction) for i, x in enumerate(d.layers)}
+    chosen = {i: (x.chunks, x.delivery, x.reduction, x.host_copy) for i, x in enumerate(d.layers)}
     out += [(lit, chosen[i] == key) for (i, key), lit in v.opt.items()]
     first = {"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}
     out += [(lit, (d.layers[first[g]].delivery, d.layers[first[g]].reduction) == (dl, r))
@@ -463,7 +466,7 @@ def _read_back(solver: cp_model.CpSolver, costs: ProblemCosts, v: Vars, window: 
     for i, opts in enumerate(costs.layer_options):
         key = next(o.key for o in opts if solver.boolean_value(v.opt[(i, o.key)]))
         act = costs.edge_activation(i) if i not in costs.blocks else next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
-        layers.append(LayerChoice(key[0], act, key[1], key[2]))
+        layers.append(LayerChoice(key[0], act, key[1], key[2], key[3]))
     order = next((o for o in orders if solver.boolean_value(v.order[o])), orders[0]) if v.order else orders[0]
     return Decisions(window, order, tuple(layers))
 
@@ -523,7 +526,7 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
             kept += costs.problem.micro_batches * costs.blocks[i].saved_bytes
         if not isinstance(v.kept[i], int):
             values.append((v.kept[i], kept))
-    values.append((v.staging, max(costs.option(i, c.chunks, c.delivery, c.reduction).staging_bytes
+    values.append((v.staging, max(costs.option_of(i, c).staging_bytes
                                   for i, c in enumerate(d.layers))))
     values += [(v.cpu_end, cf.cpu_end), (v.makespan, cf.makespan)]
     for var, value in values:

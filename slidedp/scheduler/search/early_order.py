@@ -6,6 +6,10 @@ the next step loads them in its update order (prologue, blocks, epilogue). The C
 m layers as they land, then the rest in the order the next step loads them (the simulator's note [early updates] lays that out in steady
 state): m = all keeps the CPU busy through the backward but makes the next forward wait for the
 prologue's update; a smaller m lets the forward start sooner. The best m is found by simulation.
+
+Where the problem allows it (Problem.grads_streamable) the other way is compared: every layer's
+gradient streamed into its update as it lands (m = all, in place), which needs no spare state and
+keeps no gradient in host RAM.
 """
 
 from __future__ import annotations
@@ -42,12 +46,30 @@ def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
-    """`d` with its best early order (None: early updates not allowed, or no host layer)."""
-    limit = costs.problem.early_host_bytes
+    """`d` with its best early order, or with its gradients streamed into the update (every host
+    layer as it lands, in place: neither spare nor gradient in host RAM), whichever is faster and
+    fits; None: neither allowed (or no host layer)."""
     n = costs.n_layers - len(costs.problem.device_state) - len(d.streamed)
+    found = [e for e in (_streamed_gradients(costs, d, n), _spare_early(costs, d, n)) if e is not None]
+    return min(found, key=lambda e: e[1].makespan) if found else None
+
+
+def _streamed_gradients(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
+    """`d` with every host layer's gradient streamed into its update (Problem.grads_streamable)."""
+    if not costs.problem.grads_streamable or n == 0 or d.streamed:
+        return None
+    e = replace(d, early_order=early_order(costs, d, n), grads_streamed=True)
+    return e, simulate(costs, e, all_ranks=False)
+
+
+def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
+    """`d` with the early order of the fastest step whose updates write a spare (taken back if the
+    gradient is not finite), where the spare state fits."""
+    limit = costs.problem.early_host_bytes
     # the spare state shares the host RAM left beside the host state with d's offloaded activations
-    offloaded = costs.problem.world_size * costs.host_offload_bytes(d)
-    if limit is None or n == 0 or spare_bytes(costs, d) + offloaded > limit:
+    # and the delivery copies and gradients it keeps
+    d = replace(d, grads_streamed=False)
+    if limit is None or n == 0 or spare_bytes(costs, d) + costs.host_left_bytes(d) > limit:
         return None
     tried: dict[int, tuple[Decisions, Simulation]] = {}
 
@@ -74,4 +96,6 @@ def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation
 def search(costs: ProblemCosts, budget_bytes: int, start: Decisions) -> Found | None:
     """`start` with its best early order, as a search strategy (None: not allowed, or no host layer)."""
     found = best_early(costs, start)
-    return None if found is None else Found("early updates", *found)
+    if found is None:
+        return None
+    return Found("gradients streamed into the update" if found[0].grads_streamed else "early updates", *found)

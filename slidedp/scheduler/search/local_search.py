@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
+from slidedp.scheduler.decisions import KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.lanes import build_lanes
@@ -55,6 +55,16 @@ def moves(costs: ProblemCosts, d: Decisions):
         for mult in costs.options.chunk_multiples:
             if mult * W != current.chunks or any(d.layers[i].chunks != current.chunks for i in ids):
                 yield d.replace_layers(ids, chunks=mult * W)
+    if costs.copyable:  # every delivery copy kept, or made on load; one more block's made on load, one fewer
+        for copy in costs.options.host_copies:
+            if any(d.layers[i].host_copy != copy for i in costs.copyable):
+                yield d.replace_layers(costs.copyable, host_copy=copy)
+        kept = [i for i in blocks if i in costs.copyable and d.layers[i].host_copy == KEPT]
+        made = [i for i in blocks if i in costs.copyable and d.layers[i].host_copy == ON_LOAD]
+        if kept:
+            yield d.replace_layers([kept[-1]], host_copy=ON_LOAD)
+        if made:
+            yield d.replace_layers([made[0]], host_copy=KEPT)
     for a in costs.options.activations:
         if any(d.layers[i].activation != a for i in blocks):
             yield d.replace_layers(blocks, activation=a)
@@ -120,7 +130,7 @@ def changed(before: Decisions, after: Decisions) -> list[str]:
     out = [name for name, attr in (("window", "window"), ("update order", "update_order")) if
            getattr(before, attr) != getattr(after, attr)]
     for name, attr in (("chunks", "chunks"), ("activations", "activation"), ("delivery", "delivery"),
-                       ("reduction", "reduction")):
+                       ("reduction", "reduction"), ("delivery copies", "host_copy")):
         if any(getattr(a, attr) != getattr(b, attr) for a, b in zip(before.layers, after.layers)):
             out.append(name)
     return out

@@ -55,7 +55,7 @@ def _best_streamed_at(costs: ProblemCosts, d: Decisions, budget_bytes: int
     hosts = candidates(costs, d)
     if not hosts:
         return None
-    base = replace(d, early_order=(), streamed=())
+    base = replace(d, early_order=(), streamed=(), grads_streamed=False)
     early = bool(d.early_order)
     tried: dict[int, tuple[Decisions, Simulation] | None] = {}
 

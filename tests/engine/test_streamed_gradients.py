@@ -1,0 +1,140 @@
+"""Streamed gradients (plan.streamed_gradients: one rank, no clipping, one pass, nonfinite="stop"):
+each piece of a host layer's gradient updates the layer in place from the staging buffer it lands in,
+and the host keeps no gradient. The training is that of the same plan updated after the backward,
+bit for bit, and torch.optim.AdamW's; the planner streams them where the host budget needs it; a
+non-finite gradient stops training with the state named as part-applied, until a checkpoint loads."""
+
+import copy
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.costmodel import memory as mem
+from slidedp.scheduler.decisions import SolverOptions
+from slidedp.scheduler.search.early_order import landing_order
+from tests.engine.test_early_updates import train_beside_late
+from tests.engine.test_exactness import BATCH, LR, SEQ, WD, random_batch
+from tests.models import VOCAB, make_model
+from tests.reliability.test_numerical_faults import poison
+
+KW = dict(batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", micro_batches=2)
+KEPT_COPIES = SolverOptions(host_copies=("kept",))
+
+
+def streamed_plan(model, **kw):
+    """The solved plan of `model` with every host layer's gradient streamed into its update."""
+    plan = slidedp.plan(model, "1GiB", **KW, **kw)
+    n = len(plan.decisions)
+    host = [i for i in landing_order(n) if i not in plan.device_state]
+    return plan.replace(early_order=tuple(host), streamed_gradients=True)
+
+
+def compiled(model, plan, **kw):
+    kw = {"nonfinite": "stop", **kw}
+    return slidedp.compile(model, "1GiB", **KW, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), plan=plan, **kw)
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("gpt2", True)])
+def test_streamed_gradients_are_exact(family, tied):
+    model = make_model(family, tied=tied)
+    ref, late_model = copy.deepcopy(model).eval(), copy.deepcopy(model)
+    plan = streamed_plan(model)
+    engine = compiled(model, plan)
+    late = compiled(late_model, plan.replace(early_order=(), streamed_gradients=False))
+    assert all(layer.grad is None and layer.spare is None for layer in engine.host.layers)
+    assert engine.runner.early is None and all(layer.grad is not None for layer in late.host.layers)
+    numels = [layer.numel for layer in engine.graph.layers]
+    assert engine.host.nbytes == mem.host_state_bytes(numels, 4, no_grad=range(len(numels)),
+                                                      control_ints=mem.step_flag_ints(1, len(numels)))
+    with engine, late:
+        train_beside_late(engine, late, ref, steps=3, seed=7)
+
+
+def test_a_tight_host_budget_streams_the_gradients_and_trains_exactly(tmp_path):
+    """Host RAM a byte short of the plan that keeps its gradients: the planner streams them (credited
+    to its search), the host state is 4 B per parameter less in fp32, the run equals the kept plan's,
+    and a checkpoint of either layout resumes under the other."""
+    model = make_model("qwen3")
+    kept_plan = slidedp.plan(model, "1GiB", **KW, nonfinite="stop", solver_options=KEPT_COPIES)
+    assert not kept_plan.streamed_gradients
+    plan = slidedp.plan(model, "1GiB", **KW, nonfinite="stop", solver_options=KEPT_COPIES,
+                        host_memory=kept_plan.peak_host_bytes - 1)
+    assert plan.streamed_gradients and plan.peak_host_bytes < kept_plan.peak_host_bytes
+    assert "gradients streamed into the update" in plan.solver["searches"]
+    assert "streamed gradients" in plan.summary()
+    again = slidedp.Plan.from_dict(plan.to_dict())
+    again.validate()
+    assert again == plan
+    with pytest.raises(slidedp.InfeasibleBudgetError):  # without nonfinite="stop" the gradients must fit
+        slidedp.plan(model, "1GiB", **KW, solver_options=KEPT_COPIES, host_memory=plan.peak_host_bytes)
+    gen = torch.Generator().manual_seed(2)
+    batches = [random_batch(gen, 2 * BATCH) for _ in range(4)]
+    engine, kept = compiled(copy.deepcopy(model), plan), compiled(copy.deepcopy(model), kept_plan)
+    for ids, labels in batches[:2]:
+        assert engine.step(ids, labels) == kept.step(ids, labels)
+    engine.save_checkpoint(tmp_path / "streamed")
+    kept.save_checkpoint(tmp_path / "kept")
+    for ids, labels in batches[2:]:
+        assert engine.step(ids, labels) == kept.step(ids, labels)
+    expected = engine.state_dict()
+    assert all(torch.equal(w, kept.state_dict()[k]) for k, w in expected.items())
+    engine.close()
+    kept.close()
+    for source, p in ((tmp_path / "kept", plan), (tmp_path / "streamed", kept_plan)):
+        with compiled(copy.deepcopy(model), p) as resumed:
+            resumed.load_checkpoint(source)
+            for ids, labels in batches[2:]:
+                resumed.step(ids, labels)
+            assert all(torch.equal(w, expected[k]) for k, w in resumed.state_dict().items()), source.name
+
+
+def test_a_non_finite_gradient_stops_with_the_state_named_part_applied(tmp_path):
+    """Block 1's gradient turns non-finite after later layers were updated in place: the step raises,
+    the next step is refused, and a checkpoint brings the engine back."""
+    switch = {"on": False}
+    model = make_model("llama")
+    poison(model, "backward", switch)
+    engine = compiled(model, streamed_plan(model))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(3)]
+    engine.step(batches[0])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    switch["on"] = True
+    with pytest.raises(slidedp.NonFiniteGradientError, match="part-applied"):
+        engine.step(batches[1])
+    switch["on"] = False
+    with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
+        engine.step(batches[2])
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.step(batches[2])
+    engine.close()
+
+
+def test_streamed_gradient_plans_need_one_pass_no_clipping_and_stop():
+    model = make_model("llama")
+    plan = streamed_plan(model)
+    with pytest.raises(ValueError, match="nonfinite='stop'"):
+        compiled(model, plan, nonfinite="skip")
+    with pytest.raises(ValueError, match="max_grad_norm=None"):
+        compiled(model, plan, max_grad_norm=1.0)
+    with compiled(model, plan) as engine:
+        with pytest.raises(ValueError, match="one pass per step"):
+            engine.step(torch.randint(0, VOCAB, (4 * BATCH, SEQ)))
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))  # still usable: nothing had run
+    bad = plan.replace(early_order=plan.early_order[1:])
+    assert any("streamed_gradients" in p for p in bad.problems())
+
+
+def test_stop_without_streaming_raises_and_changes_nothing():
+    """nonfinite="stop" on a plan that keeps its gradients: the step raises, nothing was applied."""
+    switch = {"on": False}
+    model = make_model("llama")
+    poison(model, "forward", switch)
+    with compiled(model, streamed_plan(model).replace(early_order=(), streamed_gradients=False)) as engine:
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+        before = {k: v.clone() for k, v in engine.state_dict().items()}
+        switch["on"] = True
+        with pytest.raises(slidedp.NonFiniteGradientError, match="nothing was applied"):
+            engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+        assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
