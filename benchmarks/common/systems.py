@@ -1,5 +1,6 @@
 """The systems compared, one (system, tokens) point in one process: slidedp (compiled or eager blocks),
-GPU-resident PyTorch and FSDP2 (with or without CPU offload), on the same model and batches (`Point`),
+GPU-resident PyTorch, FSDP2 (with or without CPU offload) and DeepSpeed ZeRO-Offload (stage 2 or 3;
+deepspeed_zero.py), on the same model and batches (`Point`),
 and `worker`, which runs a point and writes its record, an error included."""
 
 from __future__ import annotations
@@ -301,6 +302,22 @@ class Point:
     def oom_errors(self) -> tuple:
         torch = self.torch
         return (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError, MemoryError)
+
+    # -- DeepSpeed ZeRO-Offload (benchmarks/common/deepspeed_zero.py) --
+    def setup_deepspeed_zero2_offload(self):
+        from benchmarks.common import deepspeed_zero
+
+        return deepspeed_zero.setup(self, "deepspeed_zero2_offload")
+
+    def setup_deepspeed_zero3_offload(self):
+        from benchmarks.common import deepspeed_zero
+
+        return deepspeed_zero.setup(self, "deepspeed_zero3_offload")
+
+    def setup_deepspeed_zero3_offload_param(self):
+        from benchmarks.common import deepspeed_zero
+
+        return deepspeed_zero.setup(self, "deepspeed_zero3_offload_param")
 
     # -- FSDP2 + CPUOffloadPolicy --
     def setup_fsdp2_cpu_offload(self):

@@ -1,5 +1,6 @@
 """Every system in the same run, on the same random-init model and the same batches: slidedp against
-GPU-resident PyTorch and FSDP2 with CPU offload, Qwen3-4B shape, seq 4096, one H200.
+GPU-resident PyTorch, FSDP2 with CPU offload and DeepSpeed ZeRO-Offload (ZeRO-2 and ZeRO-3, CPU Adam),
+Qwen3-4B shape, seq 4096, one H200.
 
     python benchmarks/single_gpu_throughput/run.py --tokens 4096 16384 32768 \
         --systems slidedp gpu_resident fsdp2_cpu_offload --budget 40GiB --steps 3 --readme
@@ -51,6 +52,21 @@ accumulation over micro-batches of 1 x seq rows):
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, `torch.optim.AdamW(fused=True)` on
   the CPU-resident DTensor parameters (if this torch cannot, the record's "optimizer" says so and
   names the for-loop AdamW used instead), activation checkpointing of every block.
+* deepspeed_zero2_offload, deepspeed_zero3_offload, deepspeed_zero3_offload_param: DeepSpeed (optional:
+  `pip install -e '.[deepspeed]'`; benchmarks/common/deepspeed_wheels.sh prepares the wheels for a machine
+  without network) in this one process, no launcher: `deepspeed.init_distributed` on a free local port
+  (NCCL, world size 1), then `deepspeed.initialize` with the config of
+  `benchmarks/common/deepspeed_zero.py: zero_offload_config`: ZeRO stage 2 or 3, bf16,
+  `offload_optimizer: {device: cpu, pin_memory: true}` (DeepSpeedCPUAdam in AdamW mode, fp32 master and
+  moments on the CPU; its C++ op JIT-built before the build timer stops, its seconds in
+  "cpu_adam_build_s"), overlap_comm, contiguous gradients, 5e8-element buckets (ZeRO-2) or Hugging
+  Face's hidden^2-based sizes (ZeRO-3), and for `_param` the parameters offloaded to pinned CPU memory
+  too; DeepSpeed's own gradient clipping and gradient accumulation (one engine.step per micro-batch, the
+  update at the last). Activation checkpointing on the fewest leading blocks that fit
+  (`--deepspeed-checkpoint auto`: probed on the bare bf16 model before deepspeed.initialize, whose whole
+  gradient on the device is more than ZeRO's buckets), or `all`, `none`, a number. Blocks are not
+  compiled. A DeepSpeed that is missing, or whose op does not build, becomes the point's "error" (the
+  compiler's output included), and the run goes on.
 
 On `--device cpu` (the smoke path for tests) slidedp runs in fp32, gpu_resident is the same model
 and loop on the CPU without autocast and with plain AdamW (`fused=False`), and FSDP2 runs on a gloo
@@ -94,14 +110,15 @@ if str(HERE.parents[1]) not in sys.path:  # run as a script: the repository root
 
 from benchmarks.common import systems  # noqa: E402
 from benchmarks.common.child import run_child  # noqa: E402,F401 - part of this harness's interface
-from benchmarks.common.cli import add_model_args, add_record_args  # noqa: E402
+from benchmarks.common.cli import add_model_args, add_record_args, checkpoint_choice  # noqa: E402
+from benchmarks.common.deepspeed_zero import NAMES as DEEPSPEED_NAMES, SYSTEMS as DEEPSPEED_SYSTEMS  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
 from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, empty_model, qwen3_config)  # noqa: E402,F401
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
 from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
 from benchmarks.common.tables import gib as _gib, num as _num, update_readme as _update_readme  # noqa: E402
-SYSTEMS = ("slidedp", "slidedp_eager", "gpu_resident", "fsdp2_cpu_offload")
+SYSTEMS = ("slidedp", "slidedp_eager", "gpu_resident", "fsdp2_cpu_offload", *DEEPSPEED_SYSTEMS)
 BASELINES = ("gpu_resident", "fsdp2_cpu_offload")
 REQUIRED_KEYS = ("system", "tokens_per_step", "tokens_per_s", "peak_device_bytes", "peak_host_bytes",
                  "measured_step_s", "predicted_step_s", "budget_bytes", "date", "command")
@@ -124,7 +141,8 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--shape", args.shape, "--device", args.device, "--budget", args.budget, "--steps", str(args.steps),
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
                "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
-               "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm)]
+               "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm),
+               "--deepspeed-checkpoint", args.deepspeed_checkpoint]
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
@@ -162,7 +180,8 @@ def drive(args) -> int:
 
 # -- rendering -------------------------------------------------------------------------------------------
 
-NAMES = {"slidedp": "slidedp", "slidedp_eager": "slidedp, eager blocks", "gpu_resident": "GPU-resident", "fsdp2_cpu_offload": "FSDP2 + CPU offload"}
+NAMES = {"slidedp": "slidedp", "slidedp_eager": "slidedp, eager blocks", "gpu_resident": "GPU-resident",
+         "fsdp2_cpu_offload": "FSDP2 + CPU offload", **DEEPSPEED_NAMES}
 
 
 def render_table(records: list[dict]) -> str:
@@ -227,6 +246,22 @@ def baseline_configs(records: list[dict]) -> list[str]:
     return out or ["no point"]
 
 
+def deepspeed_configs(records: list[dict]) -> list[str]:
+    """How each DeepSpeed point ran: version, ZeRO stage, what was offloaded, its optimizer, the
+    checkpointed blocks; or why it did not run."""
+    out = []
+    for r in records:
+        if r.get("system") not in DEEPSPEED_SYSTEMS:
+            continue
+        head = f"{NAMES[r['system']]}, {r['tokens_per_step']} tokens"
+        if r.get("error"):
+            out.append(f"{head}: did not run ({r['error'].splitlines()[0][:200]})")
+            continue
+        out.append(f"{head}: DeepSpeed {r.get('deepspeed')}, {r.get('optimizer')}, "
+                   f"{r.get('checkpointed_blocks')} block(s) checkpointed")
+    return out
+
+
 def render_section(records: list[dict], out_path: Path | str | None = None) -> str:
     """The README section: title, commands, hardware, table and how it was measured."""
     dates = sorted({r["date"] for r in records if r.get("date")})
@@ -267,7 +302,13 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
         f"{' / '.join(map(str, micro))} x seq rows in every system. GPU-resident: fp32 parameters, bf16 "
         "autocast, fused AdamW on the GPU; as run: " + "; ".join(baseline_configs(records)) + ". FSDP2: `fully_shard` per "
         "block and on the root, `CPUOffloadPolicy(pin_memory=True)`, bf16 parameters / fp32 reduction, AdamW "
-        "on the CPU, activation checkpointing of every block. Optimizers as run: " + "; ".join(optimizers) + ". "
+        "on the CPU, activation checkpointing of every block. "
+        + ("DeepSpeed ZeRO-Offload (benchmarks/common/deepspeed_zero.py): ZeRO-2 or ZeRO-3 in one process "
+           "(no launcher), bf16, `offload_optimizer` to pinned CPU memory with DeepSpeedCPUAdam (AdamW mode), "
+           "overlap_comm and contiguous gradients, `offload_param` too where named, the fewest leading blocks "
+           "checkpointed that fit (probed); as run: " + "; ".join(deepspeed_configs(records)) + ". "
+           if deepspeed_configs(records) else "")
+        + "Optimizers as run: " + "; ".join(optimizers) + ". "
         "Tokens/s and step time: the median over the steady steps, the timed steps after one warm-up step but "
         "the first (no earlier CPU update to wait for) and the last (which waits for slidedp's final "
         "asynchronous CPU update). Peak device = `torch.cuda.max_memory_allocated()` after the build; peak host = the "
@@ -327,6 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--plan", help="slidedp: reuse pre-solved plans (--solve-plans); template with {tokens} and {shape}")
     p.add_argument("--plans-dir", help="where slidedp's plans are saved (default: plans/ beside --out)")
     p.add_argument("--hardware", help="slidedp hardware preset or profile (default: detected)")
+    p.add_argument("--deepspeed-checkpoint", type=checkpoint_choice, default="auto",
+                   help="DeepSpeed: blocks with activation checkpointing: 'auto' (the fewest leading blocks that fit, "
+                        "probed on the bare model before deepspeed.initialize; default), 'all', 'none' or a number")
     p.add_argument("--slidedp-micro-rows", type=int, default=1,
                    help="rows (sequences) per slidedp micro-batch: batch_size of compile (default 1)")
     add_record_args(p, readme_path=str(HERE / "README.md"))
