@@ -482,7 +482,7 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
     level = search_log.level
     if not ranks.writer:
         _QUIET["on"] = True
-        search_log.setLevel(logging.WARNING)
+        search_log.setLevel(logging.ERROR)  # warnings too: rank 0 gives them for the run
     try:
         if ranks.hosts > 1 and not cfg.engine.link:
             raise ValueError(f"config key 'link': {ranks.hosts} hosts, but the link between them is not given; set "
