@@ -64,7 +64,7 @@ from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, std
 from slidedp.train.metrics import (
     MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step, peak_flops_per_s,
 )
-from slidedp.train.ranks import Ranks, resolve_world_size, start_ranks
+from slidedp.train.ranks import Ranks, launched_hosts, resolve_world_size, start_ranks
 from slidedp.train.runlock import CHECKPOINTS, LOCK_FILE, run_folder_lock
 from slidedp.train.trackers import flat_keys, open_trackers, parse_report_to
 from slidedp.train.schedule import lr_at, schedule_state
@@ -477,6 +477,11 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, world_size=world_size))
     device = torch.device(cfg.engine.device if cfg.engine.device != "auto"
                           else ("cuda" if torch.cuda.is_available() else "cpu"))
+    hosts = launched_hosts(world_size)
+    if hosts > 1 and not cfg.engine.link:
+        raise ValueError(f"config key 'link': {hosts} hosts, but the link between them is not given; set "
+                         f"link= one of {', '.join(LINKS)}, a rate in bytes/s, or the link.json of `slidedp "
+                         "calibrate --link` (the planner's figure for each host's rate into the network)")
     ranks = start_ranks(world_size, device)
     quiet, search_log = _QUIET["on"], logging.getLogger("slidedp")
     level = search_log.level
@@ -484,10 +489,6 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
         _QUIET["on"] = True
         search_log.setLevel(logging.ERROR)  # warnings too: rank 0 gives them for the run
     try:
-        if ranks.hosts > 1 and not cfg.engine.link:
-            raise ValueError(f"config key 'link': {ranks.hosts} hosts, but the link between them is not given; set "
-                             f"link= one of {', '.join(LINKS)}, a rate in bytes/s, or the link.json of `slidedp "
-                             "calibrate --link` (the planner's figure for each host's rate into the network)")
         ranks.together(check_data_paths, cfg)  # a typo fails before the model loads and the run folder is made
         with _run_folder(cfg, ranks) as out:
             return _run_locked(cfg, out, verbose, ranks, device)
@@ -497,7 +498,8 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
         ranks.close()
 
 
-SHARED_FOLDER_WAIT_S = 10.0  # how long another host looks for rank 0's mark in the run folder
+# how long another host looks for rank 0's mark in the run folder (seconds)
+SHARED_FOLDER_WAIT_S = float(os.environ.get("SLIDEDP_SHARED_FOLDER_WAIT_S", "10"))
 
 
 @contextlib.contextmanager

@@ -63,6 +63,17 @@ def resolve_world_size(configured: int) -> int:
     return world
 
 
+def launched_hosts(world_size: int) -> int:
+    """The hosts a launch of `world_size` ranks spans (WORLD_SIZE / LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    launched = launched_world()
+    if launched is None or world_size == 1:
+        return 1
+    world, local, _ = launched
+    if local < 1 or world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a whole number of hosts of LOCAL_WORLD_SIZE={local} ranks")
+    return world // local
+
+
 @dataclass
 class Ranks:
     """This process's place among the ranks of the run (see the module's docstring)."""
@@ -177,9 +188,8 @@ def start_ranks(world_size: int, device: torch.device) -> Ranks:
     launched = launched_world()
     if launched is None or world_size == 1:
         return Ranks()
+    launched_hosts(world_size)  # the layout checked
     world, local, rank = launched
-    if local < 1 or world % local:
-        raise ValueError(f"WORLD_SIZE={world} is not a whole number of hosts of LOCAL_WORLD_SIZE={local} ranks")
     owns = not dist.is_initialized()
     if owns:
         if device.type == "cuda":

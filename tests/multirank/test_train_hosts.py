@@ -42,15 +42,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(hosts: int, per_host: int, args: list[str], *, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """`slidedp train ARGS` on `hosts` launches of torchrun (one a host) of `per_host` ranks each."""
+def launch(hosts: int, per_host: int, args: list[str], *, timeout: float = 600, host_args: dict | None = None,
+           host_env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """`slidedp train ARGS` on `hosts` launches of torchrun (one a host) of `per_host` ranks each;
+    `host_args` / `host_env`: {host: more overrides / environment} of one host's launch (with an
+    environment, through tests/reliability/faulty_train.py, which injects the faults it names)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     port = _free_port()
-    procs = [subprocess.Popen([TORCHRUN, f"--nnodes={hosts}", f"--node-rank={k}", f"--nproc-per-node={per_host}",
-                               "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "slidedp", "train", *args],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
-             for k in range(hosts)]
+    procs = []
+    for k in range(hosts):
+        extra_env = (host_env or {}).get(k, {})
+        entry = [str(ROOT / "tests/reliability/faulty_train.py")] if extra_env else ["-m", "slidedp"]
+        procs.append(subprocess.Popen(
+            [TORCHRUN, f"--nnodes={hosts}", f"--node-rank={k}", f"--nproc-per-node={per_host}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", *entry, "train", *args,
+             *(host_args or {}).get(k, [])],
+            env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
     done = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -120,6 +128,34 @@ def test_a_world_size_that_disagrees_with_the_launch_is_refused(tiny_model_dir, 
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made
 
 
+def test_hosts_with_run_folders_of_their_own_are_refused(tiny_model_dir, tiny_jsonl, tmp_path, monkeypatch):
+    # two folders on one machine stand for a folder that is not shared: each host sees its own
+    monkeypatch.setenv("SLIDEDP_SHARED_FOLDER_WAIT_S", "1")
+    results = launch(2, 1, keys(tiny_model_dir, tiny_jsonl[0], tmp_path / "host0", "batch_size=1"),
+                     host_args={1: [f"output_dir={tmp_path / 'host1'}"]}, timeout=120)
+    for r in results:
+        assert r.returncode != 0
+    assert f"config key 'output_dir': {tmp_path / 'host1'} on host 1 is not the folder rank 0 (host 0) locked" \
+        in results[1].stderr, results[1].stderr[-3000:]
+    assert "rank 1 (host 1) refused: ValueError: config key 'output_dir'" in results[0].stderr, results[0].stderr[-3000:]
+    assert not list_checkpoints(tmp_path / "host0")
+
+
+def test_several_hosts_need_the_link_and_torchruns_world_size(tiny_model_dir, tiny_jsonl, tmp_path, monkeypatch):
+    """Refused before any process group is joined (in this process, with torchrun's environment)."""
+    for name, value in dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK="0", GROUP_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    no_link = load_config(None, keys(tiny_model_dir, tiny_jsonl[0], tmp_path / "a", "batch_size=1", "link="))
+    with pytest.raises(ValueError, match="config key 'link': 2 hosts, but the link between them is not given"):
+        run(no_link)
+    with pytest.raises(ValueError, match="config key 'world_size' is 3, but torchrun started WORLD_SIZE=2"):
+        run(load_config(None, keys(tiny_model_dir, tiny_jsonl[0], tmp_path / "a", "world_size=3")))
+    with pytest.raises(ValueError, match="config key 'link'"):
+        load_config(None, ["link=ib-9x9"])
+    assert load_config(None, ["link=1e9"]).engine.link == "1e9"
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.slow
 def test_two_hosts_resume_bitwise_and_on_another_number_of_hosts(one_process, tiny_model_dir, tiny_jsonl,
                                                                  tmp_path):
@@ -135,6 +171,19 @@ def test_two_hosts_resume_bitwise_and_on_another_number_of_hosts(one_process, ti
     assert [r["loss"] for r in metrics(half)] == [r["loss"] for r in metrics(whole)]
     w_whole, w_half = latest_weights(whole), latest_weights(half)
     assert all(torch.equal(w_half[k], w_whole[k]) for k in w_whole)
+
+    # SIGTERM to host 1's rank during step 3: both hosts stop after it, with a checkpoint of step 3;
+    # resumed, bitwise the run in one go
+    stopped = tmp_path / "stopped"
+    results = launch(2, 1, keys(tiny_model_dir, data, stopped, "batch_size=1"),
+                     host_env={1: dict(SLIDEDP_FAULT_SIGNAL_AT_STEP="3", SLIDEDP_FAULT_SIGNAL="SIGTERM")})
+    assert all(r.returncode != 0 for r in results)
+    assert "stopped by SIGTERM after step 3 of 4" in results[0].stderr, results[0].stderr[-3000:]
+    assert [step for step, _ in list_checkpoints(stopped)] == [2, 3]
+    ok(launch(2, 1, keys(tiny_model_dir, data, stopped, "batch_size=1", "resume=true")))
+    assert [r["loss"] for r in metrics(stopped)] == [r["loss"] for r in metrics(whole)]
+    w_stopped = latest_weights(stopped)
+    assert all(torch.equal(w_stopped[k], w_whole[k]) for k in w_whole)
 
     # the two hosts' checkpoint of step 2 resumed by one process (2 -> 1 host: resharding)
     two_to_one = tmp_path / "two-to-one"
