@@ -20,6 +20,11 @@ state, so N steps + resume + N steps give bitwise the same result as 2N steps (C
 changed on resume: `compare_resumed_config`. `overwrite=true` deletes the old checkpoints only
 once the model, the data and the plan have loaded.
 
+Under torchrun (`torchrun [--nnodes N] --nproc-per-node G -m slidedp train CONFIG`) every process is
+one rank and runs `run` (ranks.py): rank 0 decides from the run folder, holds its lock and writes the
+run's files; with several hosts each host writes its own layer files of every checkpoint into the
+one shared run folder (checked at start: `_run_folder`).
+
 Faults: SIGINT or SIGTERM during a step lets the step finish, writes a checkpoint at that step and
 stops with `TrainingInterrupted` (the command exits with 128 + the signal's number; a second
 signal stops at once, leaving the previous checkpoint). A step whose gradient is not finite is
