@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from slidedp.run.checkpoint import read_engine_meta, read_master_weights, verify_checkpoint
 from slidedp.train.config import load_config
+from slidedp.train.export import export_checkpoint
 from slidedp.train.job import list_checkpoints, run
 from tests.train.conftest import tiny_jsonl, tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
 
@@ -114,6 +116,10 @@ def test_two_hosts_train_as_one_process_writing_the_run_once(one_process, tiny_m
         assert json.loads((folder / "trainer_state.json").read_text())["hosts"] == 2
     assert read_engine_meta(list_checkpoints(out)[-1][1])["step"] == STEPS
     assert not list((out / "checkpoints").glob(".*"))  # no temporary folder left
+    # `slidedp export` reads the hosts' checkpoint on one machine: the master weights exactly
+    export_checkpoint(out, tmp_path / "export", dtype="fp32")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert exported and all(torch.equal(value, w_hosts[name]) for name, value in exported.items())
     # one host speaks: the other host's rank prints nothing of the run
     assert "[slidedp] done: loss" in results[0].stderr and "[slidedp]" not in results[1].stderr, results[1].stderr
 
