@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from slidedp.errors import WorkerError
 
+WAIT_S = 4 * 3600  # how long a rank waits for the others in the job's own collectives (SLIDEDP_TRAIN_WAIT_S)
+
 # Errors that mean bad input (the command line exits 2 for them; slidedp/cli.py)
 INPUT_ERRORS = (ValueError, TypeError, LookupError, OSError, ImportError)
 
@@ -196,5 +198,8 @@ def start_ranks(world_size: int, device: torch.device) -> Ranks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % local)))
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method="env://",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    # the job's own waits (a host tokenizing its data, rank 0 verifying a large checkpoint) may be long;
+    # a rank that dies ends them at once (gloo sees its connection close)
+    wait_s = float(os.environ.get("SLIDEDP_TRAIN_WAIT_S", str(WAIT_S)))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
     return Ranks(rank=rank, world_size=world, local_world_size=local, group=group, owns_default_group=owns)
