@@ -249,6 +249,18 @@ def resolve_link(link: "str | float | int | None") -> float:
     raise ValueError(f"link must be one of {', '.join(LINKS)} or a rate in bytes/s > 0, got {link!r}")
 
 
+def load_link(path: "str | Path") -> float:
+    """The link rate [bytes/s] of a `slidedp calibrate --link` JSON."""
+    try:
+        data = json.loads(Path(path).read_text())
+        rate = float(data["link_bytes_per_s"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a link measurement of slidedp calibrate --link ({type(e).__name__}: {e})") from None
+    if not rate > 0:
+        raise ValueError(f"{path}: link_bytes_per_s must be > 0, got {rate}")
+    return rate
+
+
 def resolve_hardware(hardware: "Hardware | str | None", device: str) -> Hardware:
     """A Hardware from a preset name, a profile path, a Hardware, or a guess from the device."""
     if isinstance(hardware, Hardware):

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slidedp.costmodel.hardware import load_link  # noqa: F401 - its home is the cost model
+
 MiB = 2**20
 
 
@@ -81,15 +83,3 @@ def measure_link(nbytes: int = 256 * MiB, *, repeats: int = 10, warmup: int = 2)
     return {"link_bytes_per_s": link_rate_bytes_per_s(total, median, hosts), "hosts": hosts,
             "ranks_per_host": per_host, "nbytes": total, "median_s": median, "iqr_s": q[2] - q[0],
             "repeats": repeats, "backend": dist.get_backend(), "device": device.type}
-
-
-def load_link(path: str | os.PathLike) -> float:
-    """The link rate [bytes/s] of a `slidedp calibrate --link` JSON."""
-    try:
-        data = json.loads(Path(path).read_text())
-        rate = float(data["link_bytes_per_s"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a link measurement of slidedp calibrate --link ({type(e).__name__}: {e})") from None
-    if not rate > 0:
-        raise ValueError(f"{path}: link_bytes_per_s must be > 0, got {rate}")
-    return rate

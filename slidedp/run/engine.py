@@ -248,33 +248,38 @@ class Engine:
         result, _ = self._run(input_ids, labels, attention_mask, optimizer=None)
         return result.loss
 
-    def save_checkpoint(self, dir) -> None:
+    def save_checkpoint(self, dir, *, add=None) -> None:
         """Master weights, AdamW moments and step, RNG, plan and model config into the folder `dir`,
-        atomically (safetensors and JSON, with a sha256 manifest; see slidedp/run/checkpoint.py)."""
+        atomically (safetensors and JSON, with a sha256 manifest; see slidedp/run/checkpoint.py).
+        `add(writer)`: a caller's own files into the same checkpoint, before the manifest (called in
+        the process that writes it: under torchrun, rank 0's)."""
         self._check_open()
         self.runner.sync_host()
         if self.host.sharded:  # several hosts: each writes its share, rank 0 commits (a shared folder)
             comm = self.runner.comm
             write_sharded_checkpoint(self, dir, comm, lambda h: host_runs(
-                self.plan, comm.world_size, h, comm.local_world_size))
+                self.plan, comm.world_size, h, comm.local_world_size), add=add)
             return
         if self._launched_rank() in (None, 0):  # under torchrun rank 0 writes, the others wait
             with atomic_checkpoint(dir) as writer:
                 write_engine_state(self, writer)
+                if add is not None:
+                    add(writer)
         self._barrier()
 
-    def load_checkpoint(self, dir) -> None:
-        """Restore a checkpoint of `save_checkpoint` (every file is verified first); the model must
-        have the same parameters. The optimizer settings stay those given to `compile`. A checkpoint
-        written with any number of hosts loads on any other: each host reads the runs it holds."""
+    def load_checkpoint(self, dir, *, verify: bool = True) -> None:
+        """Restore a checkpoint of `save_checkpoint` (every file is verified first, unless `verify`
+        is False: the caller did); the model must have the same parameters. The optimizer settings
+        stay those given to `compile`. A checkpoint written with any number of hosts loads on any
+        other: each host reads the runs it holds."""
         self._check_open()
         rank = self._launched_rank()
         if rank is None:
-            read_engine_state(self, dir)
+            read_engine_state(self, dir, verify=verify)
             return
         # under torchrun rank 0 checks every file; each host's first rank reads what its host holds
         error = None
-        if rank == 0:
+        if rank == 0 and verify:
             try:
                 check_engine_checkpoint(self, dir)
             except CheckpointError as exc:

@@ -22,6 +22,7 @@ from typing import get_type_hints
 import yaml
 
 from slidedp.budget import parse_with_unit
+from slidedp.costmodel.hardware import LINKS, load_link, resolve_link
 from slidedp.train.schedule import SCHEDULES, check_schedule
 from slidedp.train.trackers import parse_report_to
 
@@ -38,6 +39,23 @@ def _check_at_least(section, *keys: str, least: int = 1) -> None:
     for key in keys:
         if getattr(section, key) < least:
             raise ValueError(f"config key {key!r} must be >= {least}, got {getattr(section, key)}")
+
+
+def link_rate(link: str) -> float:
+    """The `link` key as bytes/s: a costmodel.hardware.LINKS preset, a number, or a link.json file of
+    `slidedp calibrate --link`; a ValueError naming the key otherwise."""
+    try:
+        return resolve_link(float(link))
+    except ValueError:
+        pass
+    try:
+        if link in LINKS:
+            return resolve_link(link)
+        if link.endswith(".json") or Path(link).is_file():
+            return load_link(link)
+        return resolve_link(link)
+    except ValueError as exc:
+        raise ValueError(f"config key 'link': {exc}") from None
 
 
 def _check_text(section, *keys: str) -> None:
@@ -131,11 +149,17 @@ class EngineConfig:
     device: str = _key("auto", "auto, cuda or cpu")
     precision: str = _key("auto", "auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32")
     budget: str = _key("16GiB", "GPU memory budget per rank, with a unit (24GiB, 512MiB)")
-    world_size: int = _key(1, "data-parallel ranks (GPUs, or CPU processes)")
+    world_size: int = _key(0, "data-parallel ranks (GPUs, or CPU processes); 0: torchrun's WORLD_SIZE under "
+                              "torchrun (every host's ranks), else 1")
     host_memory: str = _key("", "host RAM the plan may take, with a unit (100GiB); empty: what is available")
+    link: str = _key("", "several hosts (torchrun --nnodes N): each host's rate into the network, a preset "
+                         "(eth-1x100, ib-4x400, ...), bytes/s, or the link.json of slidedp calibrate --link; "
+                         "unused on one host")
 
     def validate(self) -> None:
-        _check_at_least(self, "world_size")
+        _check_at_least(self, "world_size", least=0)
+        if self.link and not self.link.endswith(".json"):  # a link.json is read when the run starts
+            link_rate(self.link)
         if self.host_memory != "":
             try:
                 parse_with_unit(self.host_memory, "host_memory")

@@ -20,6 +20,11 @@ state, so N steps + resume + N steps give bitwise the same result as 2N steps (C
 changed on resume: `compare_resumed_config`. `overwrite=true` deletes the old checkpoints only
 once the model, the data and the plan have loaded.
 
+Under torchrun (`torchrun [--nnodes N] --nproc-per-node G -m slidedp train CONFIG`) every process is
+one rank and runs `run` (ranks.py): rank 0 decides from the run folder, holds its lock and writes the
+run's files; with several hosts each host writes its own layer files of every checkpoint into the
+one shared run folder (checked at start: `_run_folder`).
+
 Faults: SIGINT or SIGTERM during a step lets the step finish, writes a checkpoint at that step and
 stops with `TrainingInterrupted` (the command exits with 128 + the signal's number; a second
 signal stops at once, leaving the previous checkpoint). A step whose gradient is not finite is
@@ -32,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import random
 import shutil
@@ -39,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -49,20 +56,21 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slidedp.budget import format_bytes
-from slidedp.costmodel.hardware import PRESETS as HARDWARE_PRESETS, resolve_hardware
+from slidedp.costmodel.hardware import LINKS, PRESETS as HARDWARE_PRESETS, resolve_hardware
 from slidedp.errors import NonFiniteGradientError, TrainingInterrupted
 from slidedp.run.checkpoint import (
-    ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, atomic_checkpoint, check_rng_files, read_checkpoint_json,
-    read_engine_meta, read_engine_state, remove_stale_temps, verify_checkpoint, write_engine_state,
+    ENGINE_JSON, HF_DIR, MANIFEST, CheckpointError, check_rng_files, read_checkpoint_json, read_engine_meta,
+    remove_stale_temps, verify_checkpoint,
 )
 from slidedp.run.weights import checkpoint_shapes
 from slidedp.scheduler.plan import Plan
-from slidedp.train.config import TrainConfig
+from slidedp.train.config import TrainConfig, link_rate
 from slidedp.train.data import PackedDataset, read_document, stdlib_dataset, stdlib_source_files
 from slidedp.train.metrics import (
     MetricsLogger, device_memory_bytes, host_rss_bytes, model_flops_per_step, peak_flops_per_s,
 )
-from slidedp.train.runlock import CHECKPOINTS, run_folder_lock
+from slidedp.train.ranks import Ranks, launched_hosts, resolve_world_size, start_ranks
+from slidedp.train.runlock import CHECKPOINTS, LOCK_FILE, run_folder_lock
 from slidedp.train.trackers import flat_keys, open_trackers, parse_report_to
 from slidedp.train.schedule import lr_at, schedule_state
 from slidedp.train.shapes import PRESETS, preset_config, refuse_hub_id
@@ -75,8 +83,12 @@ TRAINER_FORMAT = 1
 STDLIB_ROWS = 16  # rows of the default job when max_rows is 0
 
 
+_QUIET = {"on": False}  # under torchrun, ranks other than 0 print nothing (rank 0 speaks for the run)
+
+
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if not _QUIET["on"]:
+        print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,21 +210,28 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_run_checkpoint(engine, output_dir: Path, step: int, trainer_state: dict, tokenizer,
-                        keep_last: int) -> Path:
-    """The engine's state plus the trainer state and the tokenizer, atomically; prune old ones."""
+                        keep_last: int, ranks: Ranks | None = None) -> Path:
+    """The engine's state plus the trainer state and the tokenizer, atomically; prune old ones.
+    Under torchrun a collective of every rank (`Engine.save_checkpoint`): with several hosts each
+    host writes its own layer files, rank 0 the rest, this job's files and the manifest."""
+    ranks = ranks or Ranks()
     root = output_dir / CHECKPOINTS
-    remove_stale_temps(root)
+    if ranks.writer:
+        remove_stale_temps(root)
     target = root / f"step-{step:08d}"
-    with atomic_checkpoint(target) as writer:
-        write_engine_state(engine, writer)
+
+    def add(writer) -> None:
         hf_dir = writer.path(f"{HF_DIR}/tokenizer_config.json").parent  # beside the model's config
         tokenizer.save_pretrained(str(hf_dir))
         writer.add_folder(HF_DIR)
         writer.json(TRAINER_STATE, trainer_state)
+
+    engine.save_checkpoint(target, add=add)
     # newer ones (left by a run that resumed from an older checkpoint, when the newest did not verify)
     # are not counted: they are replaced when the run reaches their step
-    for _, old in [c for c in list_checkpoints(output_dir) if c[0] <= step][:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    if ranks.writer:
+        for _, old in [c for c in list_checkpoints(output_dir) if c[0] <= step][:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 
@@ -259,18 +278,21 @@ def read_trainer_state(folder: Path) -> dict:
     return state
 
 
-def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.device, precision: str) -> Path | None:
-    """The checkpoint's plan when the run's workload, budget and hardware have not changed."""
+def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.device, precision: str,
+                   hosts: int = 1) -> Path | None:
+    """The checkpoint's plan when the run's workload, budget, hosts and hardware have not changed."""
     try:  # sectioned, or flat as checkpoints of earlier versions wrote it
         old = TrainConfig.from_dict(state.get("config", {}), where=f"{folder / TRAINER_STATE} config")
     except (TypeError, ValueError):
         return None
 
     def workload(c: TrainConfig) -> tuple:
-        return (c.model.model, c.engine.budget, c.engine.world_size, c.training.batch_size, c.training.seq_len,
+        return (c.model.model, c.engine.budget, c.engine.world_size or 1, c.training.batch_size, c.training.seq_len,
                 c.training.grad_accum)
 
     if workload(old) != workload(cfg) or state.get("device") != device.type or state.get("precision") != precision:
+        return None
+    if state.get("hosts", 1) != hosts or (hosts > 1 and old.engine.link != cfg.engine.link):
         return None
     try:
         plan = Plan.load(folder / "plan.json")
@@ -448,18 +470,82 @@ def run(cfg: TrainConfig, *, verbose: bool = False) -> dict:
     """Train as the config says; returns a summary (losses, steps, last checkpoint). `verbose`
     prints the plan's whole summary (its decisions and why) before the first step, else 3 lines.
 
-    The run folder is locked (runlock.py) for the whole run; nothing in it is changed or deleted
-    before the model, the data and the plan have loaded."""
+    Under torchrun every process runs this as one rank (ranks.py): the world size is the launch's
+    (config key `world_size` 0 or the same number), rank 0 writes the run's files and speaks, and
+    with several hosts each host writes its own layer files of every checkpoint.
+
+    The run folder is locked (runlock.py) for the whole run, by rank 0 under torchrun; nothing in
+    it is changed or deleted before the model, the data and the plan have loaded."""
     cfg.validate()
-    check_data_paths(cfg)  # a typo is reported before the model loads and before the run folder is made
-    with run_folder_lock(cfg.checkpoint.output_dir):
-        return _run_locked(cfg, Path(cfg.checkpoint.output_dir), verbose)
+    world_size = resolve_world_size(cfg.engine.world_size)
+    if world_size != cfg.engine.world_size:  # the run's own number, in config.json and its checkpoints
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, world_size=world_size))
+    device = torch.device(cfg.engine.device if cfg.engine.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    hosts = launched_hosts(world_size)
+    if hosts > 1 and not cfg.engine.link:
+        raise ValueError(f"config key 'link': {hosts} hosts, but the link between them is not given; set "
+                         f"link= one of {', '.join(LINKS)}, a rate in bytes/s, or the link.json of `slidedp "
+                         "calibrate --link` (the planner's figure for each host's rate into the network)")
+    ranks = start_ranks(world_size, device)
+    quiet, search_log = _QUIET["on"], logging.getLogger("slidedp")
+    level = search_log.level
+    if not ranks.writer:
+        _QUIET["on"] = True
+        search_log.setLevel(logging.ERROR)  # warnings too: rank 0 gives them for the run
+    try:
+        ranks.together(check_data_paths, cfg)  # a typo fails before the model loads and the run folder is made
+        with _run_folder(cfg, ranks) as out:
+            return _run_locked(cfg, out, verbose, ranks, device)
+    finally:
+        _QUIET["on"] = quiet
+        search_log.setLevel(level)
+        ranks.close()
 
 
-def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
-    # the solver (OR-Tools) only here: `slidedp export` imports this module for its checkpoint helpers
-    from slidedp import api
+# how long another host looks for rank 0's mark in the run folder (seconds)
+SHARED_FOLDER_WAIT_S = float(os.environ.get("SLIDEDP_SHARED_FOLDER_WAIT_S", "10"))
 
+
+@contextlib.contextmanager
+def _run_folder(cfg: TrainConfig, ranks: Ranks):
+    """The run folder, locked while inside. Under torchrun rank 0 alone holds the lock (one run, one
+    holder); with several hosts the folder must be the same on every host (a shared file system: the
+    hosts write each checkpoint together), which each other host's first rank checks by finding the
+    mark rank 0 wrote into the lock file. A folder of a host's own is refused, naming the host."""
+    out = Path(cfg.checkpoint.output_dir)
+    if not ranks.launched:
+        with run_folder_lock(out):
+            yield out
+        return
+    with contextlib.ExitStack() as stack:
+        mark = ranks.share(uuid.uuid4().hex)
+        ranks.together(lambda: stack.enter_context(run_folder_lock(out, mark=f"run={mark}")) if ranks.writer else None)
+        if ranks.hosts > 1:
+            ranks.together(_check_shared_folder, out, mark, ranks) if ranks.leader and not ranks.writer \
+                else ranks.together(lambda: None)
+        yield out
+
+
+def _check_shared_folder(out: Path, mark: str, ranks: Ranks) -> None:
+    lock = out / LOCK_FILE
+    deadline = time.monotonic() + SHARED_FOLDER_WAIT_S
+    while True:
+        try:
+            if f"run={mark}" in lock.read_text(errors="replace"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"config key 'output_dir': {out} on host {ranks.host_index} is not the folder rank 0 "
+                             f"(host 0) locked: with several hosts the run folder must be on a file system every "
+                             "host sees (NFS or another shared one), where the hosts write each checkpoint together")
+        time.sleep(0.1)
+
+
+def _resume_decision(cfg: TrainConfig, out: Path, device: torch.device, precision: str, hosts: int) -> dict:
+    """Rank 0's reading of the run folder: whether to overwrite, which checkpoint to resume from
+    (verified), its trainer state and reusable plan."""
     existing = list_checkpoints(out)
     overwrite = False
     if not cfg.checkpoint.resume and existing:
@@ -468,16 +554,7 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
                              "pass resume=true to continue from it, overwrite=true to start over (deleting "
                              "them), or another output_dir")
         overwrite = True  # deleted once everything has loaded, just before the first file is written
-    device = torch.device(cfg.engine.device if cfg.engine.device != "auto"
-                          else ("cuda" if torch.cuda.is_available() else "cpu"))
-    precision = cfg.engine.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    _seed_everything(cfg.training.seed)
-
-    trainer_state = None
-    resume_from = None
-    plan = None
+    trainer_state = resume_from = plan = None
     if isinstance(cfg.checkpoint.resume, str):  # a chosen checkpoint folder
         resume_from = Path(cfg.checkpoint.resume).expanduser()
         if not (resume_from / MANIFEST).is_file():
@@ -488,7 +565,7 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
         trainer_state = _check_resume_candidate(resume_from)
         for note in compare_resumed_config(resume_from, trainer_state, cfg):
             _log(f"[slidedp] {note}")
-        plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
+        plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision, hosts)
     elif cfg.checkpoint.resume:
         if existing:
             _log(f"[slidedp] resuming from {out / CHECKPOINTS}: verifying the latest checkpoint")
@@ -496,9 +573,16 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
             resume_from, trainer_state = newest_usable_checkpoint(out, _check_resume_candidate, what="resuming")
             for note in compare_resumed_config(resume_from, trainer_state, cfg):
                 _log(f"[slidedp] {note}")
-            plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision)
+            plan = _reusable_plan(resume_from, trainer_state, cfg, device, precision, hosts)
         else:
             _log(f"[slidedp] resume=true but {out} holds no checkpoint: starting from step 0")
+    return dict(overwrite=overwrite, resume_from=resume_from, trainer_state=trainer_state, plan=plan)
+
+
+def _load_inputs(cfg: TrainConfig, trainer_state: dict | None, resume_from: Path | None):
+    """(model, tokenizer, train rows, validation rows or None), the training rows at the checkpoint's
+    position when resuming."""
+    from slidedp import api
 
     _log(f"[slidedp] loading model {cfg.model.model}")
     model, tokenizer = load_model_and_tokenizer(cfg)
@@ -521,10 +605,47 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
             raise CheckpointError(f"checkpoint {resume_from}: its data position ({TRAINER_STATE} key 'data') does "
                                   f"not fit this run's data: {exc}; config key 'data' or 'tokenizer' changed since "
                                   "it was written") from None
+    return model, tokenizer, train, val
+
+
+def _check_same_data(ranks: Ranks, train, val) -> None:
+    """Every rank draws the same global batches: the same rows, in the same order, on every host."""
+    if not ranks.launched:
+        return
+    seen = ranks.all_gather((len(train), train.state_dict()["fingerprint"], len(val) if val is not None else None))
+    for rank, mine in enumerate(seen):
+        if mine != seen[0]:
+            raise ValueError(f"{ranks.where(rank)} reads other data than rank 0 ({mine[0]} training rows, fingerprint "
+                             f"{mine[1]}, against {seen[0][0]}, {seen[0][1]}): every host must see the same data "
+                             "files (config keys 'data' and 'val_data') and tokenizer")
+
+
+def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False, ranks: Ranks | None = None,
+                device: torch.device | None = None) -> dict:
+    # the solver (OR-Tools) only here: `slidedp export` imports this module for its checkpoint helpers
+    from slidedp import api
+
+    ranks = ranks or Ranks()
+    device = device or torch.device(cfg.engine.device if cfg.engine.device != "auto"
+                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
+    precision = cfg.engine.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    _seed_everything(cfg.training.seed)
+
+    decision = ranks.together(_resume_decision, cfg, out, device, precision, ranks.hosts) if ranks.writer \
+        else ranks.together(lambda: None)
+    decision = ranks.share(decision)  # rank 0 read the folder and verified the checkpoint; the others follow
+    overwrite, resume_from, trainer_state, plan = (decision[k] for k in ("overwrite", "resume_from",
+                                                                         "trainer_state", "plan"))
+    # each host's first rank first: what it fills once (tokenized-data cache, converted model), the others read
+    model, tokenizer, train, val = ranks.in_turns(_load_inputs, cfg, trainer_state, resume_from)
+    _check_same_data(ranks, train, val)
     _log(f"[slidedp] data {cfg.data.data}: {len(train)} training rows"
          f"{f', {len(val)} validation rows' if val is not None else ''} of {cfg.training.seq_len} tokens "
          f"({'packed' if cfg.data.packing else 'padded'})")
-    _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.engine.budget}"
+    where = f", {ranks.world_size} ranks on {ranks.hosts} host(s)" if ranks.launched else ""
+    _log(f"[slidedp] compiling for {device.type} ({precision}), budget {cfg.engine.budget}{where}"
          f"{', reusing the checkpoint plan' if plan else ''}")
     opt, training = cfg.optimizer, cfg.training
     optimizer = api.AdamW(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
@@ -532,7 +653,8 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
     kwargs = dict(batch_size=training.batch_size, seq_len=training.seq_len, world_size=cfg.engine.world_size,
                   device=device.type, precision=precision, micro_batches=training.grad_accum,
                   max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model),
-                  host_memory=cfg.engine.host_memory or None, nonfinite=training.nonfinite)
+                  host_memory=cfg.engine.host_memory or None, nonfinite=training.nonfinite,
+                  link=link_rate(cfg.engine.link) if ranks.hosts > 1 else None)
     try:
         engine = api.compile(model, cfg.engine.budget, plan=plan, **kwargs)
     except ValueError as exc:
@@ -544,17 +666,20 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False) -> dict:
         _log(engine.plan.summary())
     _log(plan_brief(engine.plan, out / "plan.json"))
     with engine:
-        # Everything has loaded: only now is the folder changed.
-        if overwrite:
-            _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
-            shutil.rmtree(out / CHECKPOINTS)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        engine.plan.save(out / "plan.json")
+        # Everything has loaded: only now is the folder changed (by rank 0 alone).
+        if ranks.writer:
+            if overwrite:
+                _log(f"[slidedp] overwrite=true: deleting the checkpoints in {out / CHECKPOINTS}")
+                shutil.rmtree(out / CHECKPOINTS)
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            engine.plan.save(out / "plan.json")
+        ranks.barrier()
         if trainer_state is None:
             # A fresh run's generators start from the seed whatever loading the model consumed (a
             # random init draws from them); a resumed run's are the checkpoint's (read_engine_state).
             _seed_everything(cfg.training.seed)
-        return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state)
+        return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state,
+                           ranks)
 
 
 def _seed_everything(seed: int) -> None:
@@ -563,14 +688,28 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+class _Silent:
+    """The metrics logger of a rank other than 0 under torchrun (rank 0 writes the metrics)."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, device: torch.device, precision: str,
-                resume_from: Path | None, trainer_state: dict | None) -> dict:
+                resume_from: Path | None, trainer_state: dict | None, ranks: Ranks | None = None) -> dict:
+    ranks = ranks or Ranks()
     start = 0
     tokens_seen = 0
     val_loss = None
     consecutive_skips = 0  # steps skipped in a row for a non-finite gradient
     if trainer_state is not None:
-        read_engine_state(engine, resume_from, verify=False)  # verified before compiling; data position loaded
+        engine.load_checkpoint(resume_from, verify=False)  # verified before compiling; data position loaded
         start = int(trainer_state["step"])
         tokens_seen = int(trainer_state.get("tokens_seen", 0))
         val_loss = trainer_state.get("val_loss")
@@ -596,16 +735,28 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
             "format": TRAINER_FORMAT, "step": step, "tokens_seen": tokens_seen, "data": train.state_dict(),
             "schedule": schedule_state(step, **sched), "val_loss": val_loss, "config": cfg.to_dict(),
             "device": device.type, "precision": precision, "consecutive_skips": consecutive_skips,
+            "hosts": ranks.hosts,
         }
 
-    trackers = open_trackers(parse_report_to(cfg.metrics.report_to), out, flat_keys(cfg.to_dict()), resumed=start > 0)
-    logger = MetricsLogger(out, max_steps=cfg.training.max_steps, start_step=start, log_every=cfg.metrics.log_every,
-                           progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard, trackers=trackers)
+    if ranks.writer:
+        trackers = open_trackers(parse_report_to(cfg.metrics.report_to), out, flat_keys(cfg.to_dict()),
+                                 resumed=start > 0)
+        logger = MetricsLogger(out, max_steps=cfg.training.max_steps, start_step=start,
+                               log_every=cfg.metrics.log_every, progress=cfg.metrics.progress,
+                               tensorboard=cfg.metrics.tensorboard, trackers=trackers)
+    else:
+        logger = _Silent()
+
+    def stopping() -> bool:
+        """Whether to stop now: a signal seen by any rank stops every rank at the same step."""
+        stop.signum = ranks.any_signal(stop.signum)
+        return stop.signum is not None
+
     step = saved_step = start
     try:
         with stop_on_signals() as stop:
             for step in range(start + 1, cfg.training.max_steps + 1):
-                if stop.signum is not None:  # arrived during the last checkpoint or validation
+                if stopping():  # arrived during the last checkpoint or validation
                     step -= 1
                     break
                 lr = lr_at(step, **sched)
@@ -651,13 +802,13 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
                     record["val_loss"] = val_loss
                 logger.log(record)
                 if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or last:
-                    checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last)
+                    checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last, ranks)
                     saved_step = step
                     logger.write(f"[slidedp] checkpoint written: {checkpoint}")
-                if stop.signum is not None:
+                if stopping():
                     break
-            if stop.signum is not None and step > start and saved_step != step:
-                checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last)
+            if stopping() and step > start and saved_step != step:
+                checkpoint = save_run_checkpoint(engine, out, step, state_for(step), tokenizer, keep_last, ranks)
                 saved_step = step
                 logger.write(f"[slidedp] checkpoint written: {checkpoint}")
     finally:

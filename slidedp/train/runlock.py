@@ -54,9 +54,11 @@ def _holder(fd: int) -> str:
 
 
 @contextlib.contextmanager
-def run_folder_lock(folder: str | os.PathLike, *, what: str = "slidedp train"):
+def run_folder_lock(folder: str | os.PathLike, *, what: str = "slidedp train", mark: str = ""):
     """Hold the exclusive lock of the run folder `folder` (created if missing) while inside;
-    raise `RunFolderLocked` at once, naming the holder, when another process holds it."""
+    raise `RunFolderLocked` at once, naming the holder, when another process holds it. `mark`: a
+    word written beside the pid and host, flushed to the file system (under torchrun the other hosts
+    look for it to check that they see the same folder: slidedp/train/job.py)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -69,7 +71,9 @@ def run_folder_lock(folder: str | os.PathLike, *, what: str = "slidedp train"):
                 "refuses to touch it while that process runs; wait for it to end, stop it, or use another "
                 "output_dir") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}{' ' + mark if mark else ''}\n".encode(), 0)
+        if mark:
+            os.fsync(fd)
         yield folder
     finally:
         os.close(fd)  # releases the lock

@@ -72,7 +72,8 @@ def test_run_writes_config_metrics_and_checkpoints(run_a, tiny_model_dir, tiny_j
     out, summary = run_a
     written = json.loads((out / "config.json").read_text())
     assert written["data"]["val_every"] == 1  # in sections
-    assert load_config(str(out / "config.json"), []) == config(tiny_model_dir, tiny_jsonl[0], out)  # read back
+    # read back, with the world size resolved (0: torchrun's, else 1)
+    assert load_config(str(out / "config.json"), []) == config(tiny_model_dir, tiny_jsonl[0], out, "world_size=1")
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["lr"] for r in records] == pytest.approx([5e-3 / 3, 2 * 5e-3 / 3, 5e-3, 5e-3])  # warm-up
