@@ -114,9 +114,6 @@ class ProblemCosts:
                        h2d_duplex=ops.h2d_bytes_per_s(hw, G, duplex=True),
                        d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
         self._choose_routes()
-        if problem.vocab_streamed and self.routes != [(REPLICATED, CPU)]:
-            raise ValueError("a vocabulary-streamed prologue or epilogue moves by the replicated delivery and the "
-                             f"CPU reduction only; the routes here are {self.routes}")
         self._transfer_options(rates)
         self._block_ticks(rates)
         self._device_updates()
