@@ -313,9 +313,10 @@ def _vocab_label(problem: Problem, streamed) -> str:
 def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
     """The sets of layers whose vocabulary table may stream (Problem.vocab_streamed), resident first.
 
-    A table streams where it is untied (Layer.vocab_param) and the layers move by the replicated
-    delivery and the CPU reduction only (one rank, or ranks without peer-to-peer on one host); not a
-    layer the options put on the device. options.vocab_streamed fixes the set."""
+    A table streams where it is untied (Layer.vocab_param), whatever its layer's routes (its row chunks
+    follow the replicated or sharded delivery and the CPU or GPU reduction: backend/runtime/routes.py,
+    several hosts included); not a layer the options put on the device. options.vocab_streamed fixes
+    the set."""
     g = problem.graph
     can = {name: layer.id for name, layer in (("prologue", g.prologue), ("epilogue", g.epilogue))
            if g.streamable(layer.id)}
@@ -325,13 +326,11 @@ def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
             raise ValueError(f"SolverOptions.vocab_streamed names {missing}, whose vocabulary table cannot stream "
                              "(tied, no [vocab, hidden] parameter, or a head that is not a bias-free nn.Linear)")
         return [frozenset(can[n] for n in options.vocab_streamed)]
-    plain = not options.forces_route and problem.hosts == 1 and (
-        problem.world_size == 1 or problem.hardware.gpu_p2p_bytes_per_s <= 0)
     if options.device_state_prologue:
         can.pop("prologue", None)
     if options.device_state_blocks is not None and options.device_state_blocks > problem.n_blocks:
         can.pop("epilogue", None)
-    if not plain or not can:
+    if not can:
         return [frozenset()]
     ids = sorted(can.values())
     return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
@@ -349,8 +348,16 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
     solution and device states tried of the best choice, and {label: predicted step [s] or None (does
     not fit, or not solved)}."""
     best, errors, tried = None, [], {}
+    # with the sharded delivery or the GPU reduction possible (several ranks with peer-to-peer, several
+    # hosts) a streamed table is solved only where the resident ones do not fit: each full solve of
+    # those route choices takes seconds of a large model
+    plain = not options.forces_route and problem.hosts == 1 and (
+        problem.world_size == 1 or problem.hardware.gpu_p2p_bytes_per_s <= 0)
     for choice in _vocab_choices(problem, options):
         label = _vocab_label(problem, choice)
+        if best is not None and not plain and options.vocab_streamed is None:
+            tried[label] = None
+            continue
         if best is not None:  # skipped when its compute alone (a bound for every plan of it) is no faster
             costs = ProblemCosts(replace(problem, vocab_streamed=choice), options)
             if cpsat.lower_bound(costs, streamed=True) * costs.scale.tick_s >= best[0]:
@@ -377,10 +384,10 @@ def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
     """The plan's credit for the vocabulary decision (solver["searches"])."""
     if len(tried) < 2:
         how = "fixed by SolverOptions.vocab_streamed" if costs.options.vocab_streamed is not None else \
-            "the only choice (tied or no table, or routes other than replicated / cpu)"
+            "the only choice (tied or no table)"
     else:
         how = (f"sweep around the solver: {len(tried)} choices, each solved in full (solve._vocab_search); "
-               + ", ".join(f"{k}: {'does not fit or cannot be faster' if v is None else f'{v * 1e3:.1f} ms'}"
+               + ", ".join(f"{k}: {'does not fit, cannot be faster or not solved' if v is None else f'{v * 1e3:.1f} ms'}"
                             for k, v in tried.items()))
     return {f"streamed vocabulary ({_vocab_label(costs.problem, costs.problem.vocab_streamed)})": how}
 
@@ -693,10 +700,13 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
 def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, hardware: Hardware, world_size: int,
                precision: str, micro_batches: int, loss_chunk_tokens: int = 4096,
                options: SolverOptions | None = None, version: str = "0", compiled_blocks: bool = False,
-               hosts: int = 1, link_bytes_per_s: float = 0.0) -> Plan:
-    """The plan of a baseline rule `decide(costs, budget) -> Decisions | None` (no search)."""
+               hosts: int = 1, link_bytes_per_s: float = 0.0, vocab_streamed: frozenset = frozenset(),
+               vocab_chunk_numel: int | None = None) -> Plan:
+    """The plan of a baseline rule `decide(costs, budget) -> Decisions | None` (no search);
+    `vocab_streamed`: the layer ids whose vocabulary table streams (Problem.vocab_streamed)."""
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
-                      hosts=hosts, link_bytes_per_s=link_bytes_per_s)
+                      hosts=hosts, link_bytes_per_s=link_bytes_per_s, vocab_streamed=frozenset(vocab_streamed),
+                      **({} if vocab_chunk_numel is None else {"vocab_chunk_numel": vocab_chunk_numel}))
     costs = ProblemCosts(problem, options)
     decisions = decide(costs, budget_bytes)
     if decisions is None:

@@ -2,12 +2,13 @@
 --nproc-per-node G`: every host's first rank makes its own host state, holding the chunks its ranks own.
 
     torchrun --nnodes 2 --node-rank K --nproc-per-node G --master-addr 127.0.0.1 --master-port P \\
-        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed]
+        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed | --vocab]
 
 Steps on the batches of `batches(world_size)`: step 1 is poisoned on the last host (its block 1 gives
 nan), so every rank skips it; a checkpoint after step 2, reloaded for step 3 again. Given a
 checkpoint of one host, it is loaded, saved again and trained one more step (resharding 1 -> N).
-With --until-killed the hosts train until the test kills one.
+With --until-killed the hosts train until the test kills one. With --vocab an untied model's
+embedding and head stream by vocabulary chunk (sharded delivery, GPU reduction) for three steps.
 """
 
 import json
@@ -25,10 +26,10 @@ from tests.multirank.test_data_parallel import routed_plan
 POISONED = 1  # the step whose gradient is not finite
 
 
-def batches(world_size: int, n: int = 5) -> list[torch.Tensor]:
-    """Global batches of two passes each (gradient accumulation)."""
+def batches(world_size: int, n: int = 5, passes: int = 1) -> list[torch.Tensor]:
+    """Global batches of two micro-batches per rank each (gradient accumulation), times `passes`."""
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (world_size * BATCH * 2, SEQ), generator=gen) for _ in range(n)]
+    return [torch.randint(0, VOCAB, (world_size * BATCH * 2 * passes, SEQ), generator=gen) for _ in range(n)]
 
 
 def poison(model, switch: dict):
@@ -41,9 +42,37 @@ def poison(model, switch: dict):
     return model.model.layers[1].register_forward_hook(hook)
 
 
+def vocab_streamed(out_dir: str, world_size: int, hosts: int, rank: int) -> None:
+    """Three steps with the embedding and head streamed by row chunks; rank 0 writes the losses and
+    the state (vocab_result.json, vocab_state.safetensors)."""
+    from tests.engine.test_vocab_stream import CHUNK_NUMEL
+
+    model = make_model("llama")
+    plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=2, hosts=hosts,
+                       vocab_streamed=("prologue", "epilogue"), vocab_chunk_numel=CHUNK_NUMEL)
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             world_size=world_size, micro_batches=2, plan=plan,
+                             optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP)
+    data = batches(world_size, 3, passes=2)
+    with engine:
+        losses = [engine.step(ids) for ids in data]
+        clip = engine.last_step.clip_coef
+        held = [layout.held_numel for layout in engine.host.layouts]
+        state = engine.state_dict()
+    if rank == 0:
+        save_file({k: v.clone() for k, v in state.items()}, os.path.join(out_dir, "vocab_state.safetensors"))
+        with open(os.path.join(out_dir, "vocab_result.json"), "w") as f:
+            json.dump(dict(losses=losses, clip_coef=clip, held_numels=held, vocab_chunk_rows=plan.vocab_chunk_rows,
+                           edges=[[d.activation, d.delivery, d.reduction, d.numel]
+                                  for d in plan.decisions if d.kind != "block"]), f)
+
+
 def main(out_dir: str, extra: str | None) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     hosts = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
+    if extra == "--vocab":
+        vocab_streamed(out_dir, world_size, hosts, rank)
+        return
     model = make_model("llama", tied=True)  # every rank builds the same model
     switch = {"on": False}
     if int(os.environ["GROUP_RANK"]) == hosts - 1:

@@ -23,8 +23,10 @@ from tests.models import VOCAB, PlainBlock, PlainLM, make_model
 ROUTES = [("replicated", "cpu"), ("replicated", "gpu"), ("sharded", "cpu"), ("sharded", "gpu")]
 
 
-def routed_plan(model, world_size, route, *, micro_batches=1, activation="recompute", per_group=None, hosts=1):
-    """A plan with the given routes (h100-sxm figures allow every route; predictions are unused)."""
+def routed_plan(model, world_size, route, *, micro_batches=1, activation="recompute", per_group=None, hosts=1,
+                vocab_streamed=(), vocab_chunk_numel=None):
+    """A plan with the given routes (h100-sxm figures allow every route; predictions are unused);
+    `vocab_streamed`: "prologue" / "epilogue", whose vocabulary table streams by row chunks."""
     graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
 
     def decide(costs, budget):
@@ -35,7 +37,9 @@ def routed_plan(model, world_size, route, *, micro_batches=1, activation="recomp
 
     return fixed_plan(graph, decide, method="test", budget_bytes=1 << 30, hardware=PRESETS["h100-sxm"],
                       world_size=world_size, precision="fp32", micro_batches=micro_batches, hosts=hosts,
-                      link_bytes_per_s=50e9 if hosts > 1 else 0.0)
+                      link_bytes_per_s=50e9 if hosts > 1 else 0.0,
+                      vocab_streamed={graph.prologue.id if n == "prologue" else graph.epilogue.id for n in vocab_streamed},
+                      vocab_chunk_numel=vocab_chunk_numel)
 
 
 def compile_ranks(model, world_size, plan, micro_batches=1):

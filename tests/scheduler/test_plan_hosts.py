@@ -101,3 +101,24 @@ def test_the_cli_plans_for_several_nodes(model, tmp_path, capsys):
     assert code == 0
     plan = slidedp.Plan.load(out)
     assert plan.workload.hosts == 2 and plan.workload.link_bytes_per_s == LINKS["eth-2x100"]
+
+
+def test_qwen25_72b_on_4_hosts_of_4_rtx4090_plans_with_streamed_tables():
+    """With resident tables the floor is above 24 GiB; streamed by vocabulary chunk on the sharded / gpu
+    routes (docs/design.md §4.14) the shape plans there (benchmarks/known_plans)."""
+    import transformers
+
+    from slidedp.train.shapes import preset_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(preset_config("qwen2.5-72b")).to(torch.bfloat16)
+    kw = dict(batch_size=1, seq_len=4096, world_size=16, hosts=4, link="eth-1x100", hardware="rtx4090",
+              precision="bf16", host_memory="512GiB", compile_blocks=True, max_grad_norm=1.0)
+    with pytest.raises(slidedp.InfeasibleBudgetError) as resident:
+        slidedp.plan(model, "24GiB", solver_options=SolverOptions(vocab_streamed=()), **kw)
+    assert resident.value.min_budget_bytes > 24 * 2**30
+    plan = slidedp.plan(model, "24GiB", **kw)
+    edges = [d for d in plan.decisions if d.kind != "block"]
+    assert {(d.activation, d.delivery, d.reduction) for d in edges} == {("streamed", "sharded", "gpu")}
+    assert plan.peak_device_bytes <= 24 * 2**30 and plan.peak_host_bytes <= 512 * 2**30
+    plan.validate()

@@ -65,6 +65,17 @@ CASES = {
         hosts=2, link_bytes_per_s=12.5e9, copies_on_load=True, host_offload_bytes=40 * 2**20,
         options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
                      update_orders=("forward",))),
+    # every route for the streamed tables (the head's second load gathered again when sharded)
+    "streamed vocabulary, 2 ranks with peer-to-peer": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 2.0)), world_size=2, hardware="h100-sxm",
+        vocab_streamed=True,
+        options=dict(activations=("recompute",), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
+    "streamed vocabulary, 2 hosts x 2 ranks": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 2.0, 1.0)), world_size=4, hardware="rtx4090",
+        hosts=2, link_bytes_per_s=12.5e9, vocab_streamed=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
 }
 
 

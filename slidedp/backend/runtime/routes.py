@@ -71,6 +71,11 @@ class Routes:
         self._grad_dtype, self._staging_slots = getattr(torch, host.layouts[0].grad_dtype), staging_slots
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._piece_tasks: dict[int, int] = {}  # streamed layer -> index of its first staged add this pass
+        self._piece_sumsq: dict[int, torch.Tensor] = {}  # streamed layer -> its reduced owned parts' squares
+        # CPU reduction of a streamed layer: its pieces so far this pass, and per pass (the same in every
+        # pass: tickets of pass g start at g * pieces * world_size)
+        self._piece_index: dict[int, int] = {}
+        self._pieces_per_pass: dict[int, int] = {}
         self._free: queue.Queue[int] = queue.Queue()
         self.device_state = None  # backend.state.device_state.DeviceState, set by the rank when the plan has one
         self.streamed = None  # backend.runtime.streamed_updates.StreamedUpdates, likewise
@@ -139,66 +144,105 @@ class Routes:
                 with self.streams.on("h2d"):
                     self.comm.broadcast_(dst[lo:hi], owner)
 
-    def load_range(self, layer_id: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """A part of a host layer's weights (a streamed table's chunk, or the layer's resident rest:
-        vocab_stream.py) into `dst`, on the H2D stream, once the layer's last update is done (every
-        rank copies it: the replicated delivery)."""
+    def load_range(self, layer_id: int, dst: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of a host layer's weights (a streamed table's chunk, or the layer's resident
+        rest: vocab_stream.py) into `dst`, on the H2D stream, once the layer's last update is done, by
+        the layer's delivery: every rank copies the range (replicated), or the owner of each chunk's
+        part of it copies that part from its host and broadcasts it (sharded; several hosts)."""
         if self._streamed_here(layer_id):
             self.streams.wait("h2d", self.streamed.ready.get(layer_id))
         else:
             self.wait_updated(layer_id)
-        self.streams.copy("h2d", dst, src)
+        arrays = self.host.layers[layer_id]
+        if self.world_size == 1 or self.delivery[layer_id] != "sharded":
+            self.streams.copy("h2d", dst, arrays.source[arrays.at(lo, hi)])
+            return
+        for a, b, owner in self.parts(layer_id, lo, hi):
+            part = dst[a - lo : b - lo]
+            if owner == self.rank:
+                self.streams.copy("h2d", part, arrays.source[arrays.at(a, b)])
+            with self.streams.on("h2d"):
+                self.comm.broadcast_(part, owner)
+
+    def parts(self, layer_id: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(a, b, owner) of each of the layer's chunks' intersection with elements [lo, hi), in order."""
+        return [(max(lo, c0), min(hi, c1), owner) for (c0, c1), owner in zip(self.chunks[layer_id], self.owners[layer_id])
+                if max(lo, c0) < min(hi, c1)]
 
     # -- gradients down -------------------------------------------------------------------------
     def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor) -> None:
         """Elements [lo, hi) of this rank's fp32 gradient of a vocabulary-streamed layer for this pass
-        (`piece`, flat, on the device, ready on the D2H stream) into the host gradient, through the
-        staging buffers: the CPU reduction in rank order, or with one rank a copy (a later pass adds).
-        The pieces of a layer cover it once; `gradient_done` ends it."""
+        (`piece`, flat, on the device, ready on the D2H stream) into the host gradient, by the layer's
+        reduction: the CPU reduction through the staging buffers in rank order; the GPU reduction (each
+        chunk's part of the piece summed onto its owner, which alone copies it down to its host, and
+        counts it in the norm); with one rank a copy (a later pass adds). The pieces of a layer cover it
+        once; `gradient_done` ends it."""
         target = self.host.layers[layer_id].grad
         piece = piece.reshape(-1)
         if piece.is_cuda:
             piece.record_stream(self.streams.d2h)
         size = self._staging_numel()
-        parts = [(a, min(hi - lo, a + size)) for a in range(0, hi - lo, size)]
-        if layer_id in self.grads_streamed:
-            for part in parts:
-                self._stage(part, piece, lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b))
+        if layer_id in self.grads_streamed:  # one rank: the whole piece is its own, into the update
+            for a in range(0, hi - lo, size):
+                self._stage((a, min(hi - lo, a + size)), piece,
+                            lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b))
             return
         if self.reduction[layer_id] == "cpu":
-            ticket = self.passes * self.world_size + self.rank
+            # piece by piece in rank order (a turn per piece: with the sharded delivery a rank waiting
+            # for its turn of the whole layer would hold the staging buffers while the other ranks
+            # wait for it in the next chunk's broadcast)
+            j = self._piece_index.get(layer_id, 0)
+            self._piece_index[layer_id] = j + 1
+            base = self.passes * self._pieces_per_pass[layer_id] * self.world_size if self.passes else 0
+            ticket = base + j * self.world_size + self.rank
             overwrite = self._first and self.rank == 0
-            for part in parts:
-                self._stage(part, piece, lambda staged, a, b: self._add_in_turn(
-                    layer_id, target[lo + a : lo + b], staged, ticket, overwrite, False))
+            parts = [(a, min(hi - lo, a + size)) for a in range(0, hi - lo, size)]
+            for i, part in enumerate(parts):
+                self._stage(part, piece, lambda staged, a, b, last=i == len(parts) - 1: self._add_in_turn(
+                    layer_id, target[lo + a : lo + b], staged, ticket, overwrite, last))
+            if not parts:
+                self._pending.append(self._reducer.submit(self._pass_turn, layer_id, ticket))
             return
-        if self.world_size > 1:
-            raise ValueError("a vocabulary-streamed layer with several ranks needs the CPU reduction")
+        at = self.host.layers[layer_id].at
+        if self.world_size > 1:  # each chunk's part summed onto its owner: this rank copies its own parts
+            mine = []
+            with self.streams.on("d2h"):
+                for a, b, owner in self.parts(layer_id, lo, hi):
+                    self.comm.reduce_(piece[a - lo : b - lo], owner)
+                    if owner == self.rank:
+                        mine.append((a, b))
+                        part = piece[a - lo : b - lo]
+                        sq = torch.dot(part, part)
+                        self._piece_sumsq[layer_id] = sq + self._piece_sumsq[layer_id] \
+                            if layer_id in self._piece_sumsq else sq
+        else:  # one rank: the whole piece is its own (in staging-sized parts when added on the host)
+            mine = [(lo, hi)] if self._first else [(a, min(hi, a + size)) for a in range(lo, hi, size)]
         self._piece_tasks.setdefault(layer_id, len(self._pending))
         if self._first:
             self.wait_updated(layer_id)  # the last update still reads this gradient
-            self._copy_down(target[lo:hi], piece)
+            for a, b in mine:
+                self._copy_down(target[at(a, b)], piece[a - lo : b - lo])
         else:
-            for part in parts:
-                self._stage(part, piece, lambda staged, a, b: target[lo + a : lo + b].add_(staged))
+            for a, b in mine:
+                self._stage((a - lo, b - lo), piece, lambda staged, x, y: target[at(x + lo, y + lo)].add_(staged))
 
     def gradient_done(self, layer_id: int, local_sumsq: torch.Tensor | None) -> None:
         """Every piece of a vocabulary-streamed layer's gradient is on its way: the CPU reduction passes
-        the turn to the next rank; with one rank, its sum of squares (all pieces, on the device) is
-        kept for the norm and early updates learn when it has landed."""
-        if layer_id in self.grads_streamed:
+        the turn to the next rank; the GPU reduction keeps the sum of squares (on the device) of the
+        reduced parts this rank owns for the norm (with one rank, `local_sumsq`: all pieces), and early
+        updates learn when the gradient has landed."""
+        if layer_id in self.grads_streamed:  # one rank: already in the update
             if local_sumsq is not None:
                 self._device_sumsq[layer_id] = local_sumsq
             return
-        if self.reduction[layer_id] == "cpu":
-            ticket = self.passes * self.world_size + self.rank
-
-            def advance() -> None:
-                self.flags.wait_turn(layer_id, ticket)
-                self.flags.advance(layer_id, ticket)
-
-            self._pending.append(self._reducer.submit(advance))
+        if self.reduction[layer_id] == "cpu":  # every piece took its turn; as many in every pass
+            pieces = self._piece_index.pop(layer_id, 0)
+            if self._pieces_per_pass.setdefault(layer_id, pieces) != pieces:
+                raise RuntimeError(f"layer {layer_id}: {pieces} gradient pieces in this pass, "
+                                   f"{self._pieces_per_pass[layer_id]} in the first")
             return
+        if self.world_size > 1:
+            local_sumsq = self._piece_sumsq.pop(layer_id, None)
         if local_sumsq is not None:
             self._device_sumsq[layer_id] = local_sumsq
         first_task = self._piece_tasks.pop(layer_id, len(self._pending))
@@ -373,6 +417,11 @@ class Routes:
             target.add_(staged)
         if last:
             self.flags.advance(layer_id, ticket)
+
+    def _pass_turn(self, layer_id: int, ticket: int) -> None:
+        """CPU reduction of a contribution with nothing to add: the turn passes on in rank order."""
+        self.flags.wait_turn(layer_id, ticket)
+        self.flags.advance(layer_id, ticket)
 
     def _raise_if_failed(self) -> None:
         for f in self._pending:

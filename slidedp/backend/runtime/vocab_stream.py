@@ -66,13 +66,12 @@ class VocabStream:
         slots = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(min(2, len(bounds)))]
         free: list = [None] * len(slots)
         ready: list = [None] * len(bounds)
-        src = self.host.layers[table.layer_id].source
 
         def issue(j: int) -> None:
             s = j % len(slots)
             self.streams.wait("h2d", free[s])  # the chunk before in this slot has been computed with
             lo, hi = table.flat(*bounds[j])
-            self.routes.load_range(table.layer_id, slots[s][: hi - lo], src[lo:hi])
+            self.routes.load_range(table.layer_id, slots[s][: hi - lo], lo, hi)
             ready[j] = self.streams.record("h2d")
 
         issue(0)

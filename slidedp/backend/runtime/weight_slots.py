@@ -78,12 +78,11 @@ class WeightWindow:
         """H2D of a prologue/epilogue layer's weights if an update changed them since the last load."""
         if layer_id not in self.resident_stale:
             return
-        src = self.host.layers[layer_id].source
         if layer_id in self.vocab:
             for at, start, numel in self.resident_parts[layer_id]:
-                self.routes.load_range(layer_id, self.resident[layer_id][at : at + numel], src[start : start + numel])
+                self.routes.load_range(layer_id, self.resident[layer_id][at : at + numel], start, start + numel)
         else:
-            self.routes.load(layer_id, self.resident[layer_id], src)
+            self.routes.load(layer_id, self.resident[layer_id], self.host.layers[layer_id].source)
         self.streams.wait("compute", self.streams.record("h2d"))
         self.resident_stale.discard(layer_id)
 

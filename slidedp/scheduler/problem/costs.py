@@ -123,9 +123,6 @@ class ProblemCosts:
         # the gradients a plan keeps unless they stream into the update (Problem.grads_streamable)
         self.streamable_grad_bytes = sum(mem.host_grad_bytes(layer.numel, DTYPE_BYTES[problem.graph.compute_dtype])
                                          for layer in streamable_grad_layers(problem))
-        if problem.vocab_streamed and self.routes != [(REPLICATED, CPU)]:
-            raise ValueError("a vocabulary-streamed prologue or epilogue moves by the replicated delivery and the "
-                             f"CPU reduction only; the routes here are {self.routes}")
         self._transfer_options(rates)
         self._block_ticks(rates)
         self._device_updates()

@@ -12,8 +12,8 @@ Every rank runs the same program (note [lockstep] in oracles/timeline.py). Its l
               then the backward reloads of evicted blocks and of offloaded activations, by the
               compute position after which each may be issued.
   d2h         offloaded activations (forward); the epilogue's gradient; blocks N..1; the prologue.
-  collective  (W > 1) all-gather after each sharded load, reduce-scatter before each gpu-reduced
-              gradient copy.
+  collective  (W > 1) all-gather after each sharded load (a streamed head's second load too),
+              reduce-scatter before each gpu-reduced gradient copy.
   cpu_update  the previous step's AdamW, chunk by chunk, in update order (per rank: the chunks
               it owns); built by the simulator, since it depends on the decisions.
 
@@ -129,7 +129,7 @@ def build_lanes(n_blocks: int, window: int, collectives: bool, head_reload: bool
             deps.append(f"offload[L{i - 2}]")  # its device buffer is reused two blocks later
         compute.append(Op(f"fwd[L{i}]", COMPUTE, "fwd", i, tuple(deps), position=i))
     deps = [f"load[L{E},early]", f"load[L{E},late]", f"all_gather[L{E},early]", f"all_gather[L{E},late]"]
-    deps += [f"load[L{E},head]"] if head_reload else []
+    deps += [f"load[L{E},head]", f"all_gather[L{E},head]"] if head_reload else []
     if N - 1 >= 1:
         deps.append(f"offload[L{N - 1}]")
     compute.append(Op(f"epi[L{E}]", COMPUTE, "epi", E, tuple(deps), position=N + 1))
@@ -185,6 +185,9 @@ def build_lanes(n_blocks: int, window: int, collectives: bool, head_reload: bool
                            (("sharded", i),)))
         coll.append(Op(f"all_gather[L{E},late]", COLLECTIVE, "all_gather", E, (f"load[L{E},late]",),
                        (("sharded", E), forward)))
+        if head_reload:  # the streamed head's second load, sharded: its chunks gathered again
+            coll.append(Op(f"all_gather[L{E},head]", COLLECTIVE, "all_gather", E, (f"load[L{E},head]",),
+                           (("sharded", E),), phase="bwd"))
         coll.append(Op(f"reduce_scatter[L{E}]", COLLECTIVE, "reduce_scatter", E, (f"epi[L{E}]",),
                        (("gpu", E),), phase="bwd"))
         backward = []
