@@ -39,13 +39,14 @@ class Config:
     hardware: str
     world_size: int  # every rank of every host
     budget_gib: float  # device memory per GPU; 0: the smallest that plans (the floor), found by the planner
-    host_memory_gib: float  # per host
+    host_memory_gib: float  # per host; 0: the least that plans (the leanest host layout), found by the planner
     seq_len: int
     micro_batches: int  # per rank and pass over the weights, one row each
     hosts: int = 1
     link: str | None = None  # between hosts (costmodel/hardware.py LINKS)
     passes: int = 1  # passes over the weights per step (`step()` with passes x micro_batches rows per rank)
     clip: bool = True  # gradient clipping at 1.0
+    nonfinite: str = "skip"  # "stop" (without clipping, one rank) lets the plan stream the gradients into the update
 
     @property
     def tokens_per_step(self) -> int:
@@ -66,6 +67,14 @@ CONFIGS = (
     Config("qwen2.5-72b-rtx4090x4", "qwen2.5-72b", "rtx4090", 4, 24, 1200, 4096, 1),
     Config("qwen2.5-72b-4hosts-rtx4090x4", "qwen2.5-72b", "rtx4090", 16, 24, 512, 4096, 1, hosts=4,
            link="eth-1x100"),
+    # the least host RAM per host that plans: the leanest host layout (delivery copies made on load)
+    Config("qwen2.5-72b-rtx4090x4-leanest-host", "qwen2.5-72b", "rtx4090", 4, 24, 0, 4096, 1),
+    # Qwen3-14B on the one-H200 machine (118 GiB of host RAM); without clipping and with nonfinite="stop"
+    # the gradients may stream into the update (no gradient in host RAM)
+    Config("qwen3-14b-h200x1-16384", "qwen3-14b", "h200-sxm", 1, 130, 118, 4096, 4),
+    Config("qwen3-14b-h200x1-65536", "qwen3-14b", "h200-sxm", 1, 130, 118, 4096, 16),
+    Config("qwen3-14b-h200x1-65536-stop", "qwen3-14b", "h200-sxm", 1, 130, 118, 4096, 16, clip=False,
+           nonfinite="stop"),
     # the floors of the Qwen3-4B shape on one GPU, no clipping as SlideFormer's figures (5.3 and 6.7 GiB)
     Config("qwen3-4b-h200x1-floor-4096", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 1, clip=False),
     Config("qwen3-4b-h200x1-floor-16384", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 4, clip=False),
@@ -87,13 +96,23 @@ def solve(config: Config) -> dict:
     record = {**asdict(config), "params": params, "tokens_per_step": config.tokens_per_step}
     t0 = time.perf_counter()
 
+    host_memory = f"{config.host_memory_gib}GiB" if config.host_memory_gib else None
+
     def plan_at(budget):
         return slidedp.plan(model, budget, batch_size=1, seq_len=config.seq_len, world_size=config.world_size,
                             micro_batches=config.micro_batches, precision="bf16", hardware=config.hardware,
-                            host_memory=f"{config.host_memory_gib}GiB", hosts=config.hosts, link=config.link,
-                            compile_blocks=True, max_grad_norm=1.0 if config.clip else None)
+                            host_memory=host_memory, hosts=config.hosts, link=config.link,
+                            compile_blocks=True, max_grad_norm=1.0 if config.clip else None,
+                            nonfinite=config.nonfinite)
 
     try:
+        if not config.host_memory_gib:  # the least host RAM that plans, then the plan there
+            host_memory = 1
+            try:
+                plan_at(f"{config.budget_gib}GiB")
+                raise AssertionError("a plan within 1 byte of host RAM")
+            except slidedp.InfeasibleBudgetError as e:
+                record["leanest_host_bytes"] = host_memory = e.min_host_bytes
         if config.budget_gib:
             plan = plan_at(f"{config.budget_gib}GiB")
         else:
@@ -145,6 +164,8 @@ def render(records: list[dict]) -> str:
     for r in records:
         where = f"{r['hosts']} x {r['world_size'] // r['hosts']} {r['hardware']}"
         budget = f"floor {gib(r['floor_bytes'])}" if r.get("floor_bytes") else f"{r['budget_gib']:g}"
+        if r.get("leanest_host_bytes"):
+            budget += f", host at its least ({gib(r['leanest_host_bytes'])})"
         if "predicted_step_s" in r:
             bound = "~" if r.get("predicted_step_is_estimate") else ""
             rows.append([r["name"], where, budget, f"{r['tokens_per_step']:,}", bound + num(r["predicted_step_s"], ".3f"),

@@ -464,6 +464,8 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         return host_budget is None or host_bytes(choice) <= host_budget
 
     def run(choice: tuple[bool, int], first: bool = False) -> None:
+        if choice not in results and not first and not host_fits(choice):
+            results[choice] = None  # its fixed host bytes alone exceed the host budget: not a choice
         if choice not in results:
             costs = ProblemCosts(problem_of(choice), options)
             try:

@@ -11,7 +11,8 @@ def test_plans_are_saved_and_recorded_with_predictions_and_failures(tmp_path, mo
     two = mod.Config("tiny-2", "llama-tiny", "h200-sxm", 2, 8, 16, 64, 1)
     too_small = mod.Config("tiny-too-small", "llama-tiny", "h200-sxm", 1, 0.001, 16, 64, 2)
     floor = mod.Config("tiny-floor", "llama-tiny", "h200-sxm", 1, 0, 16, 64, 2, clip=False)
-    monkeypatch.setattr(mod, "CONFIGS", (fits, two, too_small, floor))
+    lean = mod.Config("tiny-lean-host", "llama-tiny", "h200-sxm", 1, 9, 0, 64, 2, clip=False, nonfinite="stop")
+    monkeypatch.setattr(mod, "CONFIGS", (fits, two, too_small, floor, lean))
     out = tmp_path / "record.json"
     assert mod.main(["--out", str(out), "--allow-dirty"]) == 0
     records = {r["name"]: r for r in json.loads(out.read_text())}
@@ -29,6 +30,9 @@ def test_plans_are_saved_and_recorded_with_predictions_and_failures(tmp_path, mo
     # budget 0: planned at the smallest budget that plans, which the record names
     lowest = records["tiny-floor"]
     assert lowest["floor_bytes"] > 0 and lowest["peak_device_bytes"] <= lowest["floor_bytes"]
+    # host 0: planned at the least host RAM that plans (gradients streamed, copies made on load where they count)
+    leanest = records["tiny-lean-host"]
+    assert 0 < leanest["peak_host_bytes"] <= leanest["leanest_host_bytes"] < ok["peak_host_bytes"]
     eff = mod.strong_scaling(list(records.values()))
     assert eff["tiny-1"] == 1.0 and 0 < eff["tiny-2"] <= 1.05  # the same tokens per step over two ranks
     table = mod.render(list(records.values()))
