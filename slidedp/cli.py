@@ -74,7 +74,8 @@ def _plan(args) -> int:
     plan = api.plan(model, args.budget, batch_size=args.batch_size, seq_len=args.seq_len,
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
                         micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto",
-                        host_memory=args.host_memory, hosts=args.nodes, link=_link_arg(args.link))
+                        host_memory=args.host_memory, hosts=args.nodes, link=_link_arg(args.link),
+                        max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite)
     plan.save(args.out)
     print(plan.summary())
     print(f"\nplan written to {args.out}")
@@ -245,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", default=None,
                    help=f"with --nodes > 1: each host's link into the network, one of {', '.join(LINKS)}, bytes/s, "
                         "or the JSON of slidedp calibrate --link")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="exact global clipping the run will use (default: none, which allows early updates)")
+    p.add_argument("--nonfinite", choices=("skip", "stop"), default="skip",
+                   help="a non-finite gradient: skip the step (default) or stop; stop, without clipping, lets the "
+                        "plan stream the gradients into the update (no gradient in host RAM)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 

@@ -228,3 +228,22 @@ def test_precision_auto_in_the_api_as_in_the_cli():
                              seq_len=16, device="cpu")
     assert engine.precision == "fp32"  # fp32 on the CPU
     engine.close()
+
+
+def test_cli_plan_streams_gradients_at_the_least_host_memory_with_nonfinite_stop(tmp_path, capsys):
+    """--nonfinite stop without --max-grad-norm: at the least host RAM that plans, every gradient streams
+    into its update; with clipping the least host RAM that plans is more (the gradients are kept)."""
+    import re
+
+    base = ["plan", "llama-tiny", "--budget", "8GiB", "--batch-size", "1", "--seq-len", "64", "--hardware", "h200-sxm",
+            "--out", str(tmp_path / "plan.json")]
+
+    def least(*flags) -> int:
+        assert main([*base, "--host-memory", "1B", *flags]) == 2
+        return int(re.search(r"give host_memory at least (\d+) bytes", capsys.readouterr().err).group(1))
+
+    stop, clipped = least("--nonfinite", "stop"), least("--nonfinite", "stop", "--max-grad-norm", "1.0")
+    assert stop < clipped
+    assert main([*base, "--host-memory", f"{stop}B", "--nonfinite", "stop"]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["schedule"]["streamed_gradients"] and "streamed gradients" in capsys.readouterr().out
