@@ -87,3 +87,21 @@ def test_on_load_is_refused_in_fp32():
     bad = plan.replace(decisions=tuple(replace(d, host_copy="on_load") for d in plan.decisions))
     with pytest.raises(ValueError, match="host_copy 'on_load' has no meaning in fp32"):
         bad.validate()
+
+
+@pytest.mark.parametrize("route", [pytest.param(("replicated", "cpu"), marks=pytest.mark.slow), ("sharded", "gpu")])
+def test_two_ranks_with_copies_made_on_load_train_as_with_them_kept(route):
+    """Worker processes map the host state without the copies of the layers that make them on load;
+    each rank's loads (every chunk, or its own chunks broadcast) cast the master: the same run, bit
+    for bit, as with every copy kept."""
+    model = make_model("llama")
+    options = SolverOptions(host_copies=("kept",), deliveries=(route[0],), reductions=(route[1],))
+    kw = dict(KW, world_size=2)
+    kept_plan = slidedp.plan(model, "1GiB", hardware="h100-sxm", solver_options=options, **kw)
+    lean_plan = kept_plan.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept_plan.decisions))
+    runs = []
+    for plan in (kept_plan, lean_plan):
+        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, **kw) as engine:
+            runs.append(_train(engine, steps=2))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(w, runs[1][1][k]) for k, w in runs[0][1].items())

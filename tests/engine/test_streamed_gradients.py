@@ -35,11 +35,15 @@ def compiled(model, plan, **kw):
     return slidedp.compile(model, "1GiB", **KW, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), plan=plan, **kw)
 
 
-@pytest.mark.parametrize("family, tied", [("llama", False), ("gpt2", True)])
-def test_streamed_gradients_are_exact(family, tied):
+@pytest.mark.parametrize("family, tied, vocab", [("llama", False, ()), ("gpt2", True, ()),
+                                                 ("qwen3", False, ("prologue", "epilogue"))])
+def test_streamed_gradients_are_exact(family, tied, vocab):
+    """(qwen3: the embedding and head stream by vocabulary chunk, their gradients piece by piece.)"""
     model = make_model(family, tied=tied)
     ref, late_model = copy.deepcopy(model).eval(), copy.deepcopy(model)
-    plan = streamed_plan(model)
+    plan = streamed_plan(model, solver_options=SolverOptions(vocab_streamed=vocab, vocab_chunk_numel=1000)
+                         if vocab else None)
+    assert sum(d.activation == "streamed" for d in plan.decisions) == len(vocab)
     engine = compiled(model, plan)
     late = compiled(late_model, plan.replace(early_order=(), streamed_gradients=False))
     assert all(layer.grad is None and layer.spare is None for layer in engine.host.layers)
