@@ -142,3 +142,27 @@ def test_stop_without_streaming_raises_and_changes_nothing():
         with pytest.raises(slidedp.NonFiniteGradientError, match="nothing was applied"):
             engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
         assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+
+
+def test_a_failed_step_with_streamed_gradients_refuses_the_next_until_a_checkpoint(monkeypatch, tmp_path):
+    """An error in the backward after some layers were updated in place: the step raises it, the next
+    is refused naming the failure, and a checkpoint brings the engine back."""
+    model = make_model("llama")
+    engine = compiled(model, streamed_plan(model))
+    engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    executor = engine.runner.executor
+    real = executor._op_prologue_bwd
+
+    def broken(*args, **kw):
+        raise RuntimeError("backward failed")
+
+    monkeypatch.setattr(executor, "_op_prologue_bwd", broken)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    monkeypatch.setattr(executor, "_op_prologue_bwd", real)
+    with pytest.raises(RuntimeError, match="part-applied; load a checkpoint"):
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
+    engine.close()

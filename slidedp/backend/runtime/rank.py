@@ -84,7 +84,8 @@ class Rank:
         self.early = (EarlyUpdates(host, list(early_order), self.updates, on_swap)
                       if early_order and not self.routes.grads_streamed else None)
         self._segments: dict[bool, list] = {}
-        self.broken: str | None = None  # why the state is that of a step part-applied (streamed gradients)
+        # (error class, why) once the state is that of a step part-applied (streamed gradients): steps refused
+        self.broken: tuple[type, str] | None = None
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -93,7 +94,8 @@ class Rank:
         """A step on the global batch (CPU tensors; this rank takes its share of the rows);
         `optimizer=None` evaluates (no update)."""
         if self.broken is not None:
-            raise NonFiniteGradientError(f"{self.broken}; load a checkpoint before the next step")
+            error, why = self.broken
+            raise error(f"{why}; load a checkpoint before the next step")
         t0 = time.perf_counter()
         share = input_ids.shape[0] // self.world_size
         rows = slice(self.rank * share, (self.rank + 1) * share)
@@ -126,13 +128,13 @@ class Rank:
                 loss += self.executor.run_pass(group, global_tokens).double().cpu()
                 self.routes.end_pass()
             sumsq = self.routes.finish(len(passes))
-        except BaseException:
+        except BaseException as exc:
             if early:
                 self._take_back()
-            raise
-        except BaseException:
-            if streaming:
-                self.broken = "a step failed while its gradients were streaming into the update"
+            if streaming:  # some layers may have been updated in place already
+                self.broken = (RuntimeError, f"step {self.host.step + 1} failed ({type(exc).__name__}: {exc}) while "
+                               "its gradients were streaming into the update: the state may be that of a step "
+                               "part-applied")
             raise
         finally:
             self.routes.early = None
@@ -147,10 +149,11 @@ class Rank:
             self.routes.rounds += 1
             self.executor.resident_stale.update(self.executor.resident_ids)
             where = f"in layers {sorted(set(nonfinite))} " if nonfinite else ""
-            self.broken = (f"step {self.host.step}: the gradient is not finite {where}(norm {norm}); with "
-                           "streamed gradients the other layers were already updated in place, so the state is "
-                           "that of a step part-applied (the non-finite chunks were not applied)")
-            raise NonFiniteGradientError(f"{self.broken}; load a checkpoint before the next step")
+            self.broken = (NonFiniteGradientError, (
+                f"step {self.host.step}: the gradient is not finite {where}(norm {norm}); with streamed gradients "
+                "the other layers were already updated in place, so the state is that of a step part-applied (the "
+                "non-finite chunks were not applied)"))
+            raise NonFiniteGradientError(f"{self.broken[1]}; load a checkpoint before the next step")
         if optimizer is None or not math.isfinite(norm):
             if early:
                 self._take_back()
