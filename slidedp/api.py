@@ -185,13 +185,13 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
         check_plan_matches(given, graph, world_size=request.world_size, precision=request.precision,
                            compiled_blocks=request.compile_blocks, budget_bytes=request.budget.device_bytes,
                            hosts=request.hosts)
-        if given.early_order and not _early_allowed(request.world_size, request.max_grad_norm):
+        if given.early_order and not given.streamed_gradients and not _early_allowed(request.world_size,
+                                                                                     request.max_grad_norm):
             raise ValueError("the plan updates each layer during the backward (early_order), which needs "
                              "max_grad_norm=None and one rank in this process; solve a plan for this run")
         if given.streamed_gradients and not _grads_streamable(request):
             raise ValueError("the plan streams the gradients into the update (streamed_gradients), which needs "
-                             "max_grad_norm=None, nonfinite='stop' and one rank in this process; solve a plan "
-                             "for this run")
+                             "max_grad_norm=None and nonfinite='stop'; solve a plan for this run")
         streamed, elsewhere = set(given.streamed_updates), set(given.device_state) | set(given.early_order)
         if streamed - set(range(len(graph.layers))) or streamed & elsewhere:
             raise ValueError(f"the plan's streamed_updates {given.streamed_updates} must be layer ids whose state "
@@ -241,9 +241,10 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
 
 
 def _grads_streamable(request: Request) -> bool:
-    """The gradients may stream into the update (backend/runtime/routes.py): early updates allowed, and
-    a non-finite gradient stops training (an update applied as its gradient lands cannot be taken back)."""
-    return _early_allowed(request.world_size, request.max_grad_norm) and request.nonfinite == "stop"
+    """The gradients may stream into the update (backend/runtime/routes.py): no clipping, and a
+    non-finite gradient stops training (an update applied as its gradient lands cannot be taken back);
+    with several ranks the plan streams them only where it reduces every host layer on the GPUs."""
+    return request.max_grad_norm is None and request.nonfinite == "stop"
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph, *, world_size: int, precision: str,

@@ -67,8 +67,13 @@ CONFIGS = (
     Config("qwen2.5-72b-rtx4090x4", "qwen2.5-72b", "rtx4090", 4, 24, 1200, 4096, 1),
     Config("qwen2.5-72b-4hosts-rtx4090x4", "qwen2.5-72b", "rtx4090", 16, 24, 512, 4096, 1, hosts=4,
            link="eth-1x100"),
-    # the least host RAM per host that plans: the leanest host layout (delivery copies made on load)
+    # the least host RAM per host that plans: the leanest host layout (delivery copies made on load; the
+    # gradients kept: without peer-to-peer the CPUs sum the ranks' gradients into them)
     Config("qwen2.5-72b-rtx4090x4-leanest-host", "qwen2.5-72b", "rtx4090", 4, 24, 0, 4096, 1),
+    # across hosts every layer is reduced on the GPUs: without clipping and with nonfinite="stop" the
+    # gradients stream into the update too (12 bytes per parameter of state)
+    Config("qwen2.5-72b-4hosts-rtx4090x4-leanest-host", "qwen2.5-72b", "rtx4090", 16, 24, 0, 4096, 1, hosts=4,
+           link="eth-1x100", clip=False, nonfinite="stop"),
     # Qwen3-14B on the one-H200 machine (118 GiB of host RAM); without clipping and with nonfinite="stop"
     # the gradients may stream into the update (no gradient in host RAM)
     Config("qwen3-14b-h200x1-16384", "qwen3-14b", "h200-sxm", 1, 130, 118, 4096, 4),

@@ -72,9 +72,9 @@ class Problem:
     # budget could bind (solve.py); the copies kept then share `host_offload_bytes` with the offloaded
     # activations, the host state's fixed part counting none.
     copies_on_load: bool = False
-    # The host layers' gradients may stream into their update (Decisions.grads_streamed): one rank, no
-    # clipping, one pass, and a non-finite gradient stops training instead of skipping the step
-    # (CompileOptions.nonfinite "stop"). The host state's fixed part then counts no gradient; one kept
+    # The host layers' gradients may stream into their update (Decisions.grads_streamed): no clipping,
+    # one pass, several ranks only with the GPU reduction, and a non-finite gradient stops training
+    # instead of skipping the step (CompileOptions.nonfinite "stop"). The host state's fixed part then counts no gradient; one kept
     # counts against `host_offload_bytes` with the offloaded activations.
     grads_streamable: bool = False
 
@@ -98,8 +98,6 @@ class Problem:
         if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
                 or self.vocab_chunk_numel < 1:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
-        if self.grads_streamable and self.world_size > 1:
-            raise ValueError("grads_streamable needs one rank (world_size 1)")
         if self.device_state_sharded and (self.world_size == 1 or self.hosts > 1):
             raise ValueError("device_state_sharded needs several ranks of one host (world_size > 1, hosts == 1)")
         if self.host_offload_bytes is not None and self.host_offload_bytes < 0:

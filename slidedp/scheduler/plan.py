@@ -406,7 +406,7 @@ class Plan:
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
             *([_host_line(self)] if self.peak_host_bytes else []),
             (f"  streamed gradients: each host layer updated in place as its gradient lands ({len(self.early_order)} "
-             "layers; no gradient in host RAM; no clipping, one rank, a non-finite gradient stops training)"
+             "layers; no gradient in host RAM; no clipping, a non-finite gradient stops training)"
              if self.streamed_gradients else
              f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
              "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
@@ -636,7 +636,7 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
                    and not decisions[i].owners]
         if unowned:
             bad(f"device_state_sharded: {', '.join(unowned[:4])} name no chunk owners (decisions[i].owners)")
-    if s.early_order and world_size != 1:
+    if s.early_order and world_size != 1 and s.streamed_gradients is not True:
         bad(f"early_order: updates during the backward need one rank, the plan runs on {world_size}")
     if not isinstance(s.streamed_gradients, bool):
         bad(f"streamed_gradients must be true or false, got {s.streamed_gradients!r}")
@@ -646,6 +646,10 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         if list(s.early_order) != landing or s.streamed_updates:
             bad("streamed_gradients: every host layer is updated as its gradient lands: early_order must be "
                 f"{landing} (last block first, the epilogue last) and streamed_updates empty")
+        summed = [decisions[i].name for i in landing if world_size > 1 and decisions[i].reduction == "cpu"]
+        if summed:
+            bad(f"streamed_gradients with {world_size} ranks: every host layer reduced on the GPUs, "
+                f"{', '.join(summed[:4])} reduced on the CPUs")
     if not _is_int(s.loss_chunk_tokens) or s.loss_chunk_tokens < 0:
         bad(f"loss_chunk_tokens must be an integer >= 0, got {s.loss_chunk_tokens!r}")
     vocab = [d.layer_id for d in decisions if isinstance(d, LayerDecision) and d.activation == "streamed"]

@@ -179,7 +179,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     early updates (one rank, no clipping) may take `early_host_bytes` for their spare state, with the
     offloaded activations of all ranks (None: no early updates); `streamed_updates` lets the devices
     update some host layers (each rank its own chunks); `grads_streamable` lets the host layers'
-    gradients stream into their update (one rank, no clipping, a non-finite gradient stops training).
+    gradients stream into their update (no clipping, a non-finite gradient stops training; several
+    ranks: with the GPU reduction).
     `host_budget_bytes` (None: unbounded) bounds everything the plan takes of host RAM, all ranks
     together (Explanation.host_memory: host state, spare state, offloaded activations, pinned
     buffers): a hard constraint like the device budget (InfeasibleBudgetError with min_host_bytes).
@@ -187,8 +188,12 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates,
-                      hosts=hosts, link_bytes_per_s=link_bytes_per_s, grads_streamable=grads_streamable)
+                      hosts=hosts, link_bytes_per_s=link_bytes_per_s)
     options = options or SolverOptions()
+    # several ranks stream their gradients only where every route the plan may take reduces on the GPUs
+    # (with the CPU reduction the ranks' gradients are summed into a host gradient)
+    only_gpu = hosts > 1 or (hardware.gpu_p2p_bytes_per_s > 0 and set(options.reductions) == {GPU})
+    problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu))
     problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
     costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0

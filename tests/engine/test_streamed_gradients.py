@@ -14,7 +14,7 @@ from slidedp.costmodel import memory as mem
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.search.early_order import landing_order
 from tests.engine.test_early_updates import train_beside_late
-from tests.engine.test_exactness import BATCH, LR, SEQ, WD, random_batch
+from tests.engine.test_exactness import BATCH, LR, SEQ, WD, random_batch, reference_loss
 from tests.models import VOCAB, make_model
 from tests.reliability.test_numerical_faults import poison
 
@@ -166,3 +166,52 @@ def test_a_failed_step_with_streamed_gradients_refuses_the_next_until_a_checkpoi
     engine.load_checkpoint(tmp_path / "ckpt")
     engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ)))
     engine.close()
+
+
+@pytest.mark.parametrize("delivery", ["sharded", pytest.param("replicated", marks=pytest.mark.slow)])
+def test_two_ranks_stream_their_own_chunks_exactly(delivery):
+    """Two worker ranks, the GPU reduction: each rank applies the chunks it owns as they land and marks
+    the layer; the run is the kept-gradient plan's bit for bit and torch.optim.AdamW's."""
+    model = make_model("qwen3")
+    ref = copy.deepcopy(model).eval()
+    options = SolverOptions(deliveries=(delivery,), reductions=("gpu",))
+    kw = dict(KW, world_size=2)
+    kept_plan = slidedp.plan(model, "1GiB", hardware="h100-sxm", solver_options=options, nonfinite="stop", **kw)
+    n = len(kept_plan.decisions)
+    plan = kept_plan.replace(early_order=tuple(i for i in landing_order(n) if i not in kept_plan.device_state),
+                             streamed_gradients=True)
+    assert not kept_plan.streamed_gradients and not plan.problems()
+    opt = slidedp.AdamW(lr=LR, weight_decay=WD)
+    gen = torch.Generator().manual_seed(4)
+    batches = [random_batch(gen, 2 * 2 * BATCH) for _ in range(3)]
+    runs = []
+    for p in (plan, kept_plan):
+        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=p, optimizer=opt, nonfinite="stop", **kw) as engine:
+            runs.append(([engine.step(ids, labels) for ids, labels in batches], engine.state_dict()))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(w, runs[1][1][k]) for k, w in runs[0][1].items())
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for (ids, labels), loss in zip(batches, runs[0][0]):
+        ref_loss = reference_loss(ref, ids, labels)
+        torch_opt.zero_grad()
+        ref_loss.backward()
+        torch_opt.step()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(runs[0][1][name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_the_planner_streams_the_gradients_of_two_ranks_where_the_host_needs_it():
+    """Two ranks reduced on the GPUs, host RAM a byte short of the plan that keeps its gradients: the
+    plan streams them (simulated with every rank's updates as its chunks land); with the CPU reduction
+    it cannot, and the host budget is refused."""
+    model = make_model("llama")
+    kw = dict(KW, world_size=2, hardware="h100-sxm", nonfinite="stop")
+    gpu = SolverOptions(host_copies=("kept",), deliveries=("sharded",), reductions=("gpu",))
+    kept = slidedp.plan(model, "1GiB", solver_options=gpu, **kw)
+    assert not kept.streamed_gradients
+    plan = slidedp.plan(model, "1GiB", solver_options=gpu, host_memory=kept.peak_host_bytes - 1, **kw)
+    assert plan.streamed_gradients and plan.peak_host_bytes < kept.peak_host_bytes and not plan.problems()
+    cpu = SolverOptions(host_copies=("kept",), deliveries=("replicated",), reductions=("cpu",))
+    with pytest.raises(slidedp.InfeasibleBudgetError):
+        slidedp.plan(model, "1GiB", solver_options=cpu, host_memory=plan.peak_host_bytes, **kw)

@@ -2,13 +2,14 @@
 --nproc-per-node G`: every host's first rank makes its own host state, holding the chunks its ranks own.
 
     torchrun --nnodes 2 --node-rank K --nproc-per-node G --master-addr 127.0.0.1 --master-port P \\
-        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed | --vocab]
+        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed | --vocab | --streamed-gradients]
 
 Steps on the batches of `batches(world_size)`: step 1 is poisoned on the last host (its block 1 gives
 nan), so every rank skips it; a checkpoint after step 2, reloaded for step 3 again. Given a
 checkpoint of one host, it is loaded, saved again and trained one more step (resharding 1 -> N).
 With --until-killed the hosts train until the test kills one. With --vocab an untied model's
-embedding and head stream by vocabulary chunk (sharded delivery, GPU reduction) for three steps.
+embedding and head stream by vocabulary chunk (sharded delivery, GPU reduction) for three steps;
+with --streamed-gradients every gradient streams into its update (no clipping) for three steps.
 """
 
 import json
@@ -67,11 +68,36 @@ def vocab_streamed(out_dir: str, world_size: int, hosts: int, rank: int) -> None
                                   for d in plan.decisions if d.kind != "block"]), f)
 
 
+def streamed_gradients(out_dir: str, world_size: int, hosts: int, rank: int) -> None:
+    """Three steps with every gradient streamed into its update (no clipping, nonfinite="stop"): each
+    owner applies its chunks on its own host as they land; rank 0 writes the losses and the state
+    (grads_result.json, grads_state.safetensors)."""
+    from tests.engine.test_streamed_gradients import landing_order
+
+    model = make_model("llama")
+    plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=2, hosts=hosts)
+    plan = plan.replace(early_order=tuple(landing_order(len(plan.decisions))), streamed_gradients=True)
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             world_size=world_size, micro_batches=2, plan=plan, nonfinite="stop",
+                             optimizer=slidedp.AdamW(lr=LR, weight_decay=WD))
+    with engine:
+        no_grads = all(layer.grad is None for layer in engine.host.layers)
+        losses = [engine.step(ids) for ids in batches(world_size, 3)]
+        state = engine.state_dict()
+    if rank == 0:
+        save_file({k: v.clone() for k, v in state.items()}, os.path.join(out_dir, "grads_state.safetensors"))
+        with open(os.path.join(out_dir, "grads_result.json"), "w") as f:
+            json.dump(dict(losses=losses, no_host_gradient=no_grads), f)
+
+
 def main(out_dir: str, extra: str | None) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     hosts = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
     if extra == "--vocab":
         vocab_streamed(out_dir, world_size, hosts, rank)
+        return
+    if extra == "--streamed-gradients":
+        streamed_gradients(out_dir, world_size, hosts, rank)
         return
     model = make_model("llama", tied=True)  # every rank builds the same model
     switch = {"on": False}

@@ -162,6 +162,29 @@ def test_hosts_stream_the_vocabulary_and_match_torch_adamw(tmp_path):
         torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
 
 
+def test_hosts_stream_their_gradients_into_the_update_and_match_torch_adamw(tmp_path):
+    """Every gradient streamed into its update over 2 hosts (docs/design.md §4.15): each owner applies
+    the chunks it owns on its own host as they land, no host keeps a gradient; exact against
+    torch.optim.AdamW on the global batch (no clipping)."""
+    procs = start_hosts(tmp_path, 2, 1, "--streamed-gradients")
+    for p in procs:
+        _, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-4000:]
+    result = json.loads((tmp_path / "grads_result.json").read_text())
+    assert result["no_host_gradient"]
+    state = load_file(tmp_path / "grads_state.safetensors")
+    ref = make_model("llama").eval()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for step, ids in enumerate(batches(2, 3)):
+        loss = reference_loss(ref, ids, ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert result["losses"][step] == pytest.approx(loss.item(), rel=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+
+
 def _descendants(pid: int) -> list[int]:
     out = []
     try:

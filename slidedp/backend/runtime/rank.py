@@ -18,9 +18,10 @@ of a multi-rank engine (backend/runtime/workers.py). A step:
      and each writes them back to the shared host state when it is read; else every rank keeps the
      same copy, applies the same update, and the host's first rank writes it back. Layers whose
      update is streamed (streamed_updates.py) make a round trip through the device, each rank's
-     chunks through its own. With streamed gradients (one rank, no clipping, one pass) every host
-     layer was updated in place as each piece of its gradient landed (`_stream_gradients`); a
-     non-finite one cannot be taken back and raises NonFiniteGradientError, the state part-updated.
+     chunks through its own. With streamed gradients (no clipping, one pass; several ranks: the GPU
+     reduction) every host layer was updated in place as each piece of its gradient landed, each
+     rank its own chunks (`_stream_gradients`); a non-finite one cannot be taken back and raises
+     NonFiniteGradientError, the state part-updated.
 """
 
 from __future__ import annotations
@@ -77,10 +78,8 @@ class Rank:
             self.routes.wait_local_update = self.updates.wait
         else:
             flags.on_wait = self.updates.check
-        if early_order and (comm is not None or flags is not None):
+        if early_order and not self.routes.grads_streamed and (comm is not None or flags is not None):
             raise ValueError("early updates run on one rank in the engine's process only")
-        if self.routes.grads_streamed and (comm is not None or flags is not None):
-            raise ValueError("streamed gradients run on one rank in the engine's process only")
         self.early = (EarlyUpdates(host, list(early_order), self.updates, on_swap)
                       if early_order and not self.routes.grads_streamed else None)
         self._segments: dict[bool, list] = {}

@@ -11,8 +11,9 @@ update it, whatever the route. Per layer group the plan picks
   own, and adds it into the host gradient in rank order (a per-layer turn counter in the shared
   state), so the sum is the same in every run.
 
-With one rank both routes are a plain copy, or (the plan's `streamed_gradients`) each staged chunk
-goes straight into the layer's update (`apply_gradient`) and the host keeps no gradient. Gradients of a later pass (gradient accumulation over
+With one rank both routes are a plain copy. With the plan's `streamed_gradients` (one rank, or the
+GPU reduction) each staged chunk a rank owns goes straight into the layer's update (`apply_gradient`)
+and the host keeps no gradient. Gradients of a later pass (gradient accumulation over
 several passes) are staged and added on the host. Host-side adds run on one reducer thread per
 rank, so the device streams never wait for another rank. The norm of the whole gradient is the sum
 over ranks of the squares of the chunks each rank owns, taken on the GPU where the reduced chunk is
@@ -182,7 +183,7 @@ class Routes:
         if piece.is_cuda:
             piece.record_stream(self.streams.d2h)
         size = self._staging_numel()
-        if layer_id in self.grads_streamed:  # one rank: the whole piece is its own, into the update
+        if layer_id in self.grads_streamed and self.world_size == 1:  # the whole piece, into the update
             for a in range(0, hi - lo, size):
                 self._stage((a, min(hi - lo, a + size)), piece,
                             lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b))
@@ -217,6 +218,12 @@ class Routes:
                             if layer_id in self._piece_sumsq else sq
         else:  # one rank: the whole piece is its own (in staging-sized parts when added on the host)
             mine = [(lo, hi)] if self._first else [(a, min(hi, a + size)) for a in range(lo, hi, size)]
+        if layer_id in self.grads_streamed:  # several ranks: the parts this rank owns, into the update
+            for a, b in mine:
+                for x in range(a, b, size):
+                    self._stage((x - lo, min(b, x + size) - lo), piece,
+                                lambda staged, p, q: self._into_update(layer_id, staged, p + lo, q + lo))
+            return
         self._piece_tasks.setdefault(layer_id, len(self._pending))
         if self._first:
             self.wait_updated(layer_id)  # the last update still reads this gradient
@@ -231,9 +238,12 @@ class Routes:
         the turn to the next rank; the GPU reduction keeps the sum of squares (on the device) of the
         reduced parts this rank owns for the norm (with one rank, `local_sumsq`: all pieces), and early
         updates learn when the gradient has landed."""
-        if layer_id in self.grads_streamed:  # one rank: already in the update
+        if layer_id in self.grads_streamed:  # already on its way into the update
+            if self.world_size > 1:
+                local_sumsq = self._piece_sumsq.pop(layer_id, None)
             if local_sumsq is not None:
                 self._device_sumsq[layer_id] = local_sumsq
+            self._streamed_done(layer_id)
             return
         if self.reduction[layer_id] == "cpu":  # every piece took its turn; as many in every pass
             pieces = self._piece_index.pop(layer_id, 0)
@@ -258,11 +268,8 @@ class Routes:
         if self.device_state is not None and layer_id in self.device_state:
             self._device_gradient(layer_id, acc, local_sumsq)
             return
-        if layer_id in self.grads_streamed:  # one rank: every chunk is its own
-            if local_sumsq is not None:
-                self._device_sumsq[layer_id] = local_sumsq
-            for chunk in self.chunks[layer_id]:
-                self._stage(chunk, acc, lambda staged, lo, hi: self._into_update(layer_id, staged, lo, hi))
+        if layer_id in self.grads_streamed:
+            self._stream_gradient(layer_id, acc, local_sumsq)
             return
         target = self.host.layers[layer_id].grad
         at = self.host.layers[layer_id].at
@@ -356,6 +363,30 @@ class Routes:
             if acc.is_cuda:
                 acc.record_stream(self.streams.d2h)  # not reused before these copies have run
         self._guards.append(self.streams.record("d2h"))
+
+    def _stream_gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
+        """A layer's gradient into its update (plan.streamed_gradients): with several ranks each chunk
+        summed onto its owner first (the GPU reduction: the plan streams no gradient the CPUs sum),
+        then every chunk this rank owns staged and applied as it lands."""
+        owned = self.owned(layer_id)
+        if self.world_size > 1:
+            with self.streams.on("d2h"):
+                for (lo, hi), owner in zip(self.chunks[layer_id], self.owners[layer_id]):
+                    self.comm.reduce_(acc[lo:hi], owner)
+                local_sumsq = sum(torch.dot(acc[lo:hi], acc[lo:hi]) for lo, hi in owned) if owned else None
+        if local_sumsq is not None:
+            self._device_sumsq[layer_id] = local_sumsq
+        for chunk in owned:
+            self._stage(chunk, acc, lambda staged, lo, hi: self._into_update(layer_id, staged, lo, hi))
+        self._streamed_done(layer_id)
+
+    def _streamed_done(self, layer_id: int) -> None:
+        """Every part of a streamed gradient this rank owns is on its way into the update: with step
+        flags (worker processes), mark the layer updated for the coming round once they are applied
+        (the next step's loads wait for every rank's mark)."""
+        if self.flags is not None:
+            self._pending.append(self._reducer.submit(
+                lambda: self.flags.mark_updated(self.rank, layer_id, self.rounds + 1)))
 
     def _into_update(self, layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
         """A streamed gradient's elements [lo, hi), landed in `staged`: into the layer's update (on the

@@ -16,7 +16,8 @@ collective (the CPU updates all end earlier: each one gates a load of this step)
 begins there, so in steady state the step period is exactly this makespan, and the update of the
 last layer is counted in the step that uses it.
 
-Note [early updates]. With `d.early_order` (one rank, no clipping: backend/runtime/early_updates.py) there
+Note [early updates]. With `d.early_order` (one rank, no clipping: backend/runtime/early_updates.py; or
+streamed gradients, d.grads_streamed, on any number of ranks, each its own chunks) there
 is no step boundary. The CPU lane runs the host layers' updates in that order, each once its
 gradient has landed in this step; the step ends when its last GPU or copy op ends, and updates still
 running then belong to the next step: there, the CPU lane is busy until the carried part ends, and
@@ -119,9 +120,12 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     if d.grads_streamed:
         n, on_device = costs.n_layers, set(costs.problem.device_state)
         landing = tuple(i for i in tuple(range(n - 2, -1, -1)) + (n - 1,) if i not in on_device)
-        if not costs.problem.grads_streamable or d.streamed or d.early_order != landing:
+        cpu_reduced = costs.problem.world_size > 1 and any(c.reduction == CPU for i, c in enumerate(d.layers)
+                                                           if i not in on_device)
+        if not costs.problem.grads_streamable or d.streamed or d.early_order != landing or cpu_reduced:
             raise ValueError("streamed gradients need a problem that allows them (Problem.grads_streamable), no "
-                             "streamed updates, and every host layer updated as it lands (early_order)")
+                             "streamed updates, every host layer updated as it lands (early_order) and, with "
+                             "several ranks, reduced on the GPUs")
     if d.streamed:
         if not costs.problem.streamed_updates:
             raise ValueError("streamed updates are not allowed for this problem (Problem.streamed_updates)")
@@ -156,8 +160,8 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
     check_decisions(costs, d)
     if not d.early_order:
         return _layout(costs, d, record, all_ranks)[0]
-    if costs.problem.world_size != 1:
-        raise ValueError("early updates are for one rank")
+    if costs.problem.world_size != 1 and not d.grads_streamed:
+        raise ValueError("early updates are for one rank (several: only streamed gradients)")
     carry: tuple[dict, int] = ({}, 0)
     for _ in range(EARLY_ITERATIONS):
         sim, update_end, cpu_end = _layout(costs, d, record, all_ranks, carry)
@@ -233,15 +237,17 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
             if layer in streamed:
                 continue
             # its whole gradient, as the executor waits (it sends the epilogue's after the prologue's)
-            deps = ((r, f"grad[L{layer}]"),) + (((r, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
+            g = r if all_ranks else 0  # by note [lockstep] rank 0's copies land when every rank's do
+            deps = ((g, f"grad[L{layer}]"),) + (((g, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
             for c in owned[(layer, r)]:
                 ticks = math.ceil(opt[layer].update_piece * slower) if early else opt[layer].update_piece
                 update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c, ticks, deps,
                                                key=f"update[L{layer}]")
     if early:
-        cpu = queues.get((0, CPU_UPDATE))
-        if cpu:
-            release[cpu[0]] = carry[1]
+        for r in range(W):
+            cpu = queues.get((r, CPU_UPDATE))
+            if cpu:
+                release[cpu[0]] = carry[1]
 
     def own_chunks(layer: int, rank: int) -> list[int]:
         return owned[(layer, rank)]
@@ -271,7 +277,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     else:  # the step ends with its GPU and copy work; later updates carry over (note [early updates])
         makespan = max((end[p] for p in range(len(dur)) if lane_of[p] != CPU_UPDATE), default=0)
         update_end = {key: end[p] for key, p in update_piece.items()}
-        cpu_end = max((end[p] for p in queues.get((0, CPU_UPDATE), ())), default=0)
+        cpu_end = max((end[p] for r in range(W) for p in queues.get((r, CPU_UPDATE), ())), default=0)
 
     footprint = evaluate(costs, d, prog.compute_keys)
     compute_ids = queues[(0, COMPUTE)]

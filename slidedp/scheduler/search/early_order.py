@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import Decisions
+from slidedp.scheduler.decisions import GPU, Decisions
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
 from slidedp.scheduler.search.found import Found
 
@@ -58,6 +58,9 @@ def _streamed_gradients(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Deci
     """`d` with every host layer's gradient streamed into its update (Problem.grads_streamable)."""
     if not costs.problem.grads_streamable or n == 0 or d.streamed:
         return None
+    host = set(range(costs.n_layers)) - set(costs.problem.device_state)
+    if costs.problem.world_size > 1 and any(d.layers[i].reduction != GPU for i in host):
+        return None  # the CPUs sum the ranks' gradients into a host gradient
     e = replace(d, early_order=early_order(costs, d, n), grads_streamed=True)
     return e, simulate(costs, e, all_ranks=False)
 
