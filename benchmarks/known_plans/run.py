@@ -46,7 +46,8 @@ class Config:
     link: str | None = None  # between hosts (costmodel/hardware.py LINKS)
     passes: int = 1  # passes over the weights per step (`step()` with passes x micro_batches rows per rank)
     clip: bool = True  # gradient clipping at 1.0
-    nonfinite: str = "skip"  # "stop" (without clipping, one rank) lets the plan stream the gradients into the update
+    nonfinite: str = "skip"  # "stop" (without clipping) lets the plan stream the gradients into the update
+    routes: tuple[str, str] | None = None  # (delivery, reduction) forced on every layer (SolverOptions); None: any
 
     @property
     def tokens_per_step(self) -> int:
@@ -74,6 +75,10 @@ CONFIGS = (
     # gradients stream into the update too (12 bytes per parameter of state)
     Config("qwen2.5-72b-4hosts-rtx4090x4-leanest-host", "qwen2.5-72b", "rtx4090", 16, 24, 0, 4096, 1, hosts=4,
            link="eth-1x100", clip=False, nonfinite="stop"),
+    # one host, the GPU reduction forced (its collectives through host memory: RTX 4090s have no
+    # peer-to-peer) so that the gradients stream too
+    Config("qwen2.5-72b-rtx4090x4-leanest-host-gpu-reduction", "qwen2.5-72b", "rtx4090", 4, 24, 0, 4096, 1,
+           clip=False, nonfinite="stop", routes=("sharded", "gpu")),
     # Qwen3-14B on the one-H200 machine (118 GiB of host RAM); without clipping and with nonfinite="stop"
     # the gradients may stream into the update (no gradient in host RAM)
     Config("qwen3-14b-h200x1-16384", "qwen3-14b", "h200-sxm", 1, 130, 118, 4096, 4),
@@ -108,7 +113,8 @@ def solve(config: Config) -> dict:
                             micro_batches=config.micro_batches, precision="bf16", hardware=config.hardware,
                             host_memory=host_memory, hosts=config.hosts, link=config.link,
                             compile_blocks=True, max_grad_norm=1.0 if config.clip else None,
-                            nonfinite=config.nonfinite)
+                            nonfinite=config.nonfinite, solver_options=None if config.routes is None else
+                            slidedp.SolverOptions(deliveries=config.routes[:1], reductions=config.routes[1:]))
 
     try:
         if not config.host_memory_gib:  # the least host RAM that plans, then the plan there

@@ -175,8 +175,9 @@ class SolverOptions:
     chunk_multiples: tuple[int, ...] = (1, 2, 4)  # a layer moves in multiple x world_size chunks
     activations: tuple[str, ...] = ACTIVATIONS
     # Routes, used when world_size > 1 and the GPUs have P2P. Leaving out the replicated delivery
-    # or the CPU reduction forces the others (a benchmark of one route); without several ranks and
-    # P2P only (replicated, cpu) exists, and then such a choice is refused (ProblemCosts).
+    # or the CPU reduction forces the others (a benchmark of one route; without P2P the only way to
+    # plan them, their collectives through host memory); with one rank only (replicated, cpu) exists,
+    # and then such a choice is refused (ProblemCosts).
     deliveries: tuple[str, ...] = (REPLICATED, SHARDED)
     reductions: tuple[str, ...] = (CPU, GPU)
     update_orders: tuple[str, ...] = (FORWARD_ORDER, HEAD_FIRST)
@@ -251,5 +252,6 @@ class SolverOptions:
     @property
     def forces_route(self) -> bool:
         """The replicated delivery or the CPU reduction is left out: only the sharded delivery or the
-        GPU reduction may be planned (they need several ranks and GPU peer-to-peer)."""
+        GPU reduction may be planned (they need several ranks; without GPU peer-to-peer they are
+        planned only so, their collectives going through host memory)."""
         return REPLICATED not in self.deliveries or CPU not in self.reductions

@@ -562,8 +562,7 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
     if not decisions:
         bad("decisions: the plan has no layer decisions", stop=True)
     n = len(decisions)
-    p2p = plan.hardware.get("gpu_p2p_bytes_per_s", 0)
-    routes_allowed = world_size > 1 and ((_is_number(p2p) and p2p > 0) or hosts > 1)
+    routes_allowed = world_size > 1  # without GPU peer-to-peer their collectives go through host memory
     kinds = [PROLOGUE] + [BLOCK] * (n - 2) + [EPILOGUE] if n >= 2 else [PROLOGUE]
     for i, d in enumerate(decisions):
         at = f"decisions[{i}]"
@@ -588,8 +587,8 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             if value not in (plain, routed):
                 bad(f"{at}.{field_name} must be {plain!r} or {routed!r}, got {value!r}")
             elif value == routed and not routes_allowed:
-                bad(f"{at}.{field_name} {routed!r} needs several ranks and GPU peer-to-peer (world_size "
-                    f"{world_size}, gpu_p2p_bytes_per_s {p2p!r}); only {plain!r} here")
+                bad(f"{at}.{field_name} {routed!r} needs several ranks (world_size {world_size}); only "
+                    f"{plain!r} here")
         if d.host_copy not in ("kept", "on_load"):
             bad(f"{at}.host_copy must be 'kept' or 'on_load', got {d.host_copy!r}")
         elif d.host_copy == "on_load" and w.precision == "fp32":

@@ -192,7 +192,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     options = options or SolverOptions()
     # several ranks stream their gradients only where every route the plan may take reduces on the GPUs
     # (with the CPU reduction the ranks' gradients are summed into a host gradient)
-    only_gpu = hosts > 1 or (hardware.gpu_p2p_bytes_per_s > 0 and set(options.reductions) == {GPU})
+    only_gpu = hosts > 1 or set(options.reductions) == {GPU}
     problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu))
     problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
     costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
@@ -653,11 +653,13 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
                           "sharded and reduced on the GPUs (a rank reads from its host only what its host updates); "
                           "each host holds and updates only the chunks its ranks own; collectives "
                           f"between hosts at {problem.link_bytes_per_s / 1e9:.1f} GB/s per host")
-    elif problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
-        auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
     elif costs.options.forces_route:
         auto_notes.append(f"routes forced by the solver options: deliveries {costs.options.deliveries}, "
-                          f"reductions {costs.options.reductions}")
+                          f"reductions {costs.options.reductions}" + (
+                              "; without GPU peer-to-peer their collectives go through host memory"
+                              if problem.hardware.gpu_p2p_bytes_per_s <= 0 else ""))
+    elif problem.world_size > 1 and problem.hardware.gpu_p2p_bytes_per_s <= 0:
+        auto_notes.append("no GPU peer-to-peer: sharded delivery and GPU reduction are not considered")
     if any(c.delivery == SHARDED or c.reduction == GPU for c in decisions.layers):
         auto_notes.append("with sharded delivery or GPU reduction, rank r copies and updates the chunks it owns")
     host = costs.host_memory(decisions)

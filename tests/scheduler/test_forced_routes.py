@@ -36,13 +36,24 @@ def test_forcing_one_side_leaves_the_other_to_the_solver():
     assert {d.delivery for d in plan.decisions} <= {"replicated", "sharded"}
 
 
-@pytest.mark.parametrize("world_size, preset, why", [(1, "h100-sxm", "world_size is 1"),
-                                                     (2, "rtx4090", "no peer-to-peer")])
 @pytest.mark.parametrize("forced", [dict(deliveries=("sharded",)), dict(reductions=("gpu",))])
-def test_a_route_that_cannot_be_planned_is_refused(world_size, preset, why, forced):
-    with pytest.raises(ValueError, match=f"leave out the replicated delivery or the CPU reduction.*{why}"):
-        solve_plan(synthetic_graph(2), budget_bytes=12 * GiB, hardware=PRESETS[preset], world_size=world_size,
+def test_a_route_that_cannot_be_planned_is_refused(forced):
+    with pytest.raises(ValueError, match="leave out the replicated delivery or the CPU reduction.*world_size is 1"):
+        solve_plan(synthetic_graph(2), budget_bytes=12 * GiB, hardware=PRESETS["h100-sxm"], world_size=1,
                    options=SolverOptions(**forced, **QUICK))
+
+
+def test_without_peer_to_peer_a_forced_route_goes_through_host_memory():
+    """GPUs without peer-to-peer: the sharded delivery and the GPU reduction are planned only where the
+    options force them, their collectives priced through host memory."""
+    graph, hw = synthetic_graph(2), PRESETS["rtx4090"]
+    free = solve_plan(graph, budget_bytes=12 * GiB, hardware=hw, world_size=2, options=SolverOptions(**QUICK))
+    assert {(d.delivery, d.reduction) for d in free.decisions} == {("replicated", "cpu")}
+    forced = solve_plan(graph, budget_bytes=12 * GiB, hardware=hw, world_size=2,
+                        options=SolverOptions(deliveries=("sharded",), reductions=("gpu",), **QUICK))
+    assert {(d.delivery, d.reduction) for d in forced.decisions} == {("sharded", "gpu")}
+    assert forced.predicted_step_time_s > 0
+    assert any("through host memory" in note for note in forced.notes) and not forced.problems()
 
 
 def test_route_values_are_checked():

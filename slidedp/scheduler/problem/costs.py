@@ -151,13 +151,14 @@ class ProblemCosts:
                                  f"options leave out (deliveries {self.options.deliveries}, reductions "
                                  f"{self.options.reductions})")
             self.routes = [(SHARDED, GPU)]
-        elif W > 1 and hw.gpu_p2p_bytes_per_s > 0:
+        elif W > 1 and (hw.gpu_p2p_bytes_per_s > 0 or self.options.forces_route):
+            # without peer-to-peer only where the options force it: the collectives then go through host
+            # memory (costmodel.ops); the GPU reduction lets the gradients stream into the update
             self.routes = [(d, r) for d, r in product(self.options.deliveries, self.options.reductions)]
         elif self.options.forces_route:
-            why = "world_size is 1" if W == 1 else f"the GPUs of {hw.name} have no peer-to-peer (gpu_p2p_bytes_per_s 0)"
             raise ValueError(
                 f"deliveries {self.options.deliveries} and reductions {self.options.reductions} leave out the "
-                f"replicated delivery or the CPU reduction, but {why}: only (replicated, cpu) can be planned")
+                "replicated delivery or the CPU reduction, but world_size is 1: only (replicated, cpu) can be planned")
         # the baselines' route: (replicated, cpu) unless the options force another
         self.default_route = (REPLICATED, CPU) if (REPLICATED, CPU) in self.routes else self.routes[0]
 
