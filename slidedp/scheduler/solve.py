@@ -193,8 +193,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     # several ranks stream their gradients only where every route the plan may take reduces on the GPUs
     # (with the CPU reduction the ranks' gradients are summed into a host gradient)
     only_gpu = hosts > 1 or set(options.reductions) == {GPU}
-    problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu))
-    problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
+    problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu),
+                      vocab_chunk_numel=options.vocab_chunk_numel)
     costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s

@@ -54,31 +54,41 @@ def test_every_copy_made_on_load_and_a_checkpoint_crosses_layouts(tmp_path):
     """A plan with every copy made on load trains like the kept one; a checkpoint written under one
     layout resumes under the other, bit for bit."""
     model = make_model("qwen3")
-    kept = slidedp.compile(copy.deepcopy(model), "1GiB", plan=slidedp.plan(model, "1GiB", solver_options=KEPT_ONLY,
-                                                                            **KW), **KW)
-    all_on_load = kept.plan.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept.plan.decisions))
-    lean = slidedp.compile(copy.deepcopy(model), "1GiB", plan=all_on_load, **KW)
-    assert all(layer.delivery is None for layer in lean.host.layers)
-    gen = torch.Generator().manual_seed(9)
-    batches = [random_batch(gen, 2 * BATCH) for _ in range(4)]
-    for ids, labels in batches[:2]:
-        assert kept.step(ids, labels) == lean.step(ids, labels)
-    kept.save_checkpoint(tmp_path / "kept")
-    lean.save_checkpoint(tmp_path / "lean")
-    for ids, labels in batches[2:]:
-        assert kept.step(ids, labels) == lean.step(ids, labels)
-    expected = kept.state_dict()
-    kept.close()  # its plan stays readable
-    lean.close()
-    # kept -> on load and on load -> kept
-    for source, plan in ((tmp_path / "kept", all_on_load), (tmp_path / "lean", kept.plan)):
+    kept = slidedp.plan(model, "1GiB", solver_options=KEPT_ONLY, **KW)
+    all_on_load = kept.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept.decisions))
+
+    def make(plan):
         engine = slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, **KW)
-        engine.load_checkpoint(source)
-        for ids, labels in batches[2:]:
-            engine.step(ids, labels)
-        for name, w in engine.state_dict().items():
-            assert torch.equal(w, expected[name]), (source.name, name)
-        engine.close()
+        assert all((layer.delivery is None) == (plan is all_on_load) for layer in engine.host.layers)
+        return engine
+
+    gen = torch.Generator().manual_seed(9)
+    layouts_agree_and_checkpoints_cross(make, kept, all_on_load, [random_batch(gen, 2 * BATCH) for _ in range(4)],
+                                        tmp_path)
+
+
+def layouts_agree_and_checkpoints_cross(make, plan_a, plan_b, batches, tmp_path):
+    """Engines of two plans (`make(plan)`) on the same batches: the same losses and state, bit for bit;
+    the checkpoint each writes halfway, resumed under the other plan, gives that state again."""
+    a, b = make(plan_a), make(plan_b)
+    half = len(batches) // 2
+    for ids, labels in batches[:half]:
+        assert a.step(ids, labels) == b.step(ids, labels)
+    a.save_checkpoint(tmp_path / "a")
+    b.save_checkpoint(tmp_path / "b")
+    for ids, labels in batches[half:]:
+        assert a.step(ids, labels) == b.step(ids, labels)
+    expected = a.state_dict()
+    assert all(torch.equal(w, expected[k]) for k, w in b.state_dict().items())
+    a.close()
+    b.close()
+    for source, plan in ((tmp_path / "a", plan_b), (tmp_path / "b", plan_a)):
+        with make(plan) as engine:
+            engine.load_checkpoint(source)
+            for ids, labels in batches[half:]:
+                engine.step(ids, labels)
+            for name, w in engine.state_dict().items():
+                assert torch.equal(w, expected[name]), (source.name, name)
 
 
 def test_on_load_is_refused_in_fp32():

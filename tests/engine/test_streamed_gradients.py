@@ -14,6 +14,7 @@ from slidedp.costmodel import memory as mem
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.search.early_order import landing_order
 from tests.engine.test_early_updates import train_beside_late
+from tests.engine.test_host_copies import layouts_agree_and_checkpoints_cross
 from tests.engine.test_exactness import BATCH, LR, SEQ, WD, random_batch, reference_loss
 from tests.models import VOCAB, make_model
 from tests.reliability.test_numerical_faults import poison
@@ -73,24 +74,8 @@ def test_a_tight_host_budget_streams_the_gradients_and_trains_exactly(tmp_path):
     with pytest.raises(slidedp.InfeasibleBudgetError):  # without nonfinite="stop" the gradients must fit
         slidedp.plan(model, "1GiB", **KW, solver_options=KEPT_COPIES, host_memory=plan.peak_host_bytes)
     gen = torch.Generator().manual_seed(2)
-    batches = [random_batch(gen, 2 * BATCH) for _ in range(4)]
-    engine, kept = compiled(copy.deepcopy(model), plan), compiled(copy.deepcopy(model), kept_plan)
-    for ids, labels in batches[:2]:
-        assert engine.step(ids, labels) == kept.step(ids, labels)
-    engine.save_checkpoint(tmp_path / "streamed")
-    kept.save_checkpoint(tmp_path / "kept")
-    for ids, labels in batches[2:]:
-        assert engine.step(ids, labels) == kept.step(ids, labels)
-    expected = engine.state_dict()
-    assert all(torch.equal(w, kept.state_dict()[k]) for k, w in expected.items())
-    engine.close()
-    kept.close()
-    for source, p in ((tmp_path / "kept", plan), (tmp_path / "streamed", kept_plan)):
-        with compiled(copy.deepcopy(model), p) as resumed:
-            resumed.load_checkpoint(source)
-            for ids, labels in batches[2:]:
-                resumed.step(ids, labels)
-            assert all(torch.equal(w, expected[k]) for k, w in resumed.state_dict().items()), source.name
+    layouts_agree_and_checkpoints_cross(lambda p: compiled(copy.deepcopy(model), p), plan, kept_plan,
+                                        [random_batch(gen, 2 * BATCH) for _ in range(4)], tmp_path)
 
 
 def test_a_non_finite_gradient_stops_with_the_state_named_part_applied(tmp_path):

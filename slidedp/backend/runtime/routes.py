@@ -86,7 +86,7 @@ class Routes:
         # piece is handed to `apply_gradient(layer_id, staged, lo, hi)` (set by the rank for the step; None:
         # no update, an evaluation) instead of landing in a host gradient.
         self.grads_streamed = frozenset(d.layer_id for d in plan.decisions if d.layer_id not in self._on_device) \
-            if getattr(plan, "streamed_gradients", False) else frozenset()
+            if plan.streamed_gradients else frozenset()
         self.apply_gradient: Callable | None = None
 
     def owned(self, layer_id: int) -> list[tuple[int, int]]:
