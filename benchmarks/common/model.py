@@ -15,6 +15,10 @@ SHAPES = {
     # Qwen3-8B: 8,190,735,360 parameters (untied); its host state (16 bytes per parameter) is 122 GiB
     "8b": dict(hidden=4096, intermediate=12288, blocks=36, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                seq=4096),
+    # Qwen3-14B: 14,768,307,200 parameters (untied, as the model is); its host state alone does not fit
+    # the one-H200 machine's RAM at 16 bytes per parameter
+    "14b": dict(hidden=5120, intermediate=17408, blocks=40, heads=40, kv_heads=8, head_dim=128, vocab=151936,
+                seq=4096),
     # Llama-3.2-3B: 3,606,752,256 parameters with its head untied (the model ties it; untied here, as
     # the Qwen3 shapes are); held out from every fit of the cost model's coefficients
     "llama3b": dict(hidden=3072, intermediate=8192, blocks=28, heads=24, kv_heads=8, head_dim=128, vocab=128256,

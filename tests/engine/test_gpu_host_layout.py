@@ -1,0 +1,59 @@
+"""On a GPU (skipped without one): the host-layout decisions on CUDA. A vocabulary-streamed embedding
+and head train like GPU-resident PyTorch; delivery copies made on load (the device casts the fp32
+master it receives) and gradients streamed into the update train bit for bit as the same plan with
+every copy and gradient kept."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+import slidedp
+from slidedp.scheduler.decisions import SolverOptions
+from slidedp.scheduler.search.early_order import landing_order
+from tests.engine.test_exactness import BATCH, SEQ, random_batch
+from tests.engine.test_gpu import LR, train_against_gpu_resident
+from tests.models import make_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VOCAB_STREAMED = SolverOptions(vocab_streamed=("prologue", "epilogue"), vocab_chunk_numel=1000,
+                               host_copies=("kept",), device_state_blocks=0)  # every layer's state on the host
+KW = dict(batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16", micro_batches=2, hardware="h200-sxm")
+
+
+def test_vocab_streamed_tables_match_gpu_resident():
+    model = make_model("qwen3")
+    ref = copy.deepcopy(model).cuda().eval()
+    plan = slidedp.plan(model, "1GiB", max_grad_norm=1.0, solver_options=VOCAB_STREAMED, **KW)
+    assert {d.kind: d.activation for d in plan.decisions if d.kind != "block"} == \
+        {"prologue": "streamed", "epilogue": "streamed"}
+    with slidedp.compile(model, "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), max_grad_norm=1.0,
+                         **KW) as engine:
+        train_against_gpu_resident(engine, ref)
+
+
+def test_copies_on_load_and_streamed_gradients_equal_the_kept_layout():
+    model = make_model("qwen3")
+    kw = dict(KW, max_grad_norm=None, nonfinite="stop")
+    kept = slidedp.plan(model, "1GiB", solver_options=VOCAB_STREAMED, **kw)
+    assert not kept.streamed_gradients and kept.copies_made_on_load() == () and kept.device_state == ()
+    host = [i for i in landing_order(len(kept.decisions)) if i not in kept.device_state]
+    lean = kept.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept.decisions),
+                        early_order=tuple(host), streamed_gradients=True)
+    lean.validate()
+    runs = []
+    for plan in (kept, lean):
+        gen = torch.Generator().manual_seed(4)
+        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as e:
+            if plan is lean:
+                assert all(layer.grad is None and layer.delivery is None for layer in e.host.layers)
+            losses = [e.step(*random_batch(gen, 2 * BATCH)) for _ in range(3)]
+            runs.append((losses, e.state_dict()))
+    (losses_kept, state_kept), (losses_lean, state_lean) = runs
+    assert all(torch.isfinite(torch.tensor(losses_kept)))
+    assert losses_lean == losses_kept
+    for name, w in state_kept.items():
+        assert torch.equal(state_lean[name], w), name
