@@ -181,15 +181,25 @@ def offload_time_s(saved_bytes: int, micro_batches: int, bytes_per_s: float,
 # -- CPU ---------------------------------------------------------------------------------------
 
 
-def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: bool = True) -> float:
+# The host's AdamW (bf16 gradient) moves 30 B per parameter of DRAM traffic: fp32 master and moments
+# read and written (24), the gradient read (2), the bf16 delivery copy written (2, and 2 read for
+# ownership). cpu_adamw_params_per_s is measured writing the copy; a layer whose copy is made on load
+# does not write one, and its update is memory-bound like the rest.
+HOST_ADAMW_BYTES_PER_PARAM, HOST_ADAMW_COPY_BYTES_PER_PARAM = 30, 4
+
+
+def cpu_update_time_s(numel: float, hw: Hardware, *, lanes: int = 1, contended: bool = True,
+                      copy_written: bool = True) -> float:
     """AdamW of `numel` parameters on one rank's CPU threads [s].
 
-    t = numel / (cpu_adamw_params_per_s * f / lanes): the W ranks split the cores (lanes = W, each
+    t = numel / (cpu_adamw_params_per_s * f / lanes) * b: the W ranks split the cores (lanes = W, each
     lane running at the same time); f = cpu_adamw_contended_fraction while DMA runs both ways
-    (measured: AdamW loses a third of its rate to the copies' DRAM traffic), else 1.
+    (measured: AdamW loses a third of its rate to the copies' DRAM traffic), else 1; b = 1, or the
+    share of its bytes left without the delivery copy (26/30) where no copy is written.
     """
     fraction = hw.cpu_adamw_contended_fraction if contended else 1.0
-    return numel * lanes / (hw.cpu_adamw_params_per_s * fraction)
+    share = 1.0 if copy_written else 1 - HOST_ADAMW_COPY_BYTES_PER_PARAM / HOST_ADAMW_BYTES_PER_PARAM
+    return numel * lanes / (hw.cpu_adamw_params_per_s * fraction) * share
 
 
 # AdamW on the device reads and writes the fp32 master and moments (24 B per parameter), reads the

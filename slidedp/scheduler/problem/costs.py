@@ -181,7 +181,8 @@ class ProblemCosts:
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
-                update = ops.cpu_update_time_s(numel / k, hw, lanes=G)  # a host's cores, its ranks' lanes
+                # a host's cores, its ranks' lanes; made on load, the update writes no bf16 copy
+                update = ops.cpu_update_time_s(numel / k, hw, lanes=G, copy_written=copy == KEPT)
                 if reduction == CPU:
                     update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=G)
                 option = TransferOption(
