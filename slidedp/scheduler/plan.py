@@ -54,6 +54,15 @@ BLOCK_ACTIVATIONS = ("recompute", "keep", "offload", "recompute_offload")
 HOST_ACTIVATIONS = ("offload", "recompute_offload")
 
 
+def input_offloaded(activation: dict, block_id: int) -> bool:
+    """Whether a block's input leaves the device between its forward and backward (`activation`: the
+    policy by block id): it is recompute_offload and no graph holds its input, the output of the
+    block before it (a recomputed block keeps none; a kept or offloaded one holds its output as the
+    root of its backward, and the prologue holds block 1's input). Otherwise it stays, as recompute's."""
+    return activation.get(block_id) == "recompute_offload" and activation.get(block_id - 1) in (
+        "recompute", "recompute_offload")
+
+
 def host_activation_bytes(layer, policy: str) -> int:
     """Host bytes per micro-batch a block's policy offloads: what its forward saves (offload), its input
     (recompute_offload: the boundary activation), none otherwise."""

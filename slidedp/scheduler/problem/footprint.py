@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE_OFFLOAD, RECOMPUTED, Decisions
+from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTED, Decisions
+from slidedp.scheduler.plan import input_offloaded
 
 CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
               "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
@@ -52,7 +53,7 @@ class PositionTerms:
     offload: tuple[tuple[int, int], ...]  # ... if it offloads
     recompute: tuple[tuple[int, int], ...]  # ... if it recomputes (recompute, recompute_offload)
     # (block id, bytes) of the boundary stash not held here if that block offloads its input
-    # (recompute_offload) and the block before it recomputes (`unstashes`)
+    # (recompute_offload) and the block before it recomputes (plan.input_offloaded)
     unstashed: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -63,11 +64,6 @@ class PositionTerms:
     def keep_upto(self) -> int:
         return len(self.keep)
 
-
-def unstashes(activation: dict, block_id: int) -> bool:
-    """Whether a block's input leaves the device: it is recompute_offload and no graph holds its
-    input, the output of the block before it (a recomputed block keeps none)."""
-    return activation[block_id] == RECOMPUTE_OFFLOAD and activation.get(block_id - 1) in RECOMPUTED
 
 
 def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
@@ -152,7 +148,7 @@ def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str,
             if activation[i] in RECOMPUTED:
                 part["working_bytes"] += b
         for (i, b) in t.unstashed:
-            if unstashes(activation, i):
+            if input_offloaded(activation, i):
                 part["boundary_stash_bytes"] -= b
         totals.append(sum(part.values()))
         parts.append(part)

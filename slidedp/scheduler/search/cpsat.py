@@ -40,7 +40,8 @@ from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
     FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, Decisions, LayerChoice,
 )
-from slidedp.scheduler.problem.footprint import terms, unstashes
+from slidedp.scheduler.plan import input_offloaded
+from slidedp.scheduler.problem.footprint import terms
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.oracles.timeline import simulate
@@ -60,7 +61,7 @@ class Vars:
     order: dict = field(default_factory=dict)  # update order -> bool
     any_offload: object = None  # bool: some block offloads (forward loads then share the link)
     offloads: dict = field(default_factory=dict)  # block -> bool: it offloads (decisions.OFFLOADED; several allowed)
-    unstash: dict = field(default_factory=dict)  # block -> bool: its input leaves the device (footprint.unstashes)
+    unstash: dict = field(default_factory=dict)  # block -> bool: its input leaves the device (plan.input_offloaded)
     route_kind: dict = field(default_factory=dict)  # ("sharded" | "gpu", group) -> bool
     update_start: dict = field(default_factory=dict)  # layer -> int: R_L, when the CPU lanes reach it
     start: dict = field(default_factory=dict)  # op key -> int
@@ -539,7 +540,7 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
         values.append((v.any_offload, any(c.activation in OFFLOADED for c in d.layers)))
     values += [(lit, d.layers[i].activation in OFFLOADED) for i, lit in v.offloads.items()]
     activation = {i: d.layers[i].activation for i in costs.blocks}
-    values += [(lit, unstashes(activation, i)) for i, lit in v.unstash.items()]
+    values += [(lit, input_offloaded(activation, i)) for i, lit in v.unstash.items()]
     for (kind, g), lit in v.route_kind.items():
         first = d.layers[{"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}[g]]
         values.append((lit, first.delivery == "sharded" if kind == "sharded" else first.reduction == "gpu"))

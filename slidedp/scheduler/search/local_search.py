@@ -79,7 +79,7 @@ def moves(costs: ProblemCosts, d: Decisions):
         if a not in costs.options.activations:
             continue
         held = [i for i in blocks if d.layers[i].activation == a]
-        if a == RECOMPUTE_OFFLOAD:  # the input held longest (block 1's stays: footprint.unstashes); back: the latest
+        if a == RECOMPUTE_OFFLOAD:  # the input held longest (block 1's stays: plan.input_offloaded); back: the latest
             more, fewer = [i for i in recomputed if i >= 2][:1], held[-1:]
         else:  # the activations held shortest; back: the earliest
             more, fewer = recomputed[-1:], held[:1]
