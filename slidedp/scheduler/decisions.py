@@ -138,7 +138,7 @@ class Problem:
 @dataclass(frozen=True)
 class LayerChoice:
     chunks: int
-    activation: str  # recompute | keep | offload | recompute_offload (blocks); resident | streamed (prologue, epilogue)
+    activation: str  # ACTIVATIONS (blocks); resident | streamed (prologue, epilogue)
     delivery: str = REPLICATED
     reduction: str = CPU
     host_copy: str = KEPT  # the delivery copy kept in host RAM, or made on load (KEPT, ON_LOAD)

@@ -10,7 +10,8 @@ from slidedp.budget import format_bytes
 from slidedp.costmodel import ops
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, REPLICATED, SHARDED, Decisions,
+    CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, REPLICATED, SHARDED,
+    Decisions,
 )
 from slidedp.scheduler.plan import Alternative, GroupPrediction
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes

@@ -21,7 +21,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
 from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes, host_fixed_memory
-from slidedp.scheduler.decisions import GPU, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.decisions import GPU, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
@@ -645,7 +645,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
            "last piece down"] if decisions.streamed else []),
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
-    if any(d.activation != RECOMPUTE for d in decisions.layers[1:-1]):
+    if any(d.activation in (KEEP, OFFLOAD) for d in decisions.layers[1:-1]):
         auto_notes.append("kept and offloaded activations counted " + (
             "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"
             if g.saved_bytes_method == "aot-min-cut" else "as eager autograd saves them"))

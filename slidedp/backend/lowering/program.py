@@ -177,7 +177,8 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
 
     def reload_input(k: int, after: Op) -> None:
         if k in offloaded:
-            b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=blocks[k].costs.boundary_activation_bytes * micro_batches)
+            nbytes = blocks[k].costs.boundary_activation_bytes * micro_batches
+            b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=nbytes)
             up = b.add("h2d", H2D_INPUT, record=True, layer_id=blocks[k].id, block=k,
                        waits=(after.record, input_down[k]))
             input_up[k] = up.record

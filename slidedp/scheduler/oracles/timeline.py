@@ -342,7 +342,8 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
     elif op.kind in ("reload", "offload"):
         act = d.layers[layer].activation
         what = "activations" if act == OFFLOAD else "input"
-        lane, ticks = (H2D, costs.blocks[layer].reload[act]) if op.kind == "reload" else (D2H, costs.blocks[layer].offload[act])
+        b = costs.blocks[layer]
+        lane, ticks = (H2D, b.reload[act]) if op.kind == "reload" else (D2H, b.offload[act])
         add(r, lane, (f"{op.kind} {what} L{{}}", layer), layer, -1, ticks, deps, key=op.key)
     elif op.kind == "grad":
         chunks = range(o.chunks) if o.reduction == CPU else own_chunks(layer, r)
