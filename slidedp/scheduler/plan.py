@@ -48,10 +48,10 @@ from slidedp.budget import format_bytes
 from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE
 
 SCHEMA_VERSION = 3
-# A block's activation policies; the last two copy to pinned host memory after the forward and back
-# before the backward (scheduler/decisions.py names them).
+# A block's activation policies (scheduler/decisions.py names them); offload and recompute_offload copy
+# to pinned host memory after the forward and back before the backward.
 BLOCK_ACTIVATIONS = ("recompute", "keep", "offload", "recompute_offload")
-HOST_ACTIVATIONS = ("offload", "recompute_offload")
+RECOMPUTED_ACTIVATIONS = ("recompute", "recompute_offload")  # the backward recomputes the forward
 
 
 def input_offloaded(activation: dict, block_id: int) -> bool:
@@ -59,8 +59,7 @@ def input_offloaded(activation: dict, block_id: int) -> bool:
     policy by block id): it is recompute_offload and no graph holds its input, the output of the
     block before it (a recomputed block keeps none; a kept or offloaded one holds its output as the
     root of its backward, and the prologue holds block 1's input). Otherwise it stays, as recompute's."""
-    return activation.get(block_id) == "recompute_offload" and activation.get(block_id - 1) in (
-        "recompute", "recompute_offload")
+    return activation.get(block_id) == "recompute_offload" and activation.get(block_id - 1) in RECOMPUTED_ACTIVATIONS
 
 
 def host_activation_bytes(layer, policy: str) -> int:

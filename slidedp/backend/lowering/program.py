@@ -17,7 +17,7 @@ from slidedp.backend.lowering.weight_window import schedule_window
 from slidedp.costmodel import memory as mem
 from slidedp.costmodel.memory import DTYPE_BYTES, chunk_bounds
 from slidedp.ir.graph import BLOCK, LayerGraph
-from slidedp.scheduler.plan import BLOCK_ACTIVATIONS, Schedule, input_offloaded
+from slidedp.scheduler.plan import BLOCK_ACTIVATIONS, RECOMPUTED_ACTIVATIONS, Schedule, input_offloaded
 
 # op kinds
 PROLOGUE, FWD, EPILOGUE, BWD, PROLOGUE_BWD = "prologue", "fwd", "epilogue", "bwd", "prologue_bwd"
@@ -212,7 +212,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                 grad_events[epi.id] = d2h.record
         else:
             work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
-                    + (costs.saved_activation_bytes if policy in ("recompute", "recompute_offload") else 0))
+                    + (costs.saved_activation_bytes if policy in RECOMPUTED_ACTIVATIONS else 0))
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
             waits += (input_up[k],) if k in offloaded else ()
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)

@@ -22,9 +22,7 @@ from slidedp.backend.runtime.streams import Streams
 from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import unwrap_block_output
 from slidedp.ir.graph import Layer
-from slidedp.scheduler.plan import host_activation_bytes
-
-RECOMPUTED = ("recompute", "recompute_offload")
+from slidedp.scheduler.plan import RECOMPUTED_ACTIVATIONS as RECOMPUTED, host_activation_bytes
 
 
 class BlockRunner:
