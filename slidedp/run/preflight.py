@@ -35,6 +35,7 @@ import torch
 from slidedp.budget import format_bytes
 from slidedp.costmodel import memory as mem
 from slidedp.errors import InsufficientMemoryError
+from slidedp.scheduler.plan import host_activation_bytes
 
 #: Host RAM left for everything else of the process (the model's Python objects, the tokenizer,
 #: data, libraries) on top of what compile allocates.
@@ -145,10 +146,11 @@ def host_state_bytes(graph, *, precision: str, control_ints: int = 0, spare_laye
 
 def offloaded_activation_bytes(graph, plan) -> int:
     """Host memory (pinned) that the plan's offloaded activations take per rank in a pass: for every
-    offloading block, what it saves per micro-batch times the micro-batches."""
+    offloading block, what it puts on the host per micro-batch (its saved activations, or its input
+    for recompute_offload: plan.host_activation_bytes) times the micro-batches."""
     policy = plan.activation_policy()
-    return plan.workload.micro_batches * sum(layer.costs.saved_activation_bytes for layer in graph.layers
-                                             if policy.get(layer.id) == "offload")
+    return plan.workload.micro_batches * sum(host_activation_bytes(layer, policy.get(layer.id, ""))
+                                             for layer in graph.layers)
 
 
 def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_layers=(),

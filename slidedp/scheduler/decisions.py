@@ -15,10 +15,15 @@ from slidedp.costmodel.memory import VOCAB_CHUNK_NUMEL, vocab_chunk_rows
 from slidedp.ir.graph import BLOCK, LayerGraph
 
 RECOMPUTE, KEEP, OFFLOAD, RESIDENT = "recompute", "keep", "offload", "resident"
+# Recompute, the block's input (its boundary activation) offloaded to host memory after the forward
+# and copied back before the backward: the boundary stash leaves the device in between.
+RECOMPUTE_OFFLOAD = "recompute_offload"
 # A prologue or epilogue whose vocabulary table streams by row ranges instead of staying on the device
 # (Problem.vocab_streamed; docs/design.md §4.14).
 STREAMED = "streamed"
-ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD)
+ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD)
+OFFLOADED = (OFFLOAD, RECOMPUTE_OFFLOAD)  # a copy down after the forward, back up before the backward
+RECOMPUTED = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # the backward recomputes the forward
 REPLICATED, SHARDED = "replicated", "sharded"
 CPU, GPU = "cpu", "gpu"
 FORWARD_ORDER, HEAD_FIRST = "forward", "head_first"
@@ -133,7 +138,7 @@ class Problem:
 @dataclass(frozen=True)
 class LayerChoice:
     chunks: int
-    activation: str  # recompute | keep | offload (blocks); resident | streamed (prologue, epilogue)
+    activation: str  # ACTIVATIONS (blocks); resident | streamed (prologue, epilogue)
     delivery: str = REPLICATED
     reduction: str = CPU
     host_copy: str = KEPT  # the delivery copy kept in host RAM, or made on load (KEPT, ON_LOAD)

@@ -10,7 +10,8 @@ from slidedp.budget import format_bytes
 from slidedp.costmodel import ops
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, ON_LOAD, RECOMPUTE, REPLICATED, SHARDED, Decisions,
+    CPU, GPU, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, REPLICATED, SHARDED,
+    Decisions,
 )
 from slidedp.scheduler.plan import Alternative, GroupPrediction
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes
@@ -82,8 +83,8 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
                 coll += layer_bytes * (W - 1) / W
             dram += loads * ops.delivery_dram_bytes(load_bytes, W, c.delivery)
             dram += ops.reduction_dram_bytes(g.layers[i].numel, costs.elem, W, c.reduction)
-            if c.activation == OFFLOAD:
-                saved = m * costs.blocks[i].saved_bytes
+            if c.activation in OFFLOADED:
+                saved = m * costs.blocks[i].host_bytes[c.activation]
                 h2d += saved
                 d2h += saved
                 dram += 2 * W * saved
@@ -170,8 +171,13 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
         b = costs.blocks[ids[0]]
         why = (f"Recomputing costs {_ms((b.bwd[RECOMPUTE] - b.bwd[KEEP]) * sim.tick_s)} of compute per block; "
                f"keeping holds {format_bytes(m * b.saved_bytes)} per block from its forward to its backward; "
-               f"offloading moves that over PCIe twice ({_ms(b.offload * sim.tick_s)} down, "
-               f"{_ms(b.reload * sim.tick_s)} up).")
+               f"offloading moves that over PCIe twice ({_ms(b.offload[OFFLOAD] * sim.tick_s)} down, "
+               f"{_ms(b.reload[OFFLOAD] * sim.tick_s)} up).")
+        if RECOMPUTE_OFFLOAD in costs.options.activations:
+            why += (f" Recompute with its input offloaded takes the block's input "
+                    f"({format_bytes(m * b.host_bytes[RECOMPUTE_OFFLOAD])}) off the device between its forward "
+                    f"and its backward ({_ms(b.offload[RECOMPUTE_OFFLOAD] * sim.tick_s)} down, "
+                    f"{_ms(b.reload[RECOMPUTE_OFFLOAD] * sim.tick_s)} up) and recomputes like recompute.")
         add(f"activation of {len(ids)} block(s)", f"{policy} for {_span(costs, ids)}",
             _runner_up(costs, budget_bytes, cands), why)
 

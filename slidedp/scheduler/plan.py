@@ -11,7 +11,9 @@ against its runner-up, and which search made the decisions. The schedule:
   decisions[i].chunks     layer i's H2D, D2H and CPU update move in this many equal chunks
   decisions[i].activation recompute | keep (saved tensors stay on the device until the backward)
                           | offload (copied to pinned host after the forward, back before the
-                          backward) | resident (prologue, epilogue)
+                          backward) | recompute_offload (recompute, the block's input copied to
+                          pinned host after the forward, back before the backward)
+                          | resident (prologue, epilogue)
   decisions[i].delivery / reduction, owners: routes, and the rank updating each chunk
   update_order            layer ids in the order the CPU updates them after the step boundary; the
                           next step's load of a layer waits for its update
@@ -46,6 +48,25 @@ from slidedp.budget import format_bytes
 from slidedp.ir.graph import BLOCK, EPILOGUE, PROLOGUE
 
 SCHEMA_VERSION = 3
+# A block's activation policies (scheduler/decisions.py names them); offload and recompute_offload copy
+# to pinned host memory after the forward and back before the backward.
+BLOCK_ACTIVATIONS = ("recompute", "keep", "offload", "recompute_offload")
+RECOMPUTED_ACTIVATIONS = ("recompute", "recompute_offload")  # the backward recomputes the forward
+
+
+def input_offloaded(activation: dict, block_id: int) -> bool:
+    """Whether a block's input leaves the device between its forward and backward (`activation`: the
+    policy by block id): it is recompute_offload and no graph holds its input, the output of the
+    block before it (a recomputed block keeps none; a kept or offloaded one holds its output as the
+    root of its backward, and the prologue holds block 1's input). Otherwise it stays, as recompute's."""
+    return activation.get(block_id) == "recompute_offload" and activation.get(block_id - 1) in RECOMPUTED_ACTIVATIONS
+
+
+def host_activation_bytes(layer, policy: str) -> int:
+    """Host bytes per micro-batch a block's policy offloads: what its forward saves (offload), its input
+    (recompute_offload: the boundary activation), none otherwise."""
+    return {"offload": layer.costs.saved_activation_bytes,
+            "recompute_offload": layer.costs.boundary_activation_bytes}.get(policy, 0)
 
 
 @dataclass(frozen=True)
@@ -66,7 +87,7 @@ class LayerDecision:
     kind: str
     numel: int
     chunks: int  # the layer's parameters move and update in this many chunks
-    activation: str  # "recompute" | "keep" | "offload"; "resident" | "streamed" (prologue/epilogue)
+    activation: str  # BLOCK_ACTIVATIONS; "resident" | "streamed" (prologue/epilogue)
     delivery: str = "replicated"  # "replicated" | "sharded"
     reduction: str = "cpu"  # "cpu" | "gpu"
     owners: tuple[int, ...] = ()  # rank whose CPU threads update each chunk (() : rank 0)
@@ -393,6 +414,7 @@ class Plan:
         if sv.get("chosen_by") not in (None, "cp-sat"):
             solver += f", plan from {sv['chosen_by']}"
         decided = [f"  decided by: {what}: {how}" for what, how in sv.get("searches", {}).items()]
+        inputs_offloaded = [d.layer_id for d in self.decisions if d.activation == "recompute_offload"]
         order = "prologue, epilogue, blocks" if self.update_order[1:2] == (len(self.decisions) - 1,) \
             else "prologue, blocks, epilogue"
         lines = [
@@ -414,6 +436,9 @@ class Plan:
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
             *([_copies_line(self)] if any(d.host_copy == "on_load" for d in self.decisions) else []),
+            *([f"  block inputs offloaded: {_blocks_label(self.decisions, inputs_offloaded)} recompute, their input "
+               "copied to pinned host memory after the forward and back before the backward"]
+              if inputs_offloaded else []),
             *([f"  streamed vocabulary: {', '.join(d.name for d in self.decisions if d.activation == 'streamed')} "
                f"({self.vocab_chunk_rows} rows at a time; not resident)"]
               if any(d.activation == "streamed" for d in self.decisions) else []),
@@ -427,27 +452,27 @@ class Plan:
         ]
         if self.groups:
             by_id = {d.layer_id: d for d in self.decisions}
-            lines.append(f"  {'layers':<26} {'params':>13} {'chunks':>6} {'activation':>10} {'route':>16} "
+            lines.append(f"  {'layers':<26} {'params':>13} {'chunks':>6} {'activation':>17} {'route':>16} "
                          f"{'H2D':>9} {'D2H':>9} {'coll':>9} {'compute':>9} {'h2d':>8} {'d2h':>8} {'cpu':>8} "
                          f"{'exposed':>8}  bottleneck")
             for g in self.groups:
                 d = by_id[g.layer_ids[0]]
                 numel = sum(by_id[i].numel for i in g.layer_ids)
                 lines.append(
-                    f"  {g.label:<26} {numel:>13,} {d.chunks:>6} {d.activation:>10} "
+                    f"  {g.label:<26} {numel:>13,} {d.chunks:>6} {d.activation:>17} "
                     f"{d.delivery + '/' + d.reduction:>16} {_short_bytes(g.h2d_bytes):>9} "
                     f"{_short_bytes(g.d2h_bytes):>9} {_short_bytes(g.collective_bytes):>9} {_ms(g.compute_s):>9} "
                     f"{_ms(g.h2d_s):>8} {_ms(g.d2h_s):>8} {_ms(g.cpu_update_s):>8} {_ms(g.exposed_s):>8}  "
                     f"{g.bottleneck}")
             lines.append("  (bytes moved per rank per step; times busy per lane on rank 0, ms)")
         else:
-            lines.append(f"  {'layers':<28} {'params':>12} {'chunks':>6} {'activation':>10} {'delivery':>10} "
+            lines.append(f"  {'layers':<28} {'params':>12} {'chunks':>6} {'activation':>17} {'delivery':>10} "
                          f"{'reduction':>9}")
             for group in _groups(self.decisions):
                 first, last = group[0], group[-1]
                 label = first.name if len(group) == 1 else f"{first.name} .. {last.name.rsplit('.', 1)[-1]}"
                 numel = sum(d.numel for d in group)
-                lines.append(f"  {label:<28} {numel:>12,} {first.chunks:>6} {first.activation:>10} "
+                lines.append(f"  {label:<28} {numel:>12,} {first.chunks:>6} {first.activation:>17} "
                              f"{first.delivery:>10} {first.reduction:>9}")
         if self.alternatives:
             lines += ["", "  why these decisions (each against its runner-up, everything else unchanged):"]
@@ -578,7 +603,7 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
             bad(f"{at}.numel must be an integer >= 1, got {d.numel!r}")
         if not _is_int(d.chunks) or d.chunks < 1 or (_is_int(d.numel) and d.chunks > d.numel):
             bad(f"{at}.chunks must be an integer from 1 to numel ({d.numel!r}), got {d.chunks!r}")
-        legal = ("keep", "recompute", "offload") if d.kind == BLOCK else ("resident", "streamed")
+        legal = BLOCK_ACTIVATIONS if d.kind == BLOCK else ("resident", "streamed")
         if d.activation not in legal:
             bad(f"{at}.activation: activation policy {d.activation!r} is not one for a {d.kind} "
                 f"({' or '.join(map(repr, legal))})")

@@ -21,7 +21,7 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
 from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes, host_fixed_memory
-from slidedp.scheduler.decisions import GPU, OFFLOAD, RECOMPUTE, SHARDED, Decisions, Problem, SolverOptions
+from slidedp.scheduler.decisions import GPU, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
@@ -580,14 +580,15 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
 
 def copies_may_bind(problem: Problem, options: SolverOptions, host_budget: int) -> bool:
     """Whether making a delivery copy on load can matter: the host budget is below what the plan could
-    take with every copy kept (its fixed part, every block's activations offloaded, early updates'
+    take with every copy kept (its fixed part, every block's activations (or input) offloaded, early updates'
     spare state). Otherwise keeping them is never worse (a load made from the fp32 master moves twice
     the bytes) and the choice is left out of the model."""
     kept = replace(problem, copies_on_load=False)
     most = host_fixed_bytes(kept, options)
-    if OFFLOAD in options.activations:
-        most += problem.ranks_per_host * problem.micro_batches * sum(b.costs.saved_activation_bytes
-                                                                     for b in problem.graph.blocks)
+    boundary = max(layer.costs.boundary_activation_bytes for layer in problem.graph.layers)  # costs.boundary_bytes
+    offloaded = [max(b.costs.saved_activation_bytes if OFFLOAD in options.activations else 0,
+                     boundary if RECOMPUTE_OFFLOAD in options.activations else 0) for b in problem.graph.blocks]
+    most += problem.ranks_per_host * problem.micro_batches * sum(offloaded)
     if problem.early_host_bytes is not None:
         most += sum(mem.host_spare_bytes(layer.numel) for layer in problem.graph.layers)
     if problem.grads_streamable:  # the fixed part counts no gradient where they may stream
@@ -644,7 +645,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
            "last piece down"] if decisions.streamed else []),
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
-    if any(d.activation != RECOMPUTE for d in decisions.layers[1:-1]):
+    if any(d.activation in (KEEP, OFFLOAD) for d in decisions.layers[1:-1]):
         auto_notes.append("kept and offloaded activations counted " + (
             "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"
             if g.saved_bytes_method == "aot-min-cut" else "as eager autograd saves them"))

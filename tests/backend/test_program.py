@@ -182,3 +182,34 @@ def test_lowered_plan_fits_the_plans_predicted_peak(family, precision, micro_bat
                                 compiled_blocks=True))
     for plan in plans:
         assert verify_program(lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes
+
+
+def test_offloaded_block_inputs_fit_the_plans_predicted_peak():
+    """recompute_offload: the lowered program frees a block's input between its copy down and its copy
+    back (where no other graph holds it, plan.input_offloaded; never the last block's), its backward
+    waits for the copy back, and it never needs more device memory than the plan predicts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slidedp.backend.lowering.program import D2H_INPUT, H2D_INPUT
+    from slidedp.scheduler.decisions import RECOMPUTE_OFFLOAD as RO
+    from slidedp.scheduler.plan import input_offloaded
+    from tests.models import _common
+
+    torch.manual_seed(0)
+    graph = build_layer_graph(LlamaForCausalLM(LlamaConfig(**{**_common(False), "num_hidden_layers": 6})),
+                              batch_size=2, seq_len=16, compute_dtype=torch.float32)
+    mixes = [(RO,) * 6, (RECOMPUTE, RO, KEEP, RO, RO, OFFLOAD), (KEEP, RO, RECOMPUTE, RO, RECOMPUTE, RO)]
+    for window, mix in itertools.product((1, 2), mixes):
+        def decide(costs, budget, window=window, mix=mix):
+            return Decisions(window, FORWARD_ORDER, tuple(
+                LayerChoice(1, mix[i - 1] if i in costs.blocks else RESIDENT) for i in range(costs.n_layers)))
+        plan = fixed_plan(graph, decide, method="mix", budget_bytes=2**40, hardware=PRESETS["h100-sxm"],
+                          world_size=1, precision="fp32", micro_batches=2)
+        program = lower_plan(graph, plan)
+        assert verify_program(program).peak_device_bytes <= plan.peak_device_bytes
+        activation = plan.activation_policy()
+        expected = {k for k, b in enumerate(graph.blocks[:-1]) if input_offloaded(activation, b.id)}
+        assert expected and {op.block for op in program.ops if op.kind == D2H_INPUT} == expected
+        ups = {op.block: op.record for op in program.ops if op.kind == H2D_INPUT}
+        assert set(ups) == expected
+        assert all(ups[op.block] in op.waits for op in program.ops if op.kind == BWD and op.block in expected)

@@ -119,6 +119,8 @@ def test_qwen25_72b_on_4_hosts_of_4_rtx4090_plans_with_streamed_tables():
     assert resident.value.min_budget_bytes > 24 * 2**30
     plan = slidedp.plan(model, "24GiB", **kw)
     edges = [d for d in plan.decisions if d.kind != "block"]
-    assert {(d.activation, d.delivery, d.reduction) for d in edges} == {("streamed", "sharded", "gpu")}
+    # a table streams (offloaded block inputs, recompute_offload, may leave room for the other's)
+    assert {(d.delivery, d.reduction) for d in edges} == {("sharded", "gpu")}
+    assert any(d.activation == "streamed" for d in edges)
     assert plan.peak_device_bytes <= 24 * 2**30 and plan.peak_host_bytes <= 512 * 2**30
     plan.validate()

@@ -28,8 +28,9 @@ def test_an_80_block_model_on_8_ranks_plans_in_bounded_time():
     else:  # CP-SAT's bound
         assert plan.solver["relative_gap"] < 0.5
     assert plan.peak_device_bytes <= 40 * GiB
+    # the baselines that fit the chosen device state (none may: offloaded block inputs make room for more)
     baselines = [v for k, v in plan.solver["candidates"].items() if k.startswith("baseline:")]
-    assert plan.predicted_step_time_s <= min(baselines)
+    assert plan.predicted_step_time_s <= min(baselines, default=float("inf"))
     print(f"80 blocks x 8 ranks: {elapsed:.1f} s, {plan.solver['status']}, gap {plan.solver['relative_gap']:.1%}")
 
 

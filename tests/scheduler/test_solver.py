@@ -20,6 +20,7 @@ from tests.models import make_model
 from tests.scheduler.graphs import synthetic_graph
 
 GiB = 2**30
+MiB = 2**20
 
 # Small problems: <= 6 layers, <= 3 values per decision.
 CASES = {
@@ -181,7 +182,8 @@ def test_plan_fields_the_executor_reads():
     assert plan.update_order[0] == 0 and sorted(plan.update_order) == list(range(6))
     for d in plan.decisions:
         assert d.chunks % 2 == 0 and len(d.owners) == d.chunks and set(d.owners) == {0, 1}
-        assert d.activation in (("resident",) if d.kind != "block" else ("recompute", "keep", "offload"))
+        assert d.activation in (("resident",) if d.kind != "block" else ("recompute", "keep", "offload",
+                                                                          "recompute_offload"))
     assert plan.peak_device_bytes <= 12 * GiB
     assert plan.predicted_step_time_s == pytest.approx(plan.solver["objective_s"])
     assert plan.predicted_step_time_s == pytest.approx(max(e.end_s for e in plan.timeline))
@@ -217,6 +219,40 @@ def test_offloaded_activations_stay_within_host_memory():
     peaks = sorted({peak(free, d) for d in all_decisions(free)})
     assert any(free.host_offload_bytes(sol.decisions) > 0 and sol.makespan < solve(costs_with(0), b).makespan
                for b in peaks[::7] for sol in [solve(free, b)])
+
+
+def test_a_budget_only_offloaded_block_inputs_fit_agrees_with_brute_force():
+    """Block inputs (the boundary stash) dominate: below the smallest peak without recompute_offload,
+    CP-SAT alone, the whole planner and brute force agree on the fastest decisions, which offload
+    some blocks' inputs; a host limit on offloaded bytes counts them."""
+    graph = synthetic_graph(5, saved_bytes=1024 * MiB, boundary_bytes=512 * MiB)
+
+    def costs_with(activations, limit=None):
+        return ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, micro_batches=2, host_offload_bytes=limit),
+                            SolverOptions(activations=activations, chunk_multiples=(1,), windows=(1,),
+                                          update_orders=("forward",)))
+
+    without = costs_with(("recompute", "keep"))
+    costs = costs_with(("recompute", "keep", "recompute_offload"))
+    floor_without = min(peak(without, d) for d in all_decisions(without))
+    budget = floor_without - 1
+    best, best_d = brute_force(costs, budget)
+    assert any(c.activation == "recompute_offload" for c in best_d.layers)
+    results = [cpsat.solve_window(costs, w, budget, None, 30.0) for w in costs.windows()]
+    assert all(r.status == "OPTIMAL" for r in results) and min(r.objective for r in results) == best
+    sol = solve(costs, budget)
+    assert sol.makespan == best and sol.status == "OPTIMAL" and peak(costs, sol.decisions) <= budget
+    with pytest.raises(slidedp.InfeasibleBudgetError):
+        solve(without, budget)
+    # each offloaded input takes m * boundary bytes of host memory: a limit of one block's allows one
+    one = costs_with(costs.options.activations, limit=2 * costs.boundary_bytes)
+    found = brute_force(one, budget)
+    if found is None:
+        with pytest.raises(slidedp.InfeasibleBudgetError):
+            solve(one, budget)
+    else:
+        sol = solve(one, budget)
+        assert sol.makespan == found[0] and one.host_offload_bytes(sol.decisions) <= 2 * costs.boundary_bytes
 
 
 def test_a_decision_is_credited_to_cp_sat_only_when_cp_sat_beat_every_heuristic():

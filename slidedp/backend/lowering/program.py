@@ -17,11 +17,13 @@ from slidedp.backend.lowering.weight_window import schedule_window
 from slidedp.costmodel import memory as mem
 from slidedp.costmodel.memory import DTYPE_BYTES, chunk_bounds
 from slidedp.ir.graph import BLOCK, LayerGraph
-from slidedp.scheduler.plan import Schedule
+from slidedp.scheduler.plan import BLOCK_ACTIVATIONS, RECOMPUTED_ACTIVATIONS, Schedule, input_offloaded
 
 # op kinds
 PROLOGUE, FWD, EPILOGUE, BWD, PROLOGUE_BWD = "prologue", "fwd", "epilogue", "bwd", "prologue_bwd"
 H2D_WEIGHTS, D2H_GRAD, ALLOC, FREE = "h2d_weights", "d2h_grad", "alloc", "free"
+# a recompute_offload block's input of every micro-batch: to the host after its forward, back before its backward
+D2H_INPUT, H2D_INPUT = "d2h_input", "h2d_input"
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class Op:
     block: int = -1  # block index (0..N-1) for block ops
     slot: int = -1  # weight slot read or written
     chunks: tuple[tuple[int, int], ...] = ()  # element ranges moved by a copy
-    policy: str = ""  # fwd/bwd: recompute | keep | offload
+    policy: str = ""  # fwd/bwd: recompute | keep | offload | recompute_offload
     waits: tuple[int, ...] = ()
     record: int | None = None
     buffer: str = ""  # alloc/free: buffer name
@@ -115,9 +117,9 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
     rows = min(schedule.vocab_chunk_rows, graph.vocab_size)
     vocab_bytes = mem.vocab_stream_bytes(rows, graph.hidden_size, c) if vocab else 0
     blocks = [layer for layer in graph.layers if layer.kind == BLOCK]
-    unknown = {activation.get(layer.id, "recompute") for layer in blocks} - {"recompute", "keep", "offload"}
+    unknown = {activation.get(layer.id, "recompute") for layer in blocks} - set(BLOCK_ACTIVATIONS)
     if unknown:
-        raise ValueError(f"unknown activation policy {sorted(unknown)}: recompute, keep or offload")
+        raise ValueError(f"unknown activation policy {sorted(unknown)}: one of {', '.join(BLOCK_ACTIVATIONS)}")
     n = len(blocks)
     sched = schedule_window(n, window, schedule.window_loads)
     b = _Builder()
@@ -161,6 +163,26 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             slot_ready[load.slot] = op.record
 
     issue_loads(-1)
+    # Offloaded block inputs (scheduler/problem/footprint.py): block k's goes down after its forward,
+    # its device copy is freed before the forward two blocks later (or the epilogue) once the copy has
+    # landed, and comes back after the compute two positions before its backward (the backward of
+    # block k + 2, or the epilogue); not the last block's (on the device throughout anyway).
+    offloaded = {k for k, layer in enumerate(blocks[:-1]) if input_offloaded(activation, layer.id)}
+    input_down: dict[int, int] = {}  # block -> event of its input's copy to the host
+    input_up: dict[int, int] = {}  # block -> event of its copy back
+
+    def free_input(k: int) -> None:
+        if k in offloaded:
+            b.add("compute", FREE, buffer=f"act[{k}]", waits=(input_down[k],))
+
+    def reload_input(k: int, after: Op) -> None:
+        if k in offloaded:
+            nbytes = blocks[k].costs.boundary_activation_bytes * micro_batches
+            b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=nbytes)
+            up = b.add("h2d", H2D_INPUT, record=True, layer_id=blocks[k].id, block=k,
+                       waits=(after.record, input_down[k]))
+            input_up[k] = up.record
+
     grad_events: dict[int, int] = {}
     for position, k in enumerate(sched.sequence):
         layer = blocks[k]
@@ -169,13 +191,17 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
         waits = (slot_ready[slot],)
         costs = layer.costs
         if position < n:
-            keep_bytes = (costs.boundary_activation_bytes if policy == "recompute"
-                          else costs.saved_activation_bytes if policy == "keep" else costs.boundary_activation_bytes)
+            keep_bytes = costs.saved_activation_bytes if policy == "keep" else costs.boundary_activation_bytes
+            free_input(k - 2)
             b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=keep_bytes * micro_batches)
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=costs.peak_workspace_bytes)
             op = b.add("compute", FWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
+            if k in offloaded:
+                input_down[k] = b.add("d2h", D2H_INPUT, record=True, layer_id=layer.id, block=k,
+                                      waits=(op.record,)).record
             if position == n - 1:
+                free_input(n - 2)
                 b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
                 b.add("compute", ALLOC, buffer="epilogue", nbytes=epilogue_bytes)
                 head = b.add("compute", EPILOGUE, record=True, layer_id=epi.id, policy=edge_policy.get(epi.id, ""))
@@ -186,8 +212,9 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                 grad_events[epi.id] = d2h.record
         else:
             work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
-                    + (costs.saved_activation_bytes if policy == "recompute" else 0))
+                    + (costs.saved_activation_bytes if policy in RECOMPUTED_ACTIVATIONS else 0))
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
+            waits += (input_up[k],) if k in offloaded else ()
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
             b.add("compute", FREE, buffer=f"act[{k}]")
@@ -196,6 +223,10 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             grad_events[layer.id] = d2h.record
         slot_free[slot] = op.record
         issue_loads(position)
+        if position == n - 1:
+            reload_input(n - 2, head)
+        elif position >= n:
+            reload_input(k - 2, op)
     if pro in vocab:
         b.add("compute", ALLOC, buffer="vocab[prologue]", nbytes=vocab_bytes)
     last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=pro, policy=edge_policy.get(pro, ""))

@@ -1,8 +1,11 @@
 """A block's forward and backward over every micro-batch, under the plan's activation policy.
 
 recompute: the forward runs without autograd and keeps only the block's input; the backward
-recomputes it with autograd. keep / offload: the forward runs with autograd and its graph lives
-until the backward, its saved tensors packed by `SavedActivations` (offload: to the host arena).
+recomputes it with autograd. recompute_offload: the same, the input copied to the host arena after
+the forward and back before the backward (the program's d2h_input / h2d_input ops; a block whose
+input another graph holds keeps it on the device: plan.input_offloaded). keep / offload: the forward
+runs with autograd and its graph lives until the backward, its saved tensors packed by
+`SavedActivations` (offload: to the host arena).
 The backward sums the block's gradient over the micro-batches in one fp32 buffer by the packing
 kernel, which also gives its sum of squares.
 """
@@ -19,6 +22,7 @@ from slidedp.backend.runtime.streams import Streams
 from slidedp.backend.runtime.weight_slots import WeightWindow
 from slidedp.ir.blocks import unwrap_block_output
 from slidedp.ir.graph import Layer
+from slidedp.scheduler.plan import RECOMPUTED_ACTIVATIONS as RECOMPUTED, host_activation_bytes
 
 
 class BlockRunner:
@@ -31,7 +35,7 @@ class BlockRunner:
         self.device = device
         self.call_block = torch.compile(run_block, dynamic=False) if compile_blocks else run_block
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
-        self.offloaded_bytes = 0  # activation bytes offloaded to the host in the last pass
+        self.offloaded_bytes = 0  # activation and block input bytes offloaded to the host in the last pass
         self.arena: HostArena | None = None  # host memory of offloaded activations, made on first use
 
     def start_pass(self, micro_batches: int) -> None:
@@ -42,9 +46,9 @@ class BlockRunner:
     def forward(self, k: int, slot: int, policy: str, st: PassState) -> None:
         """Forward of block `k` (weights in `slot`) for every micro-batch, under `policy`."""
         module = self.blocks[k]
-        params = self.weights.block_params(k, slot, requires_grad=policy != "recompute")
+        params = self.weights.block_params(k, slot, requires_grad=policy not in RECOMPUTED)
         for m, call in enumerate(st.calls):
-            if policy == "recompute":  # keep only the input; recompute in backward
+            if policy in RECOMPUTED:  # keep only the input; recompute in backward
                 st.stash[k][m] = st.hidden[m]
                 args, kwargs = call[k].with_hidden(st.hidden[m])
                 with torch.no_grad():
@@ -68,11 +72,11 @@ class BlockRunner:
         module = self.blocks[k]
         acc = torch.empty(layer.numel, dtype=torch.float32, device=self.device)
         spans = self.weights.block_spans(k)
-        if policy == "recompute":
+        if policy in RECOMPUTED:
             params = self.weights.block_params(k, slot, requires_grad=True)
         last = len(st.calls) - 1
         for m, call in enumerate(st.calls):
-            if policy == "recompute":
+            if policy in RECOMPUTED:
                 x = st.stash[k][m].detach().requires_grad_(True)
                 st.stash[k][m] = None
                 args, kwargs = call[k].with_hidden(x)
@@ -90,11 +94,33 @@ class BlockRunner:
             del grads
         st.grads.finish_packed(layer.id, acc, stats.sumsq[0])
 
+    def offload_input(self, k: int, st: PassState) -> None:
+        """Block `k`'s input of every micro-batch to the host arena on the D2H stream (which waits for
+        its forward); the device copy is released, reused by the allocator once the copy has landed."""
+        for m, x in enumerate(st.stash[k]):
+            host = self.arena.take(x.shape, x.dtype)
+            if host is None:
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.streams.cuda)
+            self.streams.copy("d2h", host, x)
+            st.stash[k][m] = host
+            self.offloaded_bytes += x.numel() * x.element_size()
+
+    def reload_input(self, k: int, st: PassState) -> None:
+        """Block `k`'s input of every micro-batch back to the device on the H2D stream, allocated in that
+        stream's memory (the compute stream reads it after waiting for the copy, and frees it)."""
+        for m, host in enumerate(st.stash[k]):
+            with self.streams.on("h2d"):
+                x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            self.streams.copy("h2d", x, host)
+            if self.streams.cuda:
+                x.record_stream(self.streams.compute)
+            st.stash[k][m] = x
+
     def arena_for(self, micro_batches: int) -> HostArena:
-        """The host arena of offloaded activations: what the offloading blocks save per micro-batch
-        (the IR's figure) times the micro-batches, allocated (and registered) once."""
-        need = micro_batches * sum(layer.costs.saved_activation_bytes
-                                   for layer, policy in zip(self.block_layers, self.activation) if policy == "offload")
+        """The host arena of offloaded activations and block inputs: what the offloading blocks put on
+        the host per micro-batch (the IR's figures) times the micro-batches, allocated (and registered) once."""
+        need = micro_batches * sum(host_activation_bytes(layer, policy)
+                                   for layer, policy in zip(self.block_layers, self.activation))
         if self.arena is None or self.arena.buffer.numel() < need:
             if self.arena is not None:
                 self.arena.close()

@@ -6,7 +6,8 @@ forward and at most once more for backward, whatever the number of micro-batches
   1. prologue, per micro-batch: the model's own forward with proxied blocks, stopped at the last
      block; records each block's arguments (masks, rotary tables, ...) and the first hidden state.
   2. blocks 0..N-1: load weights into a slot (H2D stream), run every micro-batch without autograd,
-     keep each block's input (the boundary activation) for recomputation.
+     keep each block's input (the boundary activation) for recomputation (recompute_offload: on the
+     host until the backward of the block two later).
   3. epilogue, per micro-batch: the model's own forward again, the last block returning the final
      hidden state as a leaf; token-weighted cross-entropy; gradients of the head and that leaf.
   4. blocks N-1..0: recompute each micro-batch with autograd, backpropagate, accumulate parameter
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 from slidedp.backend.lowering.program import (
-    ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
+    ALLOC, BWD, D2H_GRAD, D2H_INPUT, EPILOGUE, FREE, FWD, H2D_INPUT, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
 )
 from slidedp.backend.runtime.block_runner import BlockRunner
 from slidedp.backend.runtime.epilogue import Epilogue
@@ -150,7 +151,8 @@ class StreamedExecutor:
         handlers = {
             PROLOGUE: self._op_prologue, H2D_WEIGHTS: self._op_h2d_weights, FWD: self._op_fwd,
             EPILOGUE: self._op_epilogue, BWD: self._op_bwd, PROLOGUE_BWD: self._op_prologue_bwd,
-            D2H_GRAD: self._op_d2h_grad, ALLOC: None, FREE: None,  # the caching allocator does these
+            D2H_GRAD: self._op_d2h_grad, D2H_INPUT: self._op_d2h_input, H2D_INPUT: self._op_h2d_input,
+            ALLOC: None, FREE: None,  # the caching allocator does these
         }
         for op in self.program.ops:
             for e in op.waits:
@@ -181,6 +183,14 @@ class StreamedExecutor:
     def _op_bwd(self, op, st: PassState) -> None:
         """Backward of one block for every micro-batch; its gradient packed in one fp32 buffer."""
         self.block_runner.backward(op.block, op.slot, op.policy, st)
+
+    def _op_d2h_input(self, op, st: PassState) -> None:
+        """A recompute_offload block's input to the host (block_runner.py)."""
+        self.block_runner.offload_input(op.block, st)
+
+    def _op_h2d_input(self, op, st: PassState) -> None:
+        """... and back to the device before its backward."""
+        self.block_runner.reload_input(op.block, st)
 
     def _op_prologue_bwd(self, op, st: PassState) -> None:
         self.prologue.backward(st)

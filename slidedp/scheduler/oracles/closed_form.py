@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import OFFLOAD, Decisions
+from slidedp.scheduler.decisions import OFFLOADED, Decisions
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
 from slidedp.scheduler.oracles.timeline import condition
 
@@ -63,16 +63,16 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
     if op.kind == "reduce_scatter":
         return o.reduce_scatter
     if op.kind == "offload":
-        return costs.blocks[i].offload
+        return costs.blocks[i].offload[c.activation]
     if op.kind == "reload":
-        return costs.blocks[i].reload
+        return costs.blocks[i].reload[c.activation]
     raise ValueError(op.kind)
 
 
 def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
     prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1, costs.head_reload)
     holds = condition(d)
-    any_offload = any(c.activation == OFFLOAD for c in d.layers)
+    any_offload = any(c.activation in OFFLOADED for c in d.layers)
     R, cpu_end = update_starts(costs, d)
     present = {op.key: holds(op) for lane in GPU_LANES for op in prog.lanes[lane]}
     start, end = {}, {}

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, REPLICATED, SHARDED, Decisions
+from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, OFFLOADED, RECOMPUTED, REPLICATED, SHARDED, Decisions
 from slidedp.scheduler.oracles.critical_path import longest_chain
 from slidedp.scheduler.problem.footprint import Footprint, evaluate
 from slidedp.scheduler.problem.lanes import (
@@ -140,7 +140,7 @@ def condition(d: Decisions):
     def holds(atom) -> bool:
         what = atom[0]
         if what == "offload":
-            return d.layers[atom[1]].activation == OFFLOAD
+            return d.layers[atom[1]].activation in OFFLOADED
         if what == "sharded":
             return d.layers[atom[1]].delivery == SHARDED
         if what == "gpu":
@@ -183,7 +183,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
     present = condition(d)
     order = d.order(costs.n_layers)
     opt = [costs.option_of(i, c) for i, c in enumerate(d.layers)]
-    any_offload = any(c.activation == OFFLOAD for c in d.layers)
+    any_offload = any(c.activation in OFFLOADED for c in d.layers)
 
     # Pieces: parallel lists indexed by piece id.
     rank_of, lane_of, name_of, layer_of, chunk_of, dur, key_deps, piece_deps = [], [], [], [], [], [], [], []
@@ -320,7 +320,7 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
         else:
             act = d.layers[layer].activation
             ticks = costs.blocks[layer].bwd[act]
-            name = "recompute+bwd L{}" if act == "recompute" else "bwd L{}"
+            name = "recompute+bwd L{}" if act in RECOMPUTED else "bwd L{}"
         add(r, COMPUTE, (name, layer), layer, -1, ticks, deps, key=op.key)
     elif op.kind == "load":
         chunks = range(o.chunks) if o.delivery == REPLICATED else own_chunks(layer, r)
@@ -339,10 +339,12 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
                           (update_piece[(layer, c)],) if streamed else (), key=op.key)
                 if op.chunkwise and (layer, c) in carry[0]:
                     release[pid] = carry[0][(layer, c)]
-    elif op.kind == "reload":
-        add(r, H2D, ("reload activations L{}", layer), layer, -1, costs.blocks[layer].reload, deps, key=op.key)
-    elif op.kind == "offload":
-        add(r, D2H, ("offload activations L{}", layer), layer, -1, costs.blocks[layer].offload, deps, key=op.key)
+    elif op.kind in ("reload", "offload"):
+        act = d.layers[layer].activation
+        what = "activations" if act == OFFLOAD else "input"
+        b = costs.blocks[layer]
+        lane, ticks = (H2D, b.reload[act]) if op.kind == "reload" else (D2H, b.offload[act])
+        add(r, lane, (f"{op.kind} {what} L{{}}", layer), layer, -1, ticks, deps, key=op.key)
     elif op.kind == "grad":
         chunks = range(o.chunks) if o.reduction == CPU else own_chunks(layer, r)
         for c in chunks:
@@ -395,7 +397,7 @@ def _list_schedule(queues, deps, dur, release=None):
 
 def _pinned_host(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
     """Pinned host bytes (all ranks) at each compute position: the weights' delivery copy, the
-    gradient landing buffers (one per rank with the CPU reduction), offloaded activations."""
+    gradient landing buffers (one per rank with the CPU reduction), offloaded activations and inputs."""
     W, N, m = costs.problem.world_size, costs.n_blocks, costs.problem.micro_batches
     g = costs.problem.graph
     static = 0
@@ -403,8 +405,8 @@ def _pinned_host(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
         static += layer.numel * costs.elem * (1 + (W if c.reduction == CPU else 1))
     out = []
     for x in range(2 * N + 3):
-        held = sum(W * m * costs.blocks[i].saved_bytes for i in costs.blocks
-                   if d.layers[i].activation == OFFLOAD and i < x < 2 * N + 2 - i)
+        held = sum(W * m * costs.blocks[i].host_bytes[d.layers[i].activation] for i in costs.blocks
+                   if d.layers[i].activation in OFFLOADED and i < x < 2 * N + 2 - i)
         out.append(static + held)
     return tuple(out)
 

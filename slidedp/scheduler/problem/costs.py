@@ -15,8 +15,8 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel import ops
 from slidedp.costmodel.memory import DTYPE_BYTES
 from slidedp.scheduler.decisions import (
-    CPU, GPU, KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, REPLICATED, RESIDENT, SHARDED, STREAMED, Decisions, LayerChoice,
-    Problem, SolverOptions,
+    CPU, GPU, KEEP, KEPT, OFFLOAD, OFFLOADED, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, REPLICATED, RESIDENT, SHARDED,
+    STREAMED, Decisions, LayerChoice, Problem, SolverOptions,
 )
 
 
@@ -88,9 +88,11 @@ class TransferOption:
 @dataclass(frozen=True)
 class BlockTicks:
     fwd: int
-    bwd: dict  # activation -> ticks (recompute adds the forward)
-    offload: int  # saved activations of every micro-batch, device to host
-    reload: int  # and back before the backward
+    bwd: dict  # activation -> ticks (recompute and recompute_offload add the forward)
+    offload: dict  # offloaded activation (decisions.OFFLOADED) -> ticks of its copy of every micro-batch down
+    reload: dict  # ... and back up before the backward
+    host_bytes: dict  # offloaded activation -> bytes on the host per micro-batch: the saved activations
+    # (offload), the block's input (recompute_offload: the boundary activation)
     saved_bytes: int  # per micro-batch
     workspace_bytes: int  # forward's working set
     param_grads_bytes: int  # autograd's parameter gradients during the backward (compute dtype)
@@ -240,18 +242,20 @@ class ProblemCosts:
         g, hw, m = problem.graph, problem.hardware, problem.micro_batches
         curve = hw.transfer_efficiency
         self.blocks: dict[int, BlockTicks] = {}
+        self.boundary_bytes = max([layer.costs.boundary_activation_bytes for layer in g.layers])
         for layer in g.blocks:
             c = layer.costs
+            host = {OFFLOAD: c.saved_activation_bytes, RECOMPUTE_OFFLOAD: self.boundary_bytes}
+            bwd_recompute = t(ops.block_backward_time_s(c, hw, m, recompute=True, compiled=problem.compiled_blocks))
             bwd_plain = t(ops.block_backward_time_s(c, hw, m, recompute=False, compiled=problem.compiled_blocks))
             # compiled: every policy's forward and backward at the compiled rate (executor.py)
             compiled = problem.compiled_blocks
             self.blocks[layer.id] = BlockTicks(
                 fwd=t(ops.block_forward_time_s(c, hw, m, compiled=compiled)),
-                bwd={RECOMPUTE: t(ops.block_backward_time_s(c, hw, m, recompute=True, compiled=compiled)),
-                     KEEP: bwd_plain,
-                     OFFLOAD: bwd_plain},
-                offload=t(ops.offload_time_s(c.saved_activation_bytes, m, rates.d2h_duplex, curve)),
-                reload=t(ops.offload_time_s(c.saved_activation_bytes, m, rates.h2d_duplex, curve)),
+                bwd={RECOMPUTE: bwd_recompute, KEEP: bwd_plain, OFFLOAD: bwd_plain, RECOMPUTE_OFFLOAD: bwd_recompute},
+                offload={a: t(ops.offload_time_s(n, m, rates.d2h_duplex, curve)) for a, n in host.items()},
+                reload={a: t(ops.offload_time_s(n, m, rates.h2d_duplex, curve)) for a, n in host.items()},
+                host_bytes=host,
                 saved_bytes=c.saved_activation_bytes,
                 workspace_bytes=c.peak_workspace_bytes,
                 param_grads_bytes=mem.param_grads_bytes(layer.numel, self.elem),
@@ -343,7 +347,6 @@ class ProblemCosts:
                                    for i in problem.vocab_streamed}
         self.max_block_numel = max(layer.numel for layer in g.blocks)
         self.grad_accumulators_bytes = mem.grad_accumulators_bytes(self.max_block_numel)
-        self.boundary_bytes = max([layer.costs.boundary_activation_bytes for layer in g.layers])
         tokens = g.batch_size * g.seq_len
         if self.head_reload:
             self.epilogue_working_bytes = mem.streamed_epilogue_working_bytes(
@@ -359,9 +362,11 @@ class ProblemCosts:
 
     # -- helpers -------------------------------------------------------------------------------
     def host_offload_bytes(self, d: Decisions) -> int:
-        """Host memory the offloaded activations of `d` take: sum over offloading blocks of m * saved."""
+        """Host memory the offloaded activations of `d` take: sum over offloading blocks of m * host_bytes
+        (the saved activations of offload, the block's input of recompute_offload)."""
         m = self.problem.micro_batches
-        return sum(m * b.saved_bytes for i, b in self.blocks.items() if d.layers[i].activation == OFFLOAD)
+        return sum(m * b.host_bytes[d.layers[i].activation] for i, b in self.blocks.items()
+                   if d.layers[i].activation in OFFLOADED)
 
     def host_memory(self, d: Decisions) -> dict[str, int]:
         """Host RAM of `d` by category, of one host's ranks (costmodel.memory.host_memory): the host

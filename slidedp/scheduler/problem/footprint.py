@@ -12,10 +12,17 @@ before the compute that reuses it, see program.py). At compute position x:
            + boundary stash(x) * m + working set(x)
            + sum over kept blocks i with fwd_i <= x <= bwd_i of m * saved_i
            + sum over offloaded blocks i with x in {fwd_i, fwd_i + 1, bwd_i - 1, bwd_i} of m * saved_i
+           - sum over recompute_offload blocks i >= 2 whose block i - 1 recomputes (recompute or
+             recompute_offload), with fwd_i + 2 <= x <= bwd_i - 2, of m * boundary
 
 stash(x) counts the boundary activations alive (every block's input until its backward, plus the
 tensors in flight): 1 at the prologue, i + 1 at block i's forward, N + 2 at the epilogue, i + 2 at
-block i's backward, 2 at the prologue's backward. The working set is the block's
+block i's backward, 2 at the prologue's backward. A recompute_offload block's input is on the device
+only in the same transit window as an offloaded block's buffers (its copy down lands before the
+forward two blocks later; its copy up starts after the compute two positions before its backward).
+Its input is the output of block i - 1, which that block's graph holds until its backward when it
+keeps or offloads (its output is the root of its backward), and block 1's input is the prologue's
+output, which the prologue's backward holds: then the input stays on the device whatever the policy. The working set is the block's
 peak_workspace_bytes (in the backward plus its parameter gradients in the compute dtype, and one
 micro-batch of its saved activations while it is recomputed), and the chunked loss at the
 epilogue (costmodel.memory.epilogue_working_bytes). backend/lowering/program.py allocates the same buffers
@@ -29,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTE, Decisions
+from slidedp.scheduler.decisions import KEEP, OFFLOAD, RECOMPUTED, Decisions
+from slidedp.scheduler.plan import input_offloaded
 
 CATEGORIES = ("resident_params_bytes", "resident_grads_bytes", "weight_slots_bytes", "grad_accumulators_bytes",
               "grad_staging_bytes", "boundary_stash_bytes", "kept_activation_bytes", "offload_buffers_bytes",
@@ -43,7 +51,10 @@ class PositionTerms:
     base: tuple[tuple[str, int], ...]  # (category, bytes) that no block's activation policy changes
     keep: tuple[tuple[int, int], ...]  # (block id, bytes) held here if that block keeps: blocks 1..keep_upto
     offload: tuple[tuple[int, int], ...]  # ... if it offloads
-    recompute: tuple[tuple[int, int], ...]  # ... if it recomputes
+    recompute: tuple[tuple[int, int], ...]  # ... if it recomputes (recompute, recompute_offload)
+    # (block id, bytes) of the boundary stash not held here if that block offloads its input
+    # (recompute_offload) and the block before it recomputes (plan.input_offloaded)
+    unstashed: tuple[tuple[int, int], ...] = ()
 
     @property
     def base_bytes(self) -> int:
@@ -52,6 +63,7 @@ class PositionTerms:
     @property
     def keep_upto(self) -> int:
         return len(self.keep)
+
 
 
 def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
@@ -82,7 +94,7 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
             stash, work = i + 2, costs.blocks[i].workspace_bytes + costs.blocks[i].param_grads_bytes
         else:
             stash, work = 2, 0
-        keep, offload, recompute = [], [], []
+        keep, offload, recompute, unstashed = [], [], [], []
         for i, b in costs.blocks.items():
             held = m * b.saved_bytes
             fwd, bwd = i, 2 * N + 2 - i
@@ -92,13 +104,15 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
                 offload.append((i, held))
             if x == bwd:
                 recompute.append((i, b.saved_bytes))
+            if i >= 2 and fwd + 2 <= x <= bwd - 2:
+                unstashed.append((i, m * costs.boundary_bytes))
         assert [i for i, _ in keep] == list(range(1, len(keep) + 1)), "kept blocks at a position are 1..j"
         # a streamed table's slots, chunk gradient and its cast, while its layer runs
         owner = costs.epilogue_id if x == N + 1 else 0 if x in (0, 2 * N + 2) else None
         vocab = costs.vocab_stream_bytes.get(owner, 0)
         base = static + (("boundary_stash_bytes", stash * m * costs.boundary_bytes), ("working_bytes", work),
                          ("vocab_stream_bytes", vocab))
-        out.append(PositionTerms(x, key, base, tuple(keep), tuple(offload), tuple(recompute)))
+        out.append(PositionTerms(x, key, base, tuple(keep), tuple(offload), tuple(recompute), tuple(unstashed)))
     return tuple(out)
 
 
@@ -131,8 +145,11 @@ def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str,
             if activation[i] == OFFLOAD:
                 part["offload_buffers_bytes"] += b
         for (i, b) in t.recompute:
-            if activation[i] == RECOMPUTE:
+            if activation[i] in RECOMPUTED:
                 part["working_bytes"] += b
+        for (i, b) in t.unstashed:
+            if input_offloaded(activation, i):
+                part["boundary_stash_bytes"] -= b
         totals.append(sum(part.values()))
         parts.append(part)
     peak_x = max(range(len(totals)), key=lambda x: (totals[x], -x))

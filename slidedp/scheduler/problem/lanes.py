@@ -9,9 +9,10 @@ Every rank runs the same program (note [lockstep] in oracles/timeline.py). Its l
   h2d         weight loads: prologue; epilogue here when the update order is head-first; blocks
               1..N into the `window` slots (Belady, see `window_loads`); epilogue here otherwise;
               a vocabulary-streamed head's second load (for its backward);
-              then the backward reloads of evicted blocks and of offloaded activations, by the
-              compute position after which each may be issued.
-  d2h         offloaded activations (forward); the epilogue's gradient; blocks N..1; the prologue.
+              then the backward reloads of evicted blocks and of offloaded activations (or offloaded
+              block inputs: recompute_offload), by the compute position after which each may be issued.
+  d2h         offloaded activations or block inputs (forward); the epilogue's gradient; blocks N..1;
+              the prologue.
   collective  (W > 1) all-gather after each sharded load (a streamed head's second load too),
               reduce-scatter before each gpu-reduced gradient copy.
   cpu_update  the previous step's AdamW, chunk by chunk, in update order (per rank: the chunks
@@ -77,7 +78,8 @@ class Op:
     kind: str  # fwd | epi | bwd | load | reload | offload | grad | all_gather | reduce_scatter
     layer: int
     deps: tuple[str, ...] = ()
-    when: tuple[tuple, ...] = ()  # all must hold: ("offload", i) ("sharded", i) ("gpu", i) ("order", o)
+    # all must hold: ("offload", i) (block i offloads: decisions.OFFLOADED) ("sharded", i) ("gpu", i) ("order", o)
+    when: tuple[tuple, ...] = ()
     chunkwise: bool = False  # forward load: piece c waits for the update of chunk c
     phase: str = "fwd"  # fwd | bwd: which transfer rates apply
     position: int = -1  # compute position (compute lane only)

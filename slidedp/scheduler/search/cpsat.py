@@ -38,8 +38,9 @@ from ortools.sat.python import cp_model
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, RECOMPUTE, Decisions, LayerChoice,
+    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, Decisions, LayerChoice,
 )
+from slidedp.scheduler.plan import input_offloaded
 from slidedp.scheduler.problem.footprint import terms
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
 from slidedp.scheduler.oracles import closed_form
@@ -59,6 +60,8 @@ class Vars:
     route: dict = field(default_factory=dict)  # (group, delivery, reduction) -> bool
     order: dict = field(default_factory=dict)  # update order -> bool
     any_offload: object = None  # bool: some block offloads (forward loads then share the link)
+    offloads: dict = field(default_factory=dict)  # block -> bool: it offloads (decisions.OFFLOADED; several allowed)
+    unstash: dict = field(default_factory=dict)  # block -> bool: its input leaves the device (plan.input_offloaded)
     route_kind: dict = field(default_factory=dict)  # ("sharded" | "gpu", group) -> bool
     update_start: dict = field(default_factory=dict)  # layer -> int: R_L, when the CPU lanes reach it
     start: dict = field(default_factory=dict)  # op key -> int
@@ -108,7 +111,7 @@ def _data(costs: ProblemCosts, window: int) -> Data:
     gpu = any(r == "gpu" for _, r in costs.routes)
 
     def possible(op: Op) -> bool:
-        return not any((a[0] == "offload" and OFFLOAD not in acts) or (a[0] == "sharded" and not sharded)
+        return not any((a[0] == "offload" and not set(OFFLOADED) & set(acts)) or (a[0] == "sharded" and not sharded)
                        or (a[0] == "gpu" and not gpu) or (a[0] == "order" and a[1] not in orders)
                        for a in op.when)
 
@@ -130,9 +133,9 @@ def _max_duration(costs: ProblemCosts, op: Op) -> int:
     if op.kind == "reduce_scatter":
         return max(o.reduce_scatter for o in opts)
     if op.kind == "offload":
-        return costs.blocks[op.layer].offload
+        return max(costs.blocks[op.layer].offload.values())
     if op.kind == "reload":
-        return costs.blocks[op.layer].reload
+        return max(costs.blocks[op.layer].reload.values())
     if op.kind == "epi":
         return costs.epilogue
     if op.layer == 0:
@@ -187,7 +190,7 @@ def _decision_variables(m: cp_model.CpModel, costs: ProblemCosts, acts, orders) 
 def _variables(m: cp_model.CpModel, data: Data) -> Vars:
     c = data.costs
     v = _decision_variables(m, c, data.activations, data.orders)
-    if OFFLOAD in data.activations:
+    if set(OFFLOADED) & set(data.activations):
         v.any_offload = m.new_bool_var("any_offload")
     for i in range(c.n_layers):
         v.update_start[i] = m.new_int_var(0, data.horizon, f"R[L{i}]")
@@ -224,11 +227,23 @@ def _routes_per_group(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> None
             m.add(sum(v.opt[(i, o.key)] for o in opts if (o.delivery, o.reduction) == (d, r)) == v.route[(g, d, r)])
 
 
+def _offloads(m: cp_model.CpModel, v: Vars, i: int):
+    """The literal of block i offloading: offloads[i] = sum_{a offloaded} act[i,a] (at most one holds;
+    the one literal itself where the options allow one offloaded policy)."""
+    lits = [v.act[(i, a)] for a in OFFLOADED if (i, a) in v.act]
+    if len(lits) == 1:
+        return lits[0]
+    if i not in v.offloads:
+        v.offloads[i] = m.new_bool_var(f"offloads[L{i}]")
+        m.add(v.offloads[i] == sum(lits))
+    return v.offloads[i]
+
+
 def _offload_flag(m: cp_model.CpModel, data: Data, v: Vars) -> None:
-    """any_offload = OR_i act[i,offload]: act[i,offload] <= any_offload <= sum_i act[i,offload]."""
+    """any_offload = OR_i offloads[i]: offloads[i] <= any_offload <= sum_i offloads[i]."""
     if v.any_offload is None:
         return
-    offloads = [v.act[(i, OFFLOAD)] for i in data.costs.blocks]
+    offloads = [_offloads(m, v, i) for i in data.costs.blocks]
     for lit in offloads:
         m.add_implication(lit, v.any_offload)
     m.add_bool_or(offloads).only_enforce_if(v.any_offload)
@@ -267,7 +282,7 @@ def _update_lanes(m: cp_model.CpModel, data: Data, v: Vars) -> None:
 
 
 def _presence(m: cp_model.CpModel, data: Data, v: Vars, op: Op):
-    """The literal of an op's `when` (None: always there): offload -> act[i,offload];
+    """The literal of an op's `when` (None: always there): offload -> offloads[i];
     sharded -> OR of route[g,sharded,*]; gpu -> OR of route[g,*,gpu]; order -> order[o];
     two atoms -> their AND."""
     c = data.costs
@@ -275,7 +290,7 @@ def _presence(m: cp_model.CpModel, data: Data, v: Vars, op: Op):
     for atom in op.when:
         kind = atom[0]
         if kind == "offload":
-            lits.append(v.act[(atom[1], OFFLOAD)])
+            lits.append(_offloads(m, v, atom[1]))
         elif kind == "order":
             lits.append(v.order[atom[1]])
         else:
@@ -318,10 +333,9 @@ def _duration(data: Data, v: Vars, op: Op, duplex: bool = False):
         return max(o.all_gather for o in opts)
     if op.kind == "reduce_scatter":
         return max(o.reduce_scatter for o in opts)
-    if op.kind == "offload":
-        return c.blocks[i].offload
-    if op.kind == "reload":
-        return c.blocks[i].reload
+    if op.kind in ("offload", "reload"):
+        ticks = c.blocks[i].offload if op.kind == "offload" else c.blocks[i].reload
+        return sum(ticks[a] * v.act[(i, a)] for a in OFFLOADED if (i, a) in v.act)
     raise ValueError(op.kind)
 
 
@@ -403,11 +417,14 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
 
         staging >= sum_o opt[L,o] staging_o                        for every layer L
         kept_i = kept_(i-1) + m saved_i act[i,keep]                 (blocks 1..i keep, prefix sum)
-        base(x) + staging + kept_(j(x)) + sum_i (offload and recompute terms(x) act[i,.]) <= cap
-        G sum_i m saved_i act[i,offload] + sum_L,o copy_L,o opt[L,o] <= G host_offload_bytes
+        unstash_i = act[i,recompute_offload] AND (act[i-1,recompute] + act[i-1,recompute_offload])
+        base(x) + staging + kept_(j(x)) + sum_i (offload and recompute terms(x) act[i,.])
+            - sum_i (unstashed terms(x) unstash_i) <= cap
+        G sum_i,a m host_i,a act[i,a] + sum_L,o copy_L,o opt[L,o] <= G host_offload_bytes
                                        (host memory of one host's G ranks and kept copies, when limited)
 
-    where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward)."""
+    where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward) and
+    host_i,a the bytes an offloaded policy a of block i puts on the host per micro-batch."""
     for i, opts in enumerate(costs.layer_options):
         m.add(v.staging >= sum(o.staging_bytes * v.opt[(i, o.key)] for o in opts))
     m_batches = costs.problem.micro_batches
@@ -422,15 +439,24 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         else:
             prefix[i] = 0
         v.kept[i] = prefix[i]
+    for i in costs.blocks:
+        before = [v.act[(i - 1, a)] for a in RECOMPUTED if (i - 1, a) in v.act]
+        if (i, RECOMPUTE_OFFLOAD) in v.act and before:
+            lit = v.unstash[i] = m.new_bool_var(f"unstash[L{i}]")
+            m.add_implication(lit, v.act[(i, RECOMPUTE_OFFLOAD)])
+            m.add(lit <= sum(before))
+            m.add(lit >= v.act[(i, RECOMPUTE_OFFLOAD)] + sum(before) - 1)
     program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
     for t in terms(costs, window, program.compute_keys):
         expr = t.base_bytes + v.staging
         expr += prefix[t.keep_upto]
-        for policy, pairs in ((OFFLOAD, t.offload), (RECOMPUTE, t.recompute)):
-            expr += sum(b * v.act[(i, policy)] for i, b in pairs if (i, policy) in v.act)
+        for policies, pairs in (((OFFLOAD,), t.offload), (RECOMPUTED, t.recompute)):
+            expr += sum(b * v.act[(i, p)] for p in policies for i, b in pairs if (i, p) in v.act)
+        expr -= sum(b * v.unstash[i] for i, b in t.unstashed if i in v.unstash)
         m.add(expr <= cap)
     limit, G = costs.problem.host_offload_bytes, costs.problem.ranks_per_host
-    host = [(G * m_batches * b.saved_bytes, v.act[(i, OFFLOAD)]) for i, b in costs.blocks.items() if (i, OFFLOAD) in v.act]
+    host = [(G * m_batches * b.host_bytes[a], v.act[(i, a)]) for i, b in costs.blocks.items() for a in OFFLOADED
+            if (i, a) in v.act]
     host += [(o.copy_host_bytes, v.opt[(i, o.key)]) for i, opts in enumerate(costs.layer_options) for o in opts
              if o.copy_host_bytes]
     if limit is not None and host:  # host memory of the offloaded activations and the kept delivery copies
@@ -511,7 +537,10 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
     cf = closed_form.evaluate(costs, d)
     values = list(_decision_values(costs, v, d))
     if v.any_offload is not None:
-        values.append((v.any_offload, any(c.activation == OFFLOAD for c in d.layers)))
+        values.append((v.any_offload, any(c.activation in OFFLOADED for c in d.layers)))
+    values += [(lit, d.layers[i].activation in OFFLOADED) for i, lit in v.offloads.items()]
+    activation = {i: d.layers[i].activation for i in costs.blocks}
+    values += [(lit, input_offloaded(activation, i)) for i, lit in v.unstash.items()]
     for (kind, g), lit in v.route_kind.items():
         first = d.layers[{"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}[g]]
         values.append((lit, first.delivery == "sharded" if kind == "sharded" else first.reduction == "gpu"))

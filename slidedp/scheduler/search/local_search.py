@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, Decisions
+from slidedp.scheduler.decisions import KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.lanes import build_lanes
@@ -36,7 +36,7 @@ def moves(costs: ProblemCosts, d: Decisions):
     """Neighbours of `d`: another window; the other update order; another route, or another chunk
     count, for a whole group (prologue, blocks, epilogue); every block to one policy, or the blocks of
     one policy to another; one more block kept or offloaded (the latest recomputed one); one fewer
-    (the earliest). These include every alternative the plan's explanation compares (explain.py)."""
+    (the earliest); one more block's input offloaded (the earliest recomputed one); one fewer (the latest). These include every alternative the plan's explanation compares (explain.py)."""
     blocks = sorted(costs.blocks)
     groups = {"prologue": [0], "blocks": blocks, "epilogue": [costs.epilogue_id]}
     W = costs.problem.world_size
@@ -75,14 +75,18 @@ def moves(costs: ProblemCosts, d: Decisions):
             if a != policy:
                 yield d.replace_layers(ids, activation=a)
     recomputed = [i for i in blocks if d.layers[i].activation == RECOMPUTE]
-    for a in (KEEP, OFFLOAD):
+    for a in (KEEP, OFFLOAD, RECOMPUTE_OFFLOAD):
         if a not in costs.options.activations:
             continue
-        if recomputed:
-            yield d.replace_layers([recomputed[-1]], activation=a)
         held = [i for i in blocks if d.layers[i].activation == a]
-        if held:
-            yield d.replace_layers([held[0]], activation=RECOMPUTE)
+        if a == RECOMPUTE_OFFLOAD:  # the input held longest (block 1's stays: plan.input_offloaded); back: the latest
+            more, fewer = [i for i in recomputed if i >= 2][:1], held[-1:]
+        else:  # the activations held shortest; back: the earliest
+            more, fewer = recomputed[-1:], held[:1]
+        if more:
+            yield d.replace_layers(more, activation=a)
+        if fewer:
+            yield d.replace_layers(fewer, activation=RECOMPUTE)
 
 
 def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions | None:
