@@ -32,15 +32,16 @@ from slidedp.scheduler.oracles.timeline import simulate
 log = logging.getLogger("slidedp")
 
 
-def minimum_budget(costs: ProblemCosts) -> tuple[int, Decisions, dict[int, int]]:
-    """The smallest budget with which planning succeeds: the minimum peak over every decision
-    (an OPTIMAL CP-SAT solve, at the smallest window), with decisions reaching it, and the minimum
-    of each window. The window only adds its slots (footprint.py), so each window's minimum is
+def minimum_budget(costs: ProblemCosts) -> tuple[int, Decisions, dict[int, int], int]:
+    """The smallest budget with which planning succeeds: the least peak over every decision (a
+    CP-SAT solve at the smallest window), decisions reaching it, the least budget of each window
+    (a lower bound), and the proven lower bound of the least peak (the peak itself where CP-SAT
+    proves it minimal). The window only adds its slots (footprint.py), so each window's minimum is
     the smallest one plus (window - smallest) slots."""
     windows = costs.windows()
-    peak, decisions = cpsat.minimum_peak(costs, windows[0])
+    peak, bound, decisions = cpsat.minimum_peak(costs, windows[0])
     slot = costs.weight_slots_bytes(1)
-    return peak, decisions, {w: peak + (w - windows[0]) * slot for w in windows}
+    return peak, decisions, {w: bound + (w - windows[0]) * slot for w in windows}, bound
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,19 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
 
     Raises InfeasibleBudgetError below the smallest budget that any decisions fit; its
-    `min_budget_bytes` is exact (the minimum over every decision of the simulated peak).
+    `min_budget_bytes` is the least simulated peak over every decision (exact where CP-SAT proves
+    it; else the least it found, and a budget between its proven bound and that is searched).
     """
-    min_budget, min_decisions, min_per_window = minimum_budget(costs)
-    if budget_bytes < min_budget:
+    min_budget, min_decisions, min_per_window, min_bound = minimum_budget(costs)
+    if budget_bytes < min_bound:
         raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
 
-    # Heuristics: the baselines that fit, the least-memory decisions (which always fit), and a
-    # local search from each of the two best distinct ones.
+    # Heuristics: the baselines that fit, the least-memory decisions (which fit unless the budget is
+    # below the least peak found and above its proven bound), and a local search from each of the two
+    # best distinct ones.
     candidates = [f for f in (baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES) if f]
-    candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
+    if min_budget <= budget_bytes:
+        candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
     starts: list[Decisions] = []
     for f in sorted(candidates, key=lambda f: f.makespan):
         if f.decisions not in starts:
@@ -102,10 +106,10 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     lower = cpsat.lower_bound(costs)
     feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
     small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
-    if incumbent.makespan <= lower:
+    if incumbent is not None and incumbent.makespan <= lower:
         windows = []
     else:
-        windows = feasible_windows if small else [incumbent.decisions.window]
+        windows = feasible_windows if small or incumbent is None else [incumbent.decisions.window]
     budget_each = 0.0
     if windows:
         budget_each = (costs.options.deterministic_time / len(windows) if small
@@ -115,7 +119,7 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         hint = fastest([c for c in candidates if c.decisions.window == w])
         if hint is not None:
             hint_d = hint.decisions
-        elif baselines.peak_bytes(costs, replace(incumbent.decisions, window=w)) <= budget_bytes:
+        elif incumbent is not None and baselines.peak_bytes(costs, replace(incumbent.decisions, window=w)) <= budget_bytes:
             hint_d = replace(incumbent.decisions, window=w)
         else:
             hint_d = replace(min_decisions, window=w)
@@ -123,6 +127,8 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         results.append(result)
         solved += [found] if found is not None else []
     best = fastest(candidates + solved)  # a tie credits the heuristic: CP-SAT found nothing better
+    if best is None:  # a budget within the least-peak model's gap, and nothing found that fits it
+        raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
     chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
     # Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
@@ -523,8 +529,8 @@ def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes:
         min_budget = results[(False, 0)][1].min_budget_bytes
     else:
         costs0 = ProblemCosts(problem_of((False, 0)), options)
-        min_budget, min_decisions, _ = minimum_budget(costs0)
-        if budget_bytes < min_budget:
+        min_budget, min_decisions, _, min_bound = minimum_budget(costs0)
+        if budget_bytes < min_bound:
             raise _device_too_small(costs0, budget_bytes, min_budget, min_decisions, host_budget)
     hw = problem.hardware
     if fixed_prologue is None and (hw.gpu_memory_bytes_per_s <= 0 or (
@@ -720,7 +726,7 @@ def fixed_plan(graph: LayerGraph, decide, *, method: str, budget_bytes: int, har
     costs = ProblemCosts(problem, options)
     decisions = decide(costs, budget_bytes)
     if decisions is None:
-        min_budget, min_decisions, _ = minimum_budget(costs)
+        min_budget, min_decisions, _, _ = minimum_budget(costs)
         needs = baselines.peak_bytes(costs, baselines.uniform(costs, window=1, activation="recompute"))
         raise InfeasibleBudgetError(
             f"the {method} schedule does not fit the device budget {format_bytes(budget_bytes)} (it needs "

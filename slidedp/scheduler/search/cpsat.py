@@ -31,6 +31,8 @@ with s = max(lane free, slot free), p the copy time of a piece (TransferOption.l
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field, replace
 
@@ -613,8 +615,11 @@ def pinned(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> tuple[int, l
     return objective, values
 
 
-def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 30.0) -> tuple[int, Decisions]:
-    """The smallest peak device memory over every decision with this window (OPTIMAL, exact)."""
+def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 30.0) -> tuple[int, int, Decisions]:
+    """The smallest peak device memory over every decision with this window: (the least peak found,
+    the proven lower bound, decisions reaching that peak). Both are the same where CP-SAT proves the
+    minimum (OPTIMAL); a model it cannot close in its time (a host budget that binds the offloaded
+    activations makes it a knapsack) gives its best peak and its bound."""
     acts = costs.options.activations
     orders = costs.options.update_orders
     m = cp_model.CpModel()
@@ -630,11 +635,12 @@ def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 3
     solver = cp_model.CpSolver()
     _parameters(solver, costs, deterministic_time, presolve=True)
     status = solver.solve(m)
-    if status != cp_model.OPTIMAL:
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"the minimum-memory model ended {STATUS[status]} (window {window})")
     d = _read_back(solver, costs, v, window, acts, orders)
-    return int(round(solver.objective_value)), replace(
-        d, update_order=FORWARD_ORDER if FORWARD_ORDER in orders else orders[0])
+    found = int(round(solver.objective_value))
+    bound = found if status == cp_model.OPTIMAL else int(math.ceil(solver.best_objective_bound))
+    return found, bound, replace(d, update_order=FORWARD_ORDER if FORWARD_ORDER in orders else orders[0])
 
 
 def search(costs: ProblemCosts, budget_bytes: int, start: Decisions | None, *, window: int,
