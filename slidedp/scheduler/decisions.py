@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from slidedp.costmodel.hardware import Hardware
 from slidedp.costmodel.memory import VOCAB_CHUNK_NUMEL, vocab_chunk_rows
 from slidedp.ir.graph import BLOCK, LayerGraph
+from slidedp.scheduler.plan import BLOCK_ACTIVATIONS, RECOMPUTED_ACTIVATIONS
 
 RECOMPUTE, KEEP, OFFLOAD, RESIDENT = "recompute", "keep", "offload", "resident"
 # Recompute, the block's input (its boundary activation) offloaded to host memory after the forward
@@ -21,9 +22,9 @@ RECOMPUTE_OFFLOAD = "recompute_offload"
 # A prologue or epilogue whose vocabulary table streams by row ranges instead of staying on the device
 # (Problem.vocab_streamed; docs/design.md §4.14).
 STREAMED = "streamed"
-ACTIVATIONS = (RECOMPUTE, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD)
+ACTIVATIONS = BLOCK_ACTIVATIONS  # recompute, keep, offload, recompute_offload (the plan's names)
 OFFLOADED = (OFFLOAD, RECOMPUTE_OFFLOAD)  # a copy down after the forward, back up before the backward
-RECOMPUTED = (RECOMPUTE, RECOMPUTE_OFFLOAD)  # the backward recomputes the forward
+RECOMPUTED = RECOMPUTED_ACTIVATIONS  # the backward recomputes the forward
 REPLICATED, SHARDED = "replicated", "sharded"
 CPU, GPU = "cpu", "gpu"
 FORWARD_ORDER, HEAD_FIRST = "forward", "head_first"

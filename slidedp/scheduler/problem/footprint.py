@@ -65,7 +65,6 @@ class PositionTerms:
         return len(self.keep)
 
 
-
 def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
     """Memory terms at every compute position (the staging maximum is added separately)."""
     key = ("footprint.terms", window)
