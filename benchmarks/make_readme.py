@@ -82,6 +82,25 @@ def table_fair_baseline() -> str:
     return render_table(load("single_gpu_throughput", FAIR_BASELINE))
 
 
+SMALL_BUDGETS = "2026-12-05-small-budgets.json"
+# SlideFormer on the same machine kind, Qwen3-4B shape, no clipping: tokens/s and peak device GiB at each
+# tokens per step (docs/design.md §6.2; measured by others, not run by this script)
+SLIDEFORMER = {4096: (2191, 5.3), 16384: (8278, 6.7), 65536: (15649, 13.6)}
+
+
+def table_small_budgets() -> str:
+    rows = []
+    for r in load("single_gpu_throughput", SMALL_BUDGETS):
+        theirs, their_gib = SLIDEFORMER[r["tokens_per_step"]]
+        rows.append([f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"), num(r["tokens_per_s"], ",.0f"),
+                     f"{theirs:,} ({their_gib} GiB)", num(r["tokens_per_s"] / theirs, ".2f") + "x",
+                     gib(r["peak_device_bytes"]), gib(r["peak_device_reserved_bytes"]),
+                     f"{r['median_step_s']:.3f} / {r['predicted_step_s']:.3f}", gib(r["peak_host_bytes"])])
+    return markdown_table(["tokens/step", "slidedp budget GiB", "slidedp tokens/s", "SlideFormer tokens/s (docs/design.md §6.2, not run here)",
+                           "ratio", "peak allocated GiB", "peak reserved GiB", "step s median / predicted",
+                           "peak host GiB"], rows)
+
+
 def table_multi_gpu() -> str:
     from benchmarks.multi_gpu_scaling.run import render_table, render_targets
 
@@ -151,6 +170,8 @@ HEADLINES = [  # (title, study, record, table); record None: the study's CURRENT
     ("Single GPU: every system in one run", "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
+    ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
+     table_small_budgets),
     ("Multi-GPU scaling", "multi_gpu_scaling", None, table_multi_gpu),
     ("CPU AdamW", "cpu_adamw", None, table_cpu_adamw),
     ("One block's rate", "block_rate", None, table_block_rate),
