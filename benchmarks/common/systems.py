@@ -96,6 +96,7 @@ class Point:
         t0 = time.perf_counter()
         step, finish, close = getattr(self, "setup_" + system)()
         self.record["build_s"] = time.perf_counter() - t0
+        print(f"{system}: built in {self.record['build_s']:.1f} s", flush=True)  # progress, should the point time out
         # The measurement window starts here (after the build), as for every system.
         hwm_build = proc_status().get("VmHWM")
         self.record["vm_hwm_reset"] = reset_vm_hwm()
@@ -113,6 +114,7 @@ class Point:
                     finish()
                 self.sync()
                 self.record["warmup_s"] = time.perf_counter() - t
+                print(f"{system}: warm-up step {self.record['warmup_s']:.2f} s", flush=True)
             times = []
             self.sync()
             self.record["measure_start_utc"] = utc_now()
@@ -122,6 +124,7 @@ class Point:
                 now = time.perf_counter()
                 times.append(now - prev)
                 prev = now
+                print(f"{system}: step {len(times)}/{self.args.steps} {times[-1]:.3f} s", flush=True)
             if finish:
                 finish()  # slidedp: the last step's CPU update, started asynchronously
             self.sync()
