@@ -142,6 +142,29 @@ def test_min_budget_is_exact(case):
     assert info.value.min_budget_bytes == smallest and "bytes" in str(info.value)
 
 
+def test_an_unproven_least_peak_refuses_below_its_bound_and_searches_the_gap(monkeypatch):
+    """Where CP-SAT cannot prove the least peak in its time it gives its best peak and a lower bound:
+    a budget below the bound is refused, one in the gap is searched (here nothing fits it: refused,
+    naming the peak found), and one at the peak found plans."""
+    costs = make_costs("activations, windows, orders")
+    smallest = min(peak(costs, d) for d in all_decisions(costs))
+    exact = cpsat.minimum_peak
+    gap = 64 * MiB
+
+    def unproven(costs, window, deterministic_time=30.0):
+        found, bound, decisions = exact(costs, window, deterministic_time)
+        assert found == bound == smallest  # proven on a problem this small
+        return found, bound - gap, decisions
+
+    monkeypatch.setattr(cpsat, "minimum_peak", unproven)
+    for budget in (smallest - gap - 1, smallest - gap // 2):
+        with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+            solve(costs, budget)
+        assert info.value.min_budget_bytes == smallest
+    sol = solve(costs, smallest)
+    assert peak(costs, sol.decisions) <= smallest
+
+
 def test_min_budget_through_slidedp_plan():
     model = make_model("qwen3")
     kwargs = dict(batch_size=2, seq_len=16, precision="fp32", device="cpu")
