@@ -32,7 +32,6 @@ with s = max(lane free, slot free), p the copy time of a piece (TransferOption.l
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field, replace
 
