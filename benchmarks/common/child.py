@@ -44,19 +44,24 @@ def run_child(cmd: list[str], result: Path, timeout_s: float, fallback: dict) ->
         raise
     reader.join(timeout=10)
     wall = time.perf_counter() - t0
-    if result.exists() and not timed_out:
-        record = json.loads(result.read_text())
-    else:
+    record = json.loads(result.read_text()) if result.exists() else None
+    died_in_teardown = record is not None and record.get("teardown") == "not finished"  # after its measurement
+    if died_in_teardown:
+        record["teardown_error"] = _failure(timed_out, timeout_s, proc.returncode)
+    elif record is None or timed_out:
         record = dict(fallback)
-        if timed_out:
-            record["error"] = f"timeout after {timeout_s} s"
-        elif proc.returncode is not None and proc.returncode < 0:
-            sig = -proc.returncode
-            record["error"] = f"killed by signal {sig}" + (" (host out of memory?)" if sig == 9 else "")
-        else:
-            record["error"] = f"exit code {proc.returncode} without a record"
+        record["error"] = _failure(timed_out, timeout_s, proc.returncode)
         record["output_tail"] = "".join(tail)[-4000:]
     record["child_wall_s"] = wall
     record["child_exit_code"] = proc.returncode
     return record
 
+
+
+def _failure(timed_out: bool, timeout_s: float, returncode: int | None) -> str:
+    """Why a child ended without finishing: timeout, signal or exit code."""
+    if timed_out:
+        return f"timeout after {timeout_s} s"
+    if returncode is not None and returncode < 0:
+        return f"killed by signal {-returncode}" + (" (host out of memory?)" if returncode == -9 else "")
+    return f"exit code {returncode} without a record"

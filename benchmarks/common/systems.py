@@ -149,8 +149,12 @@ class Point:
                 proc_status_end={k: status[k] for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin")
                                  if k in status},
             )
+            # the measurement is on disk before the teardown, which a host near its capacity may not survive
+            self.record["teardown"] = "not finished"
+            Path(self.args.result_file).write_text(json.dumps(self.record, indent=1))
         finally:
             close()
+        self.record["teardown"] = "done"
 
     # -- slidedp --
     def setup_slidedp_eager(self):
@@ -237,7 +241,8 @@ class Point:
                     step_info.append(dataclasses.asdict(info))
             return loss
 
-        return step, finish, engine.close
+        # the benchmark needs no copies of the trained weights after the run
+        return step, finish, lambda: engine.close(keep_weights=False)
 
     # -- GPU-resident PyTorch --
     def setup_gpu_resident(self):
@@ -469,6 +474,10 @@ def worker(args, record: dict, point_cls=None, sampler=None) -> int:
         record.update(seq_len=point.seq, micro_batches=point.rows)
         point.run(args.system, sampler)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a record
+        if record.get("teardown") == "not finished":  # measured: the failure is the teardown's
+            record["teardown_error"] = error_text(exc)
+            traceback.print_exc()
+            return _write(args, record, sampler)
         record["error"] = error_text(exc)
         record["traceback"] = traceback.format_exc()[-4000:]
         for key in ("tokens_per_s", "measured_step_s", "median_step_s", "mean_step_s", "peak_device_bytes",
@@ -476,9 +485,12 @@ def worker(args, record: dict, point_cls=None, sampler=None) -> int:
             record[key] = None
         traceback.print_exc()
         code = 1
-    finally:
-        sampler.stop()
-        record["host_used_bytes_incl_build"] = sampler.peak_all - sampler.base
+    return _write(args, record, sampler, code)
+
+
+def _write(args, record: dict, sampler, code: int = 0) -> int:
+    sampler.stop()
+    record["host_used_bytes_incl_build"] = sampler.peak_all - sampler.base
     Path(args.result_file).write_text(json.dumps(record, indent=1))
     return code
 

@@ -16,6 +16,8 @@ from slidedp.ir.graph import LayerGraph
 from slidedp.optim import AdamW
 from slidedp.errors import NonFiniteGradientError
 from slidedp.backend.state.host_state import host_runs
+from slidedp.budget import format_bytes
+from slidedp.run.preflight import host_available_bytes
 from slidedp.run.checkpoint import (
     CheckpointError, apply_engine_meta, atomic_checkpoint, check_engine_checkpoint,
     read_engine_state, read_state_arrays, save_hf, write_engine_state, write_sharded_checkpoint,
@@ -171,14 +173,23 @@ class Engine:
                 out[name] = p.detach().float().cpu().clone()
         return out
 
-    def close(self) -> None:
-        """Free device buffers, worker processes and the host state; the model keeps copies of the
-        trained weights."""
+    def close(self, keep_weights: bool | None = None) -> None:
+        """Free device buffers, worker processes and the host state. `keep_weights`: the model keeps
+        copies of the trained weights (True), or its trained parameters go to the meta device (False).
+        None (default): keep them where the copies fit in the host RAM available (MemAvailable), else
+        log a warning and move them to the meta device: a model near the host's capacity would
+        otherwise be killed for memory at the end of training (write a checkpoint or take
+        `state_dict()` first to keep them)."""
         if self._closed:
             return
         self._closed = True
+        if keep_weights is None:
+            keep_weights = self._weights_fit_host()
         try:
-            self._unbind_device_params()
+            if keep_weights:
+                self._unbind_device_params()
+            else:
+                self._drop_trained_params()
             self.runner.close()
         finally:
             for p in self.model.parameters():
@@ -196,6 +207,18 @@ class Engine:
                 torch.cuda.empty_cache()
                 _empty_host_cache()
 
+    def _weights_fit_host(self) -> bool:
+        """Whether copies of every trained parameter (in its dtype) fit in the host RAM available now."""
+        need_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        available_bytes = host_available_bytes()
+        if available_bytes is None or need_bytes <= available_bytes:
+            return True
+        log.warning("slidedp: closing without copies of the trained weights (%s needed, %s of host RAM "
+                    "available): the model's trained parameters are on the meta device; write a checkpoint "
+                    "or take state_dict() before close() to keep them", format_bytes(need_bytes),
+                    format_bytes(available_bytes))
+        return False
+
     def _unbind_device_params(self) -> None:
         """The model's parameters of the lean layers (views of the device's master) become CPU tensors
         of their values, in the dtype they had when compiled, so the device's memory can go."""
@@ -206,6 +229,20 @@ class Engine:
         for layer_id in sorted(device_state.lean):
             for name, view in device_state.param_views(layer_id).items():
                 self.model.get_parameter(name).data = to_host(view, dtypes.get(name, view.dtype))
+
+    def _drop_trained_params(self) -> None:
+        """Each trained parameter of the model becomes a new meta-device parameter of its shape and
+        dtype (tied ones stay tied); the old Parameter objects are emptied, so that none still views
+        the host or device state about to be freed."""
+        new: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.requires_grad:
+                    continue
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                    p.data = torch.empty(0, dtype=p.dtype)
+                module._parameters[name] = new[id(p)]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -59,3 +59,25 @@ def test_outside_git_the_commit_comes_from_the_environment_and_says_so(tmp_path,
 def test_in_a_checkout_the_environment_is_ignored(repo, monkeypatch):
     monkeypatch.setenv("BENCH_GIT_COMMIT", "a" * 40)
     assert records.commit_stamp()["git_commit"] != "a" * 40
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_child_killed_after_its_measurement_keeps_its_record(tmp_path, kept):
+    """A point written to disk before its teardown (teardown "not finished") keeps its numbers when the
+    teardown is killed, with the kill in teardown_error; a point killed before it wrote anything gets
+    the fallback record, with the kill as its error."""
+    import sys
+
+    from benchmarks.common.child import run_child
+
+    result = tmp_path / "r.json"
+    record = {"measured_step_s": 1.5, "error": None, "teardown": "not finished"}
+    write = f"open({str(result)!r}, 'w').write(json.dumps({record!r})); " if kept else ""
+    script = f"import json, os, signal; {write}os.kill(os.getpid(), signal.SIGKILL)"
+    out = run_child([sys.executable, "-c", script], result, 60, {"measured_step_s": None, "error": None})
+    assert out["child_exit_code"] == -9
+    if kept:
+        assert out["measured_step_s"] == 1.5 and out["error"] is None
+        assert out["teardown_error"] == "killed by signal 9 (host out of memory?)"
+    else:
+        assert out["measured_step_s"] is None and out["error"] == "killed by signal 9 (host out of memory?)"

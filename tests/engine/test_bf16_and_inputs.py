@@ -153,3 +153,22 @@ def test_close_frees_and_model_keeps_trained_weights():
     engine.close()  # twice is fine
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), trained[name])
+
+
+@pytest.mark.parametrize("available_bytes,keep", [(0, None), (None, False)])
+def test_close_without_room_for_the_weights_leaves_them_on_meta(monkeypatch, caplog, available_bytes, keep):
+    """Copies of the trained weights that do not fit the host RAM available (or keep_weights=False) are
+    not made: the parameters go to the meta device, with their shapes; without room, a warning says so."""
+    import slidedp.run.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "host_available_bytes", lambda: available_bytes)
+    model = make_model("llama")
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             optimizer=slidedp.AdamW(lr=1e-2))
+    engine.step(torch.randint(0, VOCAB, (BATCH, SEQ)))
+    with caplog.at_level("WARNING", logger="slidedp"):
+        engine.close(keep_weights=keep)
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    assert all(p.device.type == "meta" for p in model.parameters() if p.requires_grad)
+    assert ("without copies of the trained weights" in caplog.text) == (keep is None)
