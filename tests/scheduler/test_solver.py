@@ -165,6 +165,18 @@ def test_an_unproven_least_peak_refuses_below_its_bound_and_searches_the_gap(mon
     assert peak(costs, sol.decisions) <= smallest
 
 
+def test_the_least_peak_under_a_binding_host_budget_is_proven():
+    """A host budget with room for 7.5 of 30 blocks' inputs makes the least-peak model a knapsack: CP-SAT
+    proves its minimum within one deterministic second (found == bound), with decisions peaking there
+    that offload the 7 inputs the host holds."""
+    inputs_bytes = 4 * 32 * MiB  # one block's input, 4 micro-batches
+    costs = ProblemCosts(Problem(synthetic_graph(30), PRESETS["h200-sxm"], 1, micro_batches=4,
+                                 host_offload_bytes=15 * inputs_bytes // 2), SolverOptions())
+    found, bound, decisions = cpsat.minimum_peak(costs, costs.windows()[0], deterministic_time=1.0)
+    assert found == bound == peak(costs, decisions)
+    assert sum(c.activation == "recompute_offload" for c in decisions.layers) == 7
+
+
 def test_min_budget_through_slidedp_plan():
     model = make_model("qwen3")
     kwargs = dict(batch_size=2, seq_len=16, precision="fp32", device="cpu")
