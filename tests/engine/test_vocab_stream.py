@@ -121,6 +121,8 @@ def test_planner_streams_a_tied_table_where_it_alone_fits():
     streamed = plan(floor - 1)
     assert {d.activation for d in streamed.decisions if d.kind != "block"} == {"streamed"}
     assert streamed.peak_device_bytes < floor
+    head = next(g for g in streamed.groups if g.label == "epilogue")  # loaded twice, its gradient down once
+    assert (head.h2d_bytes, head.d2h_bytes) == (2 * (VOCAB + 1) * 32 * 4, (VOCAB + 1) * 32 * 4)
     with pytest.raises(slidedp.InfeasibleBudgetError) as info:
         plan(1)
     assert info.value.min_budget_bytes <= floor - VOCAB * 32 * (4 + 4)  # the table's weights and fp32 gradient

@@ -171,28 +171,24 @@ class ProblemCosts:
         across = dict(hosts=problem.hosts, link_bytes_per_s=problem.link_bytes_per_s)
         curve = hw.transfer_efficiency
         self.layer_options: list[tuple[TransferOption, ...]] = []
-        # a streamed tied table (stored by the prologue) crosses for the epilogue too: loaded for its
-        # forward and again for its backward, the head's gradient sent down, the embedding's added to it
-        # on the host; its delivery copy is kept (the prologue's is no decision: copyable_layers)
-        tied = g.tied_table.numel if problem.tied_streamed else 0
+        tied = g.tied_table.numel if problem.tied_streamed else 0  # its two uses' gradients go down
         for layer in g.layers:
             numel, opts = layer.numel, []
-            moved = numel + (tied if layer.id == g.epilogue.id else 0)  # parameters its copies move
+            moved = self.moved_numel(layer.id)
             on_device = layer.id in problem.device_state  # copies within the device, update there
             copies = self.options.host_copies if layer.id in self.copyable else (KEPT,)
             for mult, (delivery, reduction), copy in product(self.options.chunk_multiples, self.routes, copies):
                 k = mult * W
                 piece_bytes = moved * self.elem / k
-                # made on load: H2D copies read the fp32 master (4 B per parameter) into a landing chunk
-                load_bytes = (numel * 4 + (moved - numel) * self.elem) / k if copy == ON_LOAD else piece_bytes
+                load_bytes = self.load_bytes(layer.id, copy) / k
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
                 # a host's cores, its ranks' lanes; made on load, the update writes no bf16 copy
                 update = ops.cpu_update_time_s(numel / k, hw, lanes=G, copy_written=copy == KEPT)
-                if reduction == CPU:  # a streamed tied table's two uses: twice its gradient's copies
-                    extra = tied if layer.id == g.prologue.id else 0
-                    update += ops.cpu_reduce_time_s((numel + extra) / k, self.elem, W, hw, lanes=G)
+                if reduction == CPU:  # the prologue sums a streamed tied table's copies of both uses
+                    summed = numel + (tied if layer.id == g.prologue.id else 0)
+                    update += ops.cpu_reduce_time_s(summed / k, self.elem, W, hw, lanes=G)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
                     fwd_piece=t(ops.transfer_time_s(load_bytes, rates.h2d_alone, curve)),
@@ -232,6 +228,21 @@ class ProblemCosts:
                 opts.append(option)
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
+
+    def moved_numel(self, layer_id: int) -> int:
+        """Parameters a layer's copies move (each load, its gradient): its own, and for the epilogue a
+        streamed tied table's (stored by the prologue; loaded for the head's forward and again for its
+        backward, the head's gradient sent down, the embedding's added to it on the host)."""
+        g = self.problem.graph
+        tied = layer_id == g.epilogue.id and self.problem.tied_streamed
+        return g.layers[layer_id].numel + (g.tied_table.numel if tied else 0)
+
+    def load_bytes(self, layer_id: int, host_copy: str) -> float:
+        """Bytes of one load of a layer: the compute dtype, or made on load (decisions.ON_LOAD) the fp32
+        master (4 B per parameter) of its own parameters; a streamed tied table's from the prologue's
+        kept copy (copyable_layers)."""
+        numel, moved = self.problem.graph.layers[layer_id].numel, self.moved_numel(layer_id)
+        return numel * 4 + (moved - numel) * self.elem if host_copy == ON_LOAD else moved * self.elem
 
     def _copy_host_bytes(self, layer, chunks: int) -> int:
         """Host RAM of a copyable layer's kept delivery copy on the host holding most of it: the whole
