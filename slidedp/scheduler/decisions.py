@@ -226,7 +226,8 @@ class SolverOptions:
     # an int fixes it (0: none).
     streamed_layers: int | None = None
     # Vocabulary streaming (Problem.vocab_streamed): None lets the planner choose among the layers that
-    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none).
+    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none; a tied
+    # table: both).
     vocab_streamed: tuple[str, ...] | None = None
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     seed: int = 0
