@@ -53,9 +53,9 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
 
 
 # -- vocabulary-streamed prologue and epilogue -----------------------------------------------------
-# A prologue or epilogue whose vocabulary table (embedding or untied head, [vocab, hidden]) is streamed
-# (docs/design.md §4.14) keeps only its other parameters resident; the table crosses in row ranges of
-# at most this many parameters (64 MiB in bf16), through two device slots.
+# A prologue or epilogue whose vocabulary table (embedding, head or the table they tie, [vocab, hidden])
+# is streamed (docs/design.md §4.14) keeps only its other parameters resident; the table crosses in row
+# ranges of at most this many parameters (64 MiB in bf16), through two device slots.
 VOCAB_CHUNK_NUMEL = 1 << 25
 
 

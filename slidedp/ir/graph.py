@@ -60,13 +60,12 @@ class Layer:
         return sum(p.numel for p in self.params)
 
     def vocab_param(self, vocab_size: int) -> ParamInfo | None:
-        """The prologue's or epilogue's vocabulary table ([vocab, hidden]: embedding or head) when it may
-        stream by row ranges: stored here, used by no other layer (not tied), and the layer uses no
-        other layer's parameter. None otherwise (blocks, tied tables, no such parameter)."""
-        if self.kind == BLOCK or self.tied_param_names:
+        """The [vocab, hidden] table (embedding or head) this prologue / epilogue stores, tied to the
+        head or not; None for blocks and where there is none."""
+        if self.kind == BLOCK:
             return None
-        return next((p for p in self.params if len(p.shape) == 2 and p.shape[0] == vocab_size and vocab_size > 1
-                     and not p.aliases), None)
+        return next((p for p in self.params if len(p.shape) == 2 and p.shape[0] == vocab_size and vocab_size > 1),
+                    None)
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,52 @@ class LayerGraph:
     def numel(self) -> int:
         return sum(layer.numel for layer in self.layers)
 
-    def streamable(self, layer_id: int) -> bool:
-        """Whether the prologue's / epilogue's vocabulary table may stream by row chunks
-        (Layer.vocab_param; the epilogue's only with a plain linear head)."""
+    @property
+    def tied_table(self) -> ParamInfo | None:
+        """The prologue's vocabulary table when the epilogue's head is tied to it and may stream with it:
+        the only parameter of another layer the epilogue names, named by no block."""
+        table = self.prologue.vocab_param(self.vocab_size)
+        if table is None or self.epilogue.tied_param_names != (table.name,) \
+                or self.epilogue.vocab_param(self.vocab_size) is not None \
+                or any(table.name in b.tied_param_names for b in self.blocks):
+            return None
+        return table
+
+    def vocab_table(self, layer_id: int) -> ParamInfo | None:
+        """The vocabulary table the prologue / epilogue would stream by row chunks: one it stores and no
+        other layer uses (untied), or the tied table (stored by the prologue, `tied_table`). None
+        otherwise (blocks, no table, a table used some other way)."""
         layer = self.layers[layer_id]
-        if layer.id not in (self.prologue.id, self.epilogue.id) or layer.vocab_param(self.vocab_size) is None:
+        if layer.id not in (self.prologue.id, self.epilogue.id):
+            return None
+        if self.tied_table is not None:
+            return self.tied_table
+        table = layer.vocab_param(self.vocab_size)
+        return table if table is not None and not table.aliases and not layer.tied_param_names else None
+
+    def streamable(self, layer_id: int) -> bool:
+        """Whether the prologue's / epilogue's vocabulary table may stream by row chunks (vocab_table;
+        the head only as a plain linear head, and a tied table only for both layers: vocab_sets)."""
+        if self.vocab_table(layer_id) is None:
             return False
-        return layer.kind != EPILOGUE or self.linear_head
+        return self.linear_head or (self.layers[layer_id].kind != EPILOGUE and self.tied_table is None)
+
+    def vocab_sets(self) -> list[frozenset]:
+        """Every set of the prologue / epilogue whose tables may stream together, resident first: a tied
+        table streams for both layers (its two uses) or for neither."""
+        ids = [i for i in (self.prologue.id, self.epilogue.id) if self.streamable(i)]
+        if self.tied_table is not None:
+            return [frozenset()] + ([frozenset(ids)] if ids else [])
+        return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
+
+    def edge_resident_numel(self, vocab_streamed) -> int:
+        """Parameters of the prologue and epilogue held on the device for the whole step: all but the
+        tables of the layers in `vocab_streamed` (a tied table once, stored by the prologue)."""
+        held = 0
+        for layer in (self.prologue, self.epilogue):
+            table = layer.vocab_param(self.vocab_size) if layer.id in vocab_streamed else None
+            held += layer.numel - (table.numel if table is not None else 0)
+        return held
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -67,11 +67,12 @@ class Problem:
     # host's rate into the network), and every host layer is delivered sharded and reduced on the GPUs.
     hosts: int = 1
     link_bytes_per_s: float = 0.0
-    # The prologue and/or epilogue (layer ids) whose vocabulary table (Layer.vocab_param) streams through
-    # the device in row ranges of at most `vocab_chunk_numel` parameters instead of sitting whole on it
-    # with a whole fp32 gradient: the embedding's rows in the forward, the head's twice (forward for
-    # the logsumexp, backward recomputing the logits), each chunk's gradient sent down as it is made.
-    # The solver picks the set (solve._vocab_search).
+    # The prologue and/or epilogue (layer ids) whose vocabulary table (LayerGraph.vocab_table) streams
+    # through the device in row ranges of at most `vocab_chunk_numel` parameters instead of sitting whole
+    # on it with a whole fp32 gradient: the embedding's rows in the forward, the head's twice (forward for
+    # the logsumexp, backward recomputing the logits), each chunk's gradient sent down as it is made; a
+    # tied table for both layers or neither (LayerGraph.vocab_sets). The solver picks the set
+    # (solve._vocab_search).
     vocab_streamed: frozenset = frozenset()
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     # Host layers may make their delivery copy on load (LayerChoice.host_copy): offered where a host
@@ -96,11 +97,13 @@ class Problem:
             raise ValueError(f"{self.hosts} hosts need the link between them: link_bytes_per_s > 0")
         if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
             raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
-        edges = {self.graph.prologue.id, self.graph.epilogue.id}
-        bad = [i for i in self.vocab_streamed if i not in edges or not self.graph.streamable(i)]
-        if bad or set(self.vocab_streamed) & set(self.device_state):
-            raise ValueError(f"vocab_streamed must be the prologue / epilogue with an untied vocabulary table and "
-                             f"no device state, got {sorted(self.vocab_streamed)}")
+        if frozenset(self.vocab_streamed) not in self.graph.vocab_sets() \
+                or set(self.vocab_streamed) & set(self.device_state):
+            raise ValueError(f"vocab_streamed must be the prologue / epilogue whose vocabulary table can stream (a "
+                             f"tied table: both), with no device state, got {sorted(self.vocab_streamed)}")
+        if self.grads_streamable and self.tied_streamed:
+            raise ValueError("a streamed tied table's gradient is the sum of two uses: it cannot stream into the "
+                             "update (grads_streamable)")
         if isinstance(self.vocab_chunk_numel, bool) or not isinstance(self.vocab_chunk_numel, int) \
                 or self.vocab_chunk_numel < 1:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
@@ -124,6 +127,17 @@ class Problem:
     @property
     def effective_loss_chunk_tokens(self) -> int:
         return max(1, min(self.loss_chunk_tokens, self.graph.batch_size * self.graph.seq_len))
+
+    def with_vocab_streamed(self, choice: frozenset) -> "Problem":
+        """This problem with the tables of `choice` streamed; a streamed tied table's gradient, the sum
+        of its two uses, does not stream into the update (grads_streamable off)."""
+        streamed = replace(self, vocab_streamed=choice, grads_streamable=False)
+        return streamed if streamed.tied_streamed else replace(streamed, grads_streamable=self.grads_streamable)
+
+    @property
+    def tied_streamed(self) -> bool:
+        """The tied table streams (for the prologue and the epilogue: LayerGraph.tied_table)."""
+        return bool(self.vocab_streamed) and self.graph.tied_table is not None
 
     @property
     def vocab_chunk_rows(self) -> int:
@@ -212,7 +226,8 @@ class SolverOptions:
     # an int fixes it (0: none).
     streamed_layers: int | None = None
     # Vocabulary streaming (Problem.vocab_streamed): None lets the planner choose among the layers that
-    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none).
+    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none; a tied
+    # table: both).
     vocab_streamed: tuple[str, ...] | None = None
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     seed: int = 0

@@ -62,7 +62,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
         for i in ids:
             c = d.layers[i]
             o = costs.option_of(i, c)
-            layer_bytes = g.layers[i].numel * costs.elem
+            layer_bytes = costs.moved_numel(i) * costs.elem
             loads = 1 + (i in reloaded)
             if i in costs.problem.device_state:  # nothing over PCIe; collectives between the devices
                 numel = g.layers[i].numel
@@ -73,7 +73,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
                 for lane, t in busy_by_layer.get(i, {}).items():
                     busy[lane] += t
                 continue
-            load_bytes = g.layers[i].numel * 4 if c.host_copy == ON_LOAD else layer_bytes  # fp32 master
+            load_bytes = costs.load_bytes(i, c.host_copy)
             per_rank = load_bytes if c.delivery == REPLICATED else load_bytes / W
             h2d += loads * per_rank
             d2h += layer_bytes if c.reduction == CPU else layer_bytes / W
@@ -82,7 +82,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
             if c.reduction == GPU:
                 coll += layer_bytes * (W - 1) / W
             dram += loads * ops.delivery_dram_bytes(load_bytes, W, c.delivery)
-            dram += ops.reduction_dram_bytes(g.layers[i].numel, costs.elem, W, c.reduction)
+            dram += ops.reduction_dram_bytes(costs.moved_numel(i), costs.elem, W, c.reduction)
             if c.activation in OFFLOADED:
                 saved = m * costs.blocks[i].host_bytes[c.activation]
                 h2d += saved

@@ -316,35 +316,36 @@ def _device_state_alternative(tried: dict[tuple[bool, int], float], chosen: tupl
 
 
 def _vocab_label(problem: Problem, streamed) -> str:
-    """"none", "prologue", "epilogue" or "prologue + epilogue": the layers whose table streams."""
+    """"none", "prologue", "epilogue" or "prologue + epilogue" (with " (tied table)" where they share
+    it): the layers whose table streams."""
     g = problem.graph
-    return " + ".join(n for n, i in (("prologue", g.prologue.id), ("epilogue", g.epilogue.id)) if i in streamed) or "none"
+    label = " + ".join(n for n, i in (("prologue", g.prologue.id), ("epilogue", g.epilogue.id)) if i in streamed)
+    return (label + (" (tied table)" if g.tied_table is not None else "")) if label else "none"
 
 
 def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
     """The sets of layers whose vocabulary table may stream (Problem.vocab_streamed), resident first.
 
-    A table streams where it is untied (Layer.vocab_param), whatever its layer's routes (its row chunks
-    follow the replicated or sharded delivery and the CPU or GPU reduction: backend/runtime/routes.py,
-    several hosts included); not a layer the options put on the device. options.vocab_streamed fixes
-    the set."""
+    A table streams where LayerGraph.vocab_sets allows (untied, each layer on its own; tied, both
+    layers or neither), whatever its layer's routes (its row chunks follow the replicated or sharded
+    delivery and the CPU or GPU reduction: backend/runtime/routes.py, several hosts included); not a
+    layer the options put on the device. options.vocab_streamed fixes the set."""
     g = problem.graph
-    can = {name: layer.id for name, layer in (("prologue", g.prologue), ("epilogue", g.epilogue))
-           if g.streamable(layer.id)}
+    sets = g.vocab_sets()
+    ids = {"prologue": g.prologue.id, "epilogue": g.epilogue.id}
     if options.vocab_streamed is not None:
-        missing = sorted(set(options.vocab_streamed) - set(can))
-        if missing:
-            raise ValueError(f"SolverOptions.vocab_streamed names {missing}, whose vocabulary table cannot stream "
-                             "(tied, no [vocab, hidden] parameter, or a head that is not a bias-free nn.Linear)")
-        return [frozenset(can[n] for n in options.vocab_streamed)]
+        fixed = frozenset(ids[n] for n in options.vocab_streamed)
+        if fixed not in sets:
+            raise ValueError(f"SolverOptions.vocab_streamed names {sorted(options.vocab_streamed)}, whose vocabulary "
+                             "table cannot stream so (no [vocab, hidden] parameter, a head that is not a bias-free "
+                             "nn.Linear, or a tied table named for one layer only: it streams for both)")
+        return [fixed]
+    off = set()  # layers the options put on the device
     if options.device_state_prologue:
-        can.pop("prologue", None)
+        off.add(g.prologue.id)
     if options.device_state_blocks is not None and options.device_state_blocks > problem.n_blocks:
-        can.pop("epilogue", None)
-    if not can:
-        return [frozenset()]
-    ids = sorted(can.values())
-    return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
+        off.add(g.epilogue.id)
+    return [choice for choice in sets if not choice & off]
 
 
 def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, host_budget: int | None):
@@ -370,13 +371,13 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
             tried[label] = None
             continue
         if best is not None:  # skipped when its compute alone (a bound for every plan of it) is no faster
-            costs = ProblemCosts(replace(problem, vocab_streamed=choice), options)
+            costs = ProblemCosts(problem.with_vocab_streamed(choice), options)
             if cpsat.lower_bound(costs, streamed=True) * costs.scale.tick_s >= best[0]:
                 tried[label] = None
                 continue
         try:
-            costs, sol, ds_tried = _device_state_search(replace(problem, vocab_streamed=choice), options,
-                                                        budget_bytes, host_budget)
+            costs, sol, ds_tried = _device_state_search(problem.with_vocab_streamed(choice), options, budget_bytes,
+                                                        host_budget)
         except InfeasibleBudgetError as e:
             errors.append(e)
             tried[label] = None
@@ -395,7 +396,7 @@ def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
     """The plan's credit for the vocabulary decision (solver["searches"])."""
     if len(tried) < 2:
         how = "fixed by SolverOptions.vocab_streamed" if costs.options.vocab_streamed is not None else \
-            "the only choice (tied or no table)"
+            "the only choice (no table that can stream)"
     else:
         how = (f"sweep around the solver: {len(tried)} choices, each solved in full (solve._vocab_search); "
                + ", ".join(f"{k}: {'does not fit, cannot be faster or not solved' if v is None else f'{v * 1e3:.1f} ms'}"

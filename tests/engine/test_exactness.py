@@ -26,10 +26,10 @@ def random_batch(gen, rows):
     return ids, labels
 
 
-def train_side_by_side(engine, ref, steps, seed, clip=CLIP, lr=LR, wd=WD):
-    """`steps` steps of the engine and of torch.optim.AdamW on `ref`, on the same random batches;
-    asserts the losses agree, then that every parameter agrees."""
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
+def train_side_by_side(engine, ref, steps, seed, clip=CLIP, lr=LR, wd=WD, opt=None):
+    """`steps` steps of the engine and of torch.optim.AdamW on `ref` (`opt`, or a new one), on the same
+    random batches; asserts the losses agree, then that every parameter agrees."""
+    opt = opt or torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         ids, labels = random_batch(gen, 2 * BATCH)  # 2 micro-batches of accumulation

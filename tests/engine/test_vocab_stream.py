@@ -1,5 +1,6 @@
 """A vocabulary-streamed embedding and head (docs/design.md §4.14) against torch.optim.AdamW (CPU, fp32):
-several chunks, gradient accumulation (micro-batches and passes), clipping over every gradient."""
+several chunks, gradient accumulation (micro-batches and passes), clipping over every gradient; a
+tied table streamed for both of its uses."""
 
 import copy
 
@@ -58,11 +59,88 @@ def test_evaluate_with_streamed_tables():
         assert engine.evaluate(ids, labels) == pytest.approx(reference_loss(ref, ids, labels).item(), rel=1e-5)
 
 
-def test_tied_tables_do_not_stream():
-    """A tied embedding and head are one parameter of two layers: never streamed (resident)."""
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_tied_table_streams_and_matches_torch_adamw(family, micro_batches):
+    """A tied embedding and head, one parameter of two layers, streamed for both: its gradient is the
+    head's plus the embedding's, clipped once by the norm of the sum (GPT-2: its position embeddings
+    stay resident in the prologue)."""
+    model = make_model(family, tied=True)
+    ref = copy.deepcopy(model).eval()
+    plan, engine = compile_streamed(model, ("prologue", "epilogue"), micro_batches)
+    assert {d.activation for d in plan.decisions if d.kind != "block"} == {"streamed"}
+    assert not plan.streamed_gradients
+    assert "(tied table)" in next(k for k in plan.solver["searches"] if k.startswith("streamed vocabulary"))
+    with engine:
+        train_side_by_side(engine, ref, steps=4, seed=3)
+        assert engine.last_step.clip_coef < 1.0, "the test must exercise clipping"
+
+
+def test_tied_table_streams_without_clipping_with_early_updates():
+    """No clipping, every layer updated as its gradient lands: the prologue's update waits for the
+    embedding's part of the tied table's gradient, added on the host to the head's."""
+    from tests.engine.test_early_updates import early_plan
+
+    model = make_model("qwen3", tied=True)
+    ref = copy.deepcopy(model).eval()
+    plan = early_plan(model, micro_batches=2, solver_options=slidedp.SolverOptions(
+        vocab_streamed=("prologue", "epilogue"), vocab_chunk_numel=CHUNK_NUMEL))
+    assert plan.early_order and {d.activation for d in plan.decisions if d.kind != "block"} == {"streamed"}
+    engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                             micro_batches=2, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=None,
+                             plan=plan)
+    with engine:
+        train_side_by_side(engine, ref, steps=3, seed=5, clip=None)
+
+
+def test_tied_table_streams_for_both_layers_or_neither():
     model = make_model("llama", tied=True)
+    for one in (("epilogue",), ("prologue",)):
+        with pytest.raises(ValueError, match="tied table named for one layer only"):
+            compile_streamed(model, one)
+    plain = make_model("plain", tied=True)  # no get_output_embeddings: the head cannot stream, nor its table
     with pytest.raises(ValueError, match="cannot stream"):
-        slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu",
-                     solver_options=slidedp.SolverOptions(vocab_streamed=("epilogue",)))
-    plan = slidedp.plan(model, "1GiB", batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu")
-    assert all(d.activation == "resident" for d in plan.decisions if d.kind != "block")
+        compile_streamed(plain, ("prologue", "epilogue"))
+
+
+def test_planner_streams_a_tied_table_where_it_alone_fits():
+    """Below the resident floor the planner streams the tied table (both layers); with room to spare,
+    where streaming cannot be faster, it keeps it resident."""
+    model = make_model("llama", tied=True)
+
+    def plan(budget, **options):
+        return slidedp.plan(model, budget, batch_size=BATCH, seq_len=SEQ, precision="fp32", device="cpu",
+                            solver_options=slidedp.SolverOptions(vocab_chunk_numel=CHUNK_NUMEL, **options))
+
+    resident = plan("1GiB")
+    assert {d.activation for d in resident.decisions if d.kind != "block"} == {"resident"}
+    assert set(resident.solver["vocab_streamed_tried"]) == {"none", "prologue + epilogue (tied table)"}
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        plan(1, vocab_streamed=())
+    floor = info.value.min_budget_bytes
+    streamed = plan(floor - 1)
+    assert {d.activation for d in streamed.decisions if d.kind != "block"} == {"streamed"}
+    assert streamed.peak_device_bytes < floor
+    head = next(g for g in streamed.groups if g.label == "epilogue")  # loaded twice, its gradient down once
+    assert (head.h2d_bytes, head.d2h_bytes) == (2 * (VOCAB + 1) * 32 * 4, (VOCAB + 1) * 32 * 4)
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        plan(1)
+    assert info.value.min_budget_bytes <= floor - VOCAB * 32 * (4 + 4)  # the table's weights and fp32 gradient
+
+
+def test_checkpoints_cross_between_streamed_and_resident_tied_tables(tmp_path):
+    """A checkpoint written with the tied table streamed loads with it resident and the other way: the
+    state read back is the state written, bit for bit, and training goes on as torch.optim.AdamW's."""
+    model = make_model("llama", tied=True)
+    ref = copy.deepcopy(model).eval()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    both = ("prologue", "epilogue")
+    saved = None
+    for k, streamed in enumerate((both, (), both)):
+        with compile_streamed(copy.deepcopy(model), streamed)[1] as engine:
+            if saved is not None:
+                engine.load_checkpoint(tmp_path / str(k - 1))
+                assert all(torch.equal(w, saved[name]) for name, w in engine.state_dict().items())
+            train_side_by_side(engine, ref, steps=2, seed=k, opt=opt)
+            engine.save_checkpoint(tmp_path / str(k))
+            saved = engine.state_dict()

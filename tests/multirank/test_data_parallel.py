@@ -50,7 +50,7 @@ def compile_ranks(model, world_size, plan, micro_batches=1):
 
 def train_against_reference(engine, ref, *, world_size, steps=5, accumulation=2, seed=1):
     """`steps` steps on global batches of world_size x BATCH x accumulation rows, with unequal valid
-    tokens per rank; asserts losses and, at the end, every parameter against torch.optim.AdamW."""
+    tokens per rank; asserts losses and norms and, at the end, every parameter against torch.optim.AdamW."""
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     gen = torch.Generator().manual_seed(seed)
     rows = world_size * BATCH * accumulation
@@ -63,9 +63,10 @@ def train_against_reference(engine, ref, *, world_size, steps=5, accumulation=2,
         ref_loss = reference_loss(ref, ids, labels)
         opt.zero_grad()
         ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         opt.step()
         assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        assert engine.last_step.grad_norm == pytest.approx(norm.item(), rel=1e-5)
     assert engine.last_step.clip_coef < 1.0, "the test must exercise clipping"
     state = engine.state_dict()
     for name, p in ref.named_parameters():

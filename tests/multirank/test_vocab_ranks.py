@@ -2,7 +2,8 @@
 (docs/design.md §4.14): the CPU reduction of each chunk's gradient in rank order, and every other
 route: the sharded delivery (each owner copies its part of a row chunk from the host, the ranks
 broadcast it) and the GPU reduction (each owner's part of a chunk's gradient summed onto it, copied
-down by it alone, counted in the norm by it). Several hosts: tests/multirank/test_hosts.py."""
+down by it alone, counted in the norm by it); a tied table streamed for both of its uses. Several
+hosts: tests/multirank/test_hosts.py."""
 
 import copy
 
@@ -43,3 +44,20 @@ def test_streamed_tables_on_every_route_match_torch_adamw(route):
     assert plan.vocab_chunk_rows == 7 and all(d.chunks == 4 for d in edges)
     with compile_ranks(model, 2, plan, micro_batches=2) as engine:
         train_against_reference(engine, ref, world_size=2, steps=3, accumulation=4)
+
+
+@pytest.mark.parametrize("route, passes", [(("replicated", "cpu"), 2), (("sharded", "gpu"), 1)],
+                         ids=["replicated-cpu", "sharded-gpu"])
+def test_tied_table_on_two_ranks_matches_torch_adamw(route, passes):
+    """A tied table streamed for both uses over 2 ranks: the head's and the embedding's chunk gradients
+    of every rank summed into the one host gradient (in rank order over two passes, or onto the
+    owners and added there in one pass, where the norm is otherwise taken on the GPUs), its norm taken
+    once from the sum; clipping."""
+    model = make_model("qwen3", tied=True)
+    ref = copy.deepcopy(model).eval()
+    plan = routed_plan(model, 2, route, micro_batches=2, vocab_streamed=("prologue", "epilogue"),
+                       vocab_chunk_numel=CHUNK_NUMEL)
+    edges = [d for d in plan.decisions if d.kind != "block"]
+    assert {d.activation for d in edges} == {"streamed"} and {(d.delivery, d.reduction) for d in edges} == {route}
+    with compile_ranks(model, 2, plan, micro_batches=2) as engine:
+        train_against_reference(engine, ref, world_size=2, steps=3, accumulation=2 * passes)

@@ -1,6 +1,7 @@
 """The CP-SAT solver against brute force over the simulator, the baselines, budgets, determinism."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from slidedp.ir.build import build_layer_graph
 from slidedp.scheduler.search import baselines, cpsat
 from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import Problem, SolverOptions
+from slidedp.scheduler.decisions import LayerChoice, Problem, SolverOptions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
@@ -318,7 +319,6 @@ def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
     layer's state on the device), the plan keeps the state of leading layers on the device (0 host bytes each, one rank): its step is the fastest that brute
     force finds over every device-state choice that fits the host (what is left of it bounding the
     offloaded activations) and every decision within the device budget."""
-    from dataclasses import replace
 
     from slidedp.scheduler.problem.costs import host_fixed_bytes
     from slidedp.scheduler.solve import copies_may_bind
@@ -361,24 +361,27 @@ def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
                    options=replace(options, device_state_blocks=0))
 
 
-def test_vocabulary_streaming_agrees_with_brute_force():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_vocabulary_streaming_agrees_with_brute_force(tied):
     """The planner's sweep over streamed tables (solve._vocab_search) finds brute force's optimum over
     every decision and every set of streamed tables, at budgets where only streaming fits, where
-    streaming buys kept activations, and where everything fits; its floor is the smallest."""
-    from slidedp.scheduler.oracles.brute_force import brute_force_vocab, vocab_choices
+    streaming buys kept activations, and where everything fits; its floor is the smallest. A tied
+    table streams for both layers or neither."""
+    from slidedp.scheduler.oracles.brute_force import brute_force_vocab
 
-    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000, hidden=2048)
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000, hidden=2048, tied=tied)
+    assert len(graph.vocab_sets()) == (2 if tied else 4)
     options = SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
                             update_orders=("forward",), device_state_blocks=0, streamed_layers=0,
                             vocab_chunk_numel=16 * 2**20)
     problem = Problem(graph, PRESETS["h100-sxm"], 1, vocab_chunk_numel=options.vocab_chunk_numel)
     floors = {}
-    for choice in vocab_choices(problem):
+    for choice in graph.vocab_sets():
         costs = ProblemCosts(Problem(graph, PRESETS["h100-sxm"], 1, vocab_streamed=choice,
                                      vocab_chunk_numel=options.vocab_chunk_numel), options)
         floors[choice] = min(peak(costs, d) for d in all_decisions(costs))
     resident, lowest = floors[frozenset()], min(floors.values())
-    assert lowest < resident - 2 * 64000 * 2048  # streaming both tables frees at least their weights
+    assert lowest < resident - (1 if tied else 2) * 64000 * 2048  # streaming frees at least the tables' weights
     with pytest.raises(slidedp.InfeasibleBudgetError) as info:
         solve_plan(graph, budget_bytes=lowest - 1, hardware=PRESETS["h100-sxm"], options=options)
     assert info.value.min_budget_bytes == lowest
@@ -391,3 +394,33 @@ def test_vocabulary_streaming_agrees_with_brute_force():
         assert plan.solver["vocab_streamed_tried"] and plan.peak_device_bytes <= budget
         if budget < resident:
             assert streamed
+
+
+def test_a_streamed_tied_table_is_priced_for_both_uses():
+    """Streamed, the tied table (stored by the prologue) is loaded for the epilogue's forward and again
+    for its backward and the head's gradient goes down: the epilogue's copies move the table's bytes;
+    with the CPU reduction the prologue's update sums both uses' copies; the device holds neither the
+    table nor its gradient; the prologue's delivery copy is kept (no decision), and no gradient
+    streams into the update."""
+    vocab, hidden, elem = 64000, 2048, 2
+    graph = synthetic_graph(3, vocab=vocab, hidden=hidden, tied=True)
+    pro, epi, both = 0, len(graph.layers) - 1, frozenset({0, len(graph.layers) - 1})
+    base = Problem(graph, PRESETS["h100-sxm"], 2, copies_on_load=True)
+    with pytest.raises(ValueError, match="tied table: both"):
+        replace(base, vocab_streamed=frozenset({epi}))
+    with pytest.raises(ValueError, match="sum of two uses"):
+        replace(base, vocab_streamed=both, grads_streamable=True)
+    assert not replace(base, grads_streamable=True).with_vocab_streamed(both).grads_streamable
+    assert replace(base, grads_streamable=True).with_vocab_streamed(frozenset()).grads_streamable
+    options = SolverOptions(chunk_multiples=(1,), host_copies=("kept", "on_load"))
+    resident, streamed = ProblemCosts(base, options), ProblemCosts(base.with_vocab_streamed(both), options)
+    res = {i: resident.option_of(i, LayerChoice(2, "resident")) for i in (pro, epi)}  # replicated, cpu, kept
+    st = {i: streamed.option_of(i, LayerChoice(2, "streamed")) for i in (pro, epi)}
+    table = vocab * hidden
+    assert res[epi].piece_bytes == hidden * elem // 2 and st[epi].piece_bytes == (table + hidden) * elem // 2
+    assert st[epi].fwd_piece > 10 * res[epi].fwd_piece and st[epi].grad_piece > 10 * res[epi].grad_piece
+    assert st[pro].update_piece > res[pro].update_piece and st[pro].fwd_piece == res[pro].fwd_piece
+    assert streamed.head_reload and streamed.epilogue > resident.epilogue
+    assert resident.resident_params_bytes - streamed.resident_params_bytes == table * elem
+    assert resident.resident_grads_bytes - streamed.resident_grads_bytes == table * 4
+    assert pro in resident.copyable and pro not in streamed.copyable and epi in streamed.copyable

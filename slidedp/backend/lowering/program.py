@@ -125,9 +125,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
     b = _Builder()
     epi = graph.epilogue
     max_block = max(layer.numel for layer in blocks)
-    resident_numel = sum(layer.numel - (layer.vocab_param(graph.vocab_size).numel if layer.id in vocab else 0)
-                         for layer in (graph.prologue, epi))
-    persistent = (sum(mem.resident_layer_bytes(resident_numel, c))
+    persistent = (sum(mem.resident_layer_bytes(graph.edge_resident_numel(vocab), c))
                   + mem.weight_slots_bytes(max_block, c, window) + mem.grad_accumulators_bytes(max_block)
                   + max((mem.grad_staging_bytes(layer.numel, c, chunks.get(layer.id, 1), 1, "cpu")
                          for layer in graph.layers if layer.id not in device_state and layer.id not in vocab),

@@ -48,14 +48,19 @@ class PassGradients:
         if layer_id in self.vocab_sumsq:
             self.sumsq[layer_id] = self.sumsq[layer_id] + self.vocab_sumsq.pop(layer_id)
 
-    def send_vocab_chunk(self, routes: Routes, streams, layer_id: int, r0: int, r1: int, grad: torch.Tensor) -> None:
-        """A streamed table's chunk of rows [r0, r1): its fp32 gradient (this pass, made on the compute
-        stream) counted in the layer's sum of squares and sent down at once."""
+    def send_vocab_chunk(self, routes: Routes, streams, layer_id: int, r0: int, r1: int, grad: torch.Tensor, *,
+                         add: bool = False) -> None:
+        """Layer `layer_id`'s use of a streamed table, chunk of rows [r0, r1): its fp32 gradient (this
+        pass, made on the compute stream) sent down at once to the table's host gradient, added to
+        what is there with `add` (a tied table's second use), and counted in the layer's sum of
+        squares unless the table is tied (the sum of its uses is counted on the host: Routes)."""
+        table = self.streamed[layer_id]
         flat = grad.reshape(-1)
-        sq = torch.dot(flat, flat)
-        self.vocab_sumsq[layer_id] = sq if layer_id not in self.vocab_sumsq else self.vocab_sumsq[layer_id] + sq
+        if not table.tied:
+            sq = torch.dot(flat, flat)
+            self.vocab_sumsq[layer_id] = sq if layer_id not in self.vocab_sumsq else self.vocab_sumsq[layer_id] + sq
         streams.wait("d2h", streams.record("compute"))
-        routes.gradient_piece(layer_id, *self.streamed[layer_id].flat(r0, r1), flat)
+        routes.gradient_piece(table.layer_id, *table.flat(r0, r1), flat, add=add)
 
     def finish(self, layer_id: int, acc: torch.Tensor) -> None:
         """Sum of squares of a layer's fp32 gradient; the gradient waits for its D2H op."""

@@ -45,8 +45,9 @@ class PassState:
             .detach().requires_grad_(True)
             for name, (lid, start, numel) in weights.device_locate.items()
         }
-        # a streamed table: a stand-in of its shape holding one element (vocab_stream.py computes with it)
-        for table in weights.vocab.values():
+        # a streamed table (a tied one once): a stand-in of its shape holding one element (vocab_stream.py
+        # computes with it)
+        for table in {t.name: t for t in weights.vocab.values()}.values():
             self.leaves[table.name] = torch.zeros((), dtype=weights.dtype, device=device).expand(
                 table.rows, table.hidden).detach().requires_grad_(True)
         self.top = {**self.leaves, **weights.top_constants}

@@ -73,7 +73,8 @@ class Prologue:
         st.grads.finish_resident(self.graph.prologue.id)
 
     def _streamed_backward(self, st: PassState) -> None:
-        """A streamed embedding table's gradient, chunk by chunk, each sent down as it is made."""
+        """A streamed embedding table's gradient, chunk by chunk, each sent down as it is made (a tied
+        table's added to the head's, which the epilogue sent first)."""
         lid = self.graph.prologue.id
         table = self.weights.vocab.get(lid)
         if table is None:
@@ -81,5 +82,5 @@ class Prologue:
         eg = st.embedding_grads
         key = id(st.leaves[table.name])
         send = lambda r0, r1, grad: st.grads.send_vocab_chunk(self.weights.routes, self.weights.streams, lid, r0, r1,
-                                                             grad)
+                                                             grad, add=table.tied)
         self.weights.vocab_stream.embedding_backward(table, eg.records.pop(key, []), eg.padding.get(key, -1), send)

@@ -73,6 +73,8 @@ class Routes:
         self._staging: list[torch.Tensor] = []  # chunk-sized, allocated on first use (_take_slot)
         self._piece_tasks: dict[int, int] = {}  # streamed layer -> index of its first staged add this pass
         self._piece_sumsq: dict[int, torch.Tensor] = {}  # streamed layer -> its reduced owned parts' squares
+        # streamed layers with pieces of two uses (a tied table): their norm is taken from the host gradient
+        self._host_norm: set[int] = set()
         # CPU reduction of a streamed layer: its pieces so far this pass, and per pass (the same in every
         # pass: tickets of pass g start at g * pieces * world_size)
         self._piece_index: dict[int, int] = {}
@@ -171,18 +173,25 @@ class Routes:
                 if max(lo, c0) < min(hi, c1)]
 
     # -- gradients down -------------------------------------------------------------------------
-    def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor) -> None:
+    def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor, *, add: bool = False) -> None:
         """Elements [lo, hi) of this rank's fp32 gradient of a vocabulary-streamed layer for this pass
         (`piece`, flat, on the device, ready on the D2H stream) into the host gradient, by the layer's
         reduction: the CPU reduction through the staging buffers in rank order; the GPU reduction (each
         chunk's part of the piece summed onto its owner, which alone copies it down to its host, and
         counts it in the norm); with one rank a copy (a later pass adds). The pieces of a layer cover it
-        once; `gradient_done` ends it."""
+        once, and `gradient_done` ends it; `add`: a second use of elements already sent this pass (a
+        tied table's embedding after its head), added on the host like a later pass, and the layer's
+        norm taken there (from the sum)."""
         target = self.host.layers[layer_id].grad
         piece = piece.reshape(-1)
         if piece.is_cuda:
             piece.record_stream(self.streams.d2h)
         size = self._staging_numel()
+        if add:
+            if layer_id in self.grads_streamed:
+                raise ValueError(f"layer {layer_id}: a gradient of two uses (a tied table) cannot stream into the "
+                                 "update (plan.streamed_gradients): its update needs their sum")
+            self._host_norm.add(layer_id)
         if layer_id in self.grads_streamed and self.world_size == 1:  # the whole piece, into the update
             for a in range(0, hi - lo, size):
                 self._stage((a, min(hi - lo, a + size)), piece,
@@ -196,7 +205,7 @@ class Routes:
             self._piece_index[layer_id] = j + 1
             base = self.passes * self._pieces_per_pass[layer_id] * self.world_size if self.passes else 0
             ticket = base + j * self.world_size + self.rank
-            overwrite = self._first and self.rank == 0
+            overwrite = self._first and self.rank == 0 and not add
             parts = [(a, min(hi - lo, a + size)) for a in range(0, hi - lo, size)]
             for i, part in enumerate(parts):
                 self._stage(part, piece, lambda staged, a, b, last=i == len(parts) - 1: self._add_in_turn(
@@ -217,7 +226,7 @@ class Routes:
                         self._piece_sumsq[layer_id] = sq + self._piece_sumsq[layer_id] \
                             if layer_id in self._piece_sumsq else sq
         else:  # one rank: the whole piece is its own (in staging-sized parts when added on the host)
-            mine = [(lo, hi)] if self._first else [(a, min(hi, a + size)) for a in range(lo, hi, size)]
+            mine = [(lo, hi)] if self._first and not add else [(a, min(hi, a + size)) for a in range(lo, hi, size)]
         if layer_id in self.grads_streamed:  # several ranks: the parts this rank owns, into the update
             for a, b in mine:
                 for x in range(a, b, size):
@@ -225,7 +234,7 @@ class Routes:
                                 lambda staged, p, q: self._into_update(layer_id, staged, p + lo, q + lo))
             return
         self._piece_tasks.setdefault(layer_id, len(self._pending))
-        if self._first:
+        if self._first and not add:
             self.wait_updated(layer_id)  # the last update still reads this gradient
             for a, b in mine:
                 self._copy_down(target[at(a, b)], piece[a - lo : b - lo])
@@ -253,14 +262,12 @@ class Routes:
             return
         if self.world_size > 1:
             local_sumsq = self._piece_sumsq.pop(layer_id, None)
-        if local_sumsq is not None:
+        if local_sumsq is not None and layer_id not in self._host_norm:
             self._device_sumsq[layer_id] = local_sumsq
         first_task = self._piece_tasks.pop(layer_id, len(self._pending))
         if self._first:
             self._guards.append(self.streams.record("d2h"))
-            self._landing(layer_id, self._guards[-1], [])
-        else:
-            self._landing(layer_id, None, self._pending[first_task:])
+        self._landing(layer_id, self._guards[-1] if self._first else None, self._pending[first_task:])
 
     def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the

@@ -1,8 +1,9 @@
 """Vocabulary-streamed prologue and epilogue: the [vocab, hidden] table crosses in row chunks.
 
-A plan may stream the embedding table or the untied head instead of keeping it on the device for
-the whole step with an fp32 gradient of the whole table (docs/design.md §4.14; decided per layer,
-`LayerDecision.activation == "streamed"`, `Schedule.vocab_chunk_rows` rows per chunk). The chunks
+A plan may stream the embedding table, the head, or the one table they tie, instead of keeping it
+on the device for the whole step with an fp32 gradient of the whole table (docs/design.md §4.14;
+decided per layer, `LayerDecision.activation == "streamed"`, `Schedule.vocab_chunk_rows` rows per
+chunk). The chunks
 go through two device slots (chunk j + 1 loads while chunk j computes), and each chunk's fp32
 weight gradient goes down to the host gradient as soon as it is made (`Routes.gradient_piece`);
 the layer's other parameters (final norm, position embeddings) stay resident, as before.
@@ -16,6 +17,9 @@ the layer's other parameters (final norm, position embeddings) stay resident, as
   recomputes its logits, and from the whole logsumexp makes the chunk's weight gradient and its
   part of the hidden-state gradient (summed in fp32 over the chunks). Nothing of [tokens, vocab]
   is ever whole on the device.
+A tied table streams for both uses: its chunks are loaded for the embedding and again for the head,
+and the embedding's chunk gradients are added on the host to the head's, sent down before them
+(`Routes.gradient_piece(add=True)`), so the one host gradient is their sum before the one update.
 The host update is unchanged: AdamW of the whole table (every row, as torch.optim.AdamW does),
 so a step is the same AdamW step as with the resident table, up to the order of fp32 sums.
 """
@@ -33,8 +37,9 @@ from slidedp.backend.runtime.streams import Streams
 
 @dataclass(frozen=True)
 class VocabTable:
-    """A streamed table: its layer, parameter name, offset in the layer's flat host arrays, shape and
-    chunking."""
+    """A streamed table: the layer that stores it, parameter name, offset in that layer's flat host
+    arrays, shape and chunking. `tied`: one table of the prologue and the epilogue (stored by the
+    prologue), whose host gradient is the head's, sent down first, plus the embedding's, added to it."""
 
     layer_id: int
     name: str
@@ -42,6 +47,7 @@ class VocabTable:
     rows: int
     hidden: int
     chunk_rows: int
+    tied: bool = False
 
     def chunks(self) -> list[tuple[int, int]]:
         return [(r0, min(self.rows, r0 + self.chunk_rows)) for r0 in range(0, self.rows, self.chunk_rows)]
@@ -142,12 +148,16 @@ def _local_labels(labels: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
 
 
 def vocab_tables(graph, host, streamed_ids, chunk_rows: int) -> dict[int, VocabTable]:
-    """The VocabTable of each streamed layer (the Layer.vocab_param of the prologue / epilogue)."""
+    """The VocabTable of each streamed layer (LayerGraph.vocab_table of the prologue / epilogue; a tied
+    table is the same for both)."""
+    if frozenset(streamed_ids) not in graph.vocab_sets():
+        raise ValueError(f"layers {sorted(streamed_ids)} cannot stream their vocabulary table so (no table that "
+                         "can stream, or a tied table for one of its two layers only)")
     out = {}
     for lid in streamed_ids:
-        param = graph.layers[lid].vocab_param(graph.vocab_size)
-        if param is None:
-            raise ValueError(f"layer {lid} has no vocabulary table that can stream (tied, or none)")
-        start = next(s for name, s, _, _ in host.layouts[lid].param_offsets if name == param.name)
-        out[lid] = VocabTable(lid, param.name, start, param.shape[0], param.shape[1], max(1, chunk_rows))
+        param = graph.vocab_table(lid)
+        owner, start = next((layout.layer_id, s) for layout in host.layouts
+                            for name, s, _, _ in layout.param_offsets if name == param.name)
+        out[lid] = VocabTable(owner, param.name, start, param.shape[0], param.shape[1], max(1, chunk_rows),
+                              tied=graph.tied_table is not None)
     return out

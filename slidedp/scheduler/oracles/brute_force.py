@@ -3,7 +3,6 @@ tests check that CP-SAT's optimum equals this one's."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import product
 
 from slidedp.scheduler.problem.costs import ProblemCosts
@@ -45,19 +44,11 @@ def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions]
     return best
 
 
-def vocab_choices(problem) -> list[frozenset]:
-    """Every set of the prologue / epilogue whose vocabulary table may stream, resident first (the
-    order the planner's sweep breaks ties in)."""
-    g = problem.graph
-    ids = [layer.id for layer in (g.prologue, g.epilogue) if g.streamable(layer.id)]
-    return [frozenset()] + [frozenset({i}) for i in ids] + ([frozenset(ids)] if len(ids) == 2 else [])
-
-
 def brute_force_vocab(problem, options, budget_bytes: int):
     """Brute force over the vocabulary decision too: (ticks, vocab set, Decisions) of the fastest, or None."""
     best = None
-    for choice in vocab_choices(problem):
-        found = brute_force(ProblemCosts(replace(problem, vocab_streamed=choice), options), budget_bytes)
+    for choice in problem.graph.vocab_sets():
+        found = brute_force(ProblemCosts(problem.with_vocab_streamed(choice), options), budget_bytes)
         if found is not None and (best is None or found[0] < best[0]):
             best = (found[0], choice, found[1])
     return best

@@ -171,22 +171,24 @@ class ProblemCosts:
         across = dict(hosts=problem.hosts, link_bytes_per_s=problem.link_bytes_per_s)
         curve = hw.transfer_efficiency
         self.layer_options: list[tuple[TransferOption, ...]] = []
+        tied = g.tied_table.numel if problem.tied_streamed else 0  # its two uses' gradients go down
         for layer in g.layers:
             numel, opts = layer.numel, []
+            moved = self.moved_numel(layer.id)
             on_device = layer.id in problem.device_state  # copies within the device, update there
             copies = self.options.host_copies if layer.id in self.copyable else (KEPT,)
             for mult, (delivery, reduction), copy in product(self.options.chunk_multiples, self.routes, copies):
                 k = mult * W
-                piece_bytes = numel * self.elem / k
-                # made on load: H2D copies read the fp32 master (4 B per parameter) into a landing chunk
-                load_bytes = numel * 4 / k if copy == ON_LOAD else piece_bytes
+                piece_bytes = moved * self.elem / k
+                load_bytes = self.load_bytes(layer.id, copy) / k
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
                 # a host's cores, its ranks' lanes; made on load, the update writes no bf16 copy
                 update = ops.cpu_update_time_s(numel / k, hw, lanes=G, copy_written=copy == KEPT)
-                if reduction == CPU:
-                    update += ops.cpu_reduce_time_s(numel / k, self.elem, W, hw, lanes=G)
+                if reduction == CPU:  # the prologue sums a streamed tied table's copies of both uses
+                    summed = numel + (tied if layer.id == g.prologue.id else 0)
+                    update += ops.cpu_reduce_time_s(summed / k, self.elem, W, hw, lanes=G)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
                     fwd_piece=t(ops.transfer_time_s(load_bytes, rates.h2d_alone, curve)),
@@ -195,9 +197,9 @@ class ProblemCosts:
                     grad_pieces=grad_pieces,
                     grad_piece=t(ops.transfer_time_s(piece_bytes, rates.d2h_duplex, curve)),
                     update_piece=t(update),
-                    all_gather=(t(ops.all_gather_time_s(numel * self.elem, W, hw, **across))
+                    all_gather=(t(ops.all_gather_time_s(moved * self.elem, W, hw, **across))
                                 if delivery == SHARDED else 0),
-                    reduce_scatter=(t(ops.reduce_scatter_time_s(numel * self.elem, W, hw, **across))
+                    reduce_scatter=(t(ops.reduce_scatter_time_s(moved * self.elem, W, hw, **across))
                                     if reduction == GPU else 0),
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
@@ -226,6 +228,21 @@ class ProblemCosts:
                 opts.append(option)
             self.layer_options.append(tuple(opts))
         self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
+
+    def moved_numel(self, layer_id: int) -> int:
+        """Parameters a layer's copies move (each load, its gradient): its own, and for the epilogue a
+        streamed tied table's (stored by the prologue; loaded for the head's forward and again for its
+        backward, the head's gradient sent down, the embedding's added to it on the host)."""
+        g = self.problem.graph
+        tied = layer_id == g.epilogue.id and self.problem.tied_streamed
+        return g.layers[layer_id].numel + (g.tied_table.numel if tied else 0)
+
+    def load_bytes(self, layer_id: int, host_copy: str) -> float:
+        """Bytes of one load of a layer: the compute dtype, or made on load (decisions.ON_LOAD) the fp32
+        master (4 B per parameter) of its own parameters; a streamed tied table's from the prologue's
+        kept copy (copyable_layers)."""
+        numel, moved = self.problem.graph.layers[layer_id].numel, self.moved_numel(layer_id)
+        return numel * 4 + (moved - numel) * self.elem if host_copy == ON_LOAD else moved * self.elem
 
     def _copy_host_bytes(self, layer, chunks: int) -> int:
         """Host RAM of a copyable layer's kept delivery copy on the host holding most of it: the whole
@@ -338,10 +355,8 @@ class ProblemCosts:
         """Memory constants (bytes per rank): resident layers, accumulators, boundary and epilogue."""
         problem, g = self.problem, self.problem.graph
         # A streamed layer keeps only its parameters other than the vocabulary table resident.
-        resident_numel = sum(layer.numel - (layer.vocab_param(g.vocab_size).numel if layer.id in problem.vocab_streamed
-                                            else 0) for layer in (g.prologue, g.epilogue))
-        self.resident_params_bytes, self.resident_grads_bytes = mem.resident_layer_bytes(resident_numel,
-                                                                                        self.elem)
+        self.resident_params_bytes, self.resident_grads_bytes = mem.resident_layer_bytes(
+            g.edge_resident_numel(problem.vocab_streamed), self.elem)
         rows = problem.vocab_chunk_rows
         self.vocab_stream_bytes = {i: mem.vocab_stream_bytes(rows, g.hidden_size, self.elem)
                                    for i in problem.vocab_streamed}
@@ -452,11 +467,14 @@ class ProblemCosts:
 def copyable_layers(problem: Problem, options: SolverOptions) -> frozenset:
     """Host layers whose delivery copy is a decision (kept or made on load): with a compute dtype
     narrower than fp32, where the problem offers it (Problem.copies_on_load) and the options allow it;
-    not the layers whose state is on the device (their loads read the device's master)."""
+    not the layers whose state is on the device (their loads read the device's master), nor the
+    prologue of a streamed tied table (the epilogue's loads of it are priced from a kept copy)."""
     g = problem.graph
     if not problem.copies_on_load or ON_LOAD not in options.host_copies or DTYPE_BYTES[g.compute_dtype] == 4:
         return frozenset()
-    return frozenset(layer.id for layer in g.layers if layer.id not in problem.device_state and layer.numel)
+    tied = {g.prologue.id} if problem.tied_streamed else set()
+    return frozenset(layer.id for layer in g.layers
+                     if layer.id not in problem.device_state and layer.id not in tied and layer.numel)
 
 
 def streamable_grad_layers(problem: Problem) -> list:
