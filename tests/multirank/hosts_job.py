@@ -2,13 +2,13 @@
 --nproc-per-node G`: every host's first rank makes its own host state, holding the chunks its ranks own.
 
     torchrun --nnodes 2 --node-rank K --nproc-per-node G --master-addr 127.0.0.1 --master-port P \\
-        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed | --vocab | --streamed-gradients]
+        tests/multirank/hosts_job.py OUT_DIR [ONE_HOST_CHECKPOINT | --until-killed | --vocab | --vocab-tied | --streamed-gradients]
 
 Steps on the batches of `batches(world_size)`: step 1 is poisoned on the last host (its block 1 gives
 nan), so every rank skips it; a checkpoint after step 2, reloaded for step 3 again. Given a
 checkpoint of one host, it is loaded, saved again and trained one more step (resharding 1 -> N).
 With --until-killed the hosts train until the test kills one. With --vocab an untied model's
-embedding and head stream by vocabulary chunk (sharded delivery, GPU reduction) for three steps;
+(--vocab-tied: a tied model's) embedding and head stream by vocabulary chunk (sharded delivery, GPU reduction) for three steps;
 with --streamed-gradients every gradient streams into its update (no clipping) for three steps.
 """
 
@@ -43,12 +43,12 @@ def poison(model, switch: dict):
     return model.model.layers[1].register_forward_hook(hook)
 
 
-def vocab_streamed(out_dir: str, world_size: int, hosts: int, rank: int) -> None:
-    """Three steps with the embedding and head streamed by row chunks; rank 0 writes the losses and
-    the state (vocab_result.json, vocab_state.safetensors)."""
+def vocab_streamed(out_dir: str, world_size: int, hosts: int, rank: int, tied: bool = False) -> None:
+    """Three steps with the embedding and head (`tied`: one table) streamed by row chunks; rank 0 writes
+    the losses and the state (vocab_result.json, vocab_state.safetensors)."""
     from tests.engine.test_vocab_stream import CHUNK_NUMEL
 
-    model = make_model("llama")
+    model = make_model("llama", tied=tied)
     plan = routed_plan(model, world_size, ("sharded", "gpu"), micro_batches=2, hosts=hosts,
                        vocab_streamed=("prologue", "epilogue"), vocab_chunk_numel=CHUNK_NUMEL)
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
@@ -93,8 +93,8 @@ def streamed_gradients(out_dir: str, world_size: int, hosts: int, rank: int) -> 
 def main(out_dir: str, extra: str | None) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     hosts = world_size // int(os.environ["LOCAL_WORLD_SIZE"])
-    if extra == "--vocab":
-        vocab_streamed(out_dir, world_size, hosts, rank)
+    if extra in ("--vocab", "--vocab-tied"):
+        vocab_streamed(out_dir, world_size, hosts, rank, tied=extra == "--vocab-tied")
         return
     if extra == "--streamed-gradients":
         streamed_gradients(out_dir, world_size, hosts, rank)
