@@ -1,5 +1,5 @@
 """On a GPU (skipped without one): the host-layout decisions on CUDA. A vocabulary-streamed embedding
-and head train like GPU-resident PyTorch; delivery copies made on load (the device casts the fp32
+and head (tied or not) train like GPU-resident PyTorch; delivery copies made on load (the device casts the fp32
 master it receives) and gradients streamed into the update train bit for bit as the same plan with
 every copy and gradient kept."""
 
@@ -24,8 +24,10 @@ VOCAB_STREAMED = SolverOptions(vocab_streamed=("prologue", "epilogue"), vocab_ch
 KW = dict(batch_size=BATCH, seq_len=SEQ, device="cuda", precision="bf16", micro_batches=2, hardware="h200-sxm")
 
 
-def test_vocab_streamed_tables_match_gpu_resident():
-    model = make_model("qwen3")
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_streamed_tables_match_gpu_resident(tied):
+    """Untied, or one tied table streamed for both of its uses (its gradient summed on the host)."""
+    model = make_model("qwen3", tied=tied)
     ref = copy.deepcopy(model).cuda().eval()
     plan = slidedp.plan(model, "1GiB", max_grad_norm=1.0, solver_options=VOCAB_STREAMED, **KW)
     assert {d.kind: d.activation for d in plan.decisions if d.kind != "block"} == \
