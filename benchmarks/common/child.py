@@ -57,7 +57,6 @@ def run_child(cmd: list[str], result: Path, timeout_s: float, fallback: dict) ->
     return record
 
 
-
 def _failure(timed_out: bool, timeout_s: float, returncode: int | None) -> str:
     """Why a child ended without finishing: timeout, signal or exit code."""
     if timed_out:
