@@ -88,6 +88,9 @@ CONFIGS = (
     # the floors of the Qwen3-4B shape on one GPU, no clipping as SlideFormer's figures (5.3 and 6.7 GiB)
     Config("qwen3-4b-h200x1-floor-4096", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 1, clip=False),
     Config("qwen3-4b-h200x1-floor-16384", "qwen3-4b", "h200-sxm", 1, 0, 118, 4096, 4, clip=False),
+    # a tied embedding and head (Llama-3.2-3B as released): the tied table streams for both its uses
+    Config("llama3.2-3b-h200x1-floor-4096", "llama3.2-3b", "h200-sxm", 1, 0, 118, 4096, 1, clip=False),
+    Config("llama3.2-3b-h200x1-floor-16384", "llama3.2-3b", "h200-sxm", 1, 0, 118, 4096, 4, clip=False),
     *(_h200(shape, gpus) for shape in ("4b", "8b") for gpus in (1, 2, 4, 8)),
 )
 

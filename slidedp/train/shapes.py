@@ -11,6 +11,7 @@ PRESETS = {
     "qwen3-8b": ("Qwen3Config", 4096, 12288, 36, 32, 8, 128, 151936, False),
     "qwen3-14b": ("Qwen3Config", 5120, 17408, 40, 40, 8, 128, 151936, False),
     "qwen3-32b": ("Qwen3Config", 5120, 25600, 64, 64, 8, 128, 151936, False),
+    "llama3.2-3b": ("LlamaConfig", 3072, 8192, 28, 24, 8, 128, 128256, True),  # tied, as released
     "llama3-8b": ("LlamaConfig", 4096, 14336, 32, 32, 8, 128, 128256, False),
     "llama3-70b": ("LlamaConfig", 8192, 28672, 80, 64, 8, 128, 128256, False),
     "qwen2.5-72b": ("Qwen2Config", 8192, 29568, 80, 64, 8, 128, 152064, False),
