@@ -665,7 +665,7 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False, ranks: Ranks
     if verbose:
         _log(engine.plan.summary())
     _log(plan_brief(engine.plan, out / "plan.json"))
-    with engine:
+    try:
         # Everything has loaded: only now is the folder changed (by rank 0 alone).
         if ranks.writer:
             if overwrite:
@@ -680,6 +680,8 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False, ranks: Ranks
             _seed_everything(cfg.training.seed)
         return _train_loop(cfg, engine, train, val, tokenizer, out, device, precision, resume_from, trainer_state,
                            ranks)
+    finally:
+        engine.close(keep_weights=False)  # the checkpoints hold the trained weights: no copy for the model
 
 
 def _seed_everything(seed: int) -> None:
