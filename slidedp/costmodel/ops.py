@@ -233,6 +233,12 @@ def cpu_reduce_time_s(numel: float, elem_bytes: int, world_size: int, hw: Hardwa
     return numel * (world_size * elem_bytes + 4) * lanes / hw.host_dram_bytes_per_s
 
 
+
+def host_add_time_s(numel: float, elem_bytes: int, hw: Hardware, *, lanes: int) -> float:
+    """Add one landed gradient copy (`elem_bytes` per parameter) into an fp32 host gradient [s]:
+    numel * (elem_bytes + 4 read + 4 written) over host DRAM split between `lanes`."""
+    return numel * (elem_bytes + 8) * lanes / hw.host_dram_bytes_per_s
+
 # -- collectives -------------------------------------------------------------------------------
 
 

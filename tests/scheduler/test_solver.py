@@ -399,7 +399,8 @@ def test_vocabulary_streaming_agrees_with_brute_force(tied):
 def test_a_streamed_tied_table_is_priced_for_both_uses():
     """Streamed, the tied table (stored by the prologue) is loaded for the epilogue's forward and again
     for its backward and the head's gradient goes down: the epilogue's copies move the table's bytes;
-    with the CPU reduction the prologue's update sums both uses' copies; the device holds neither the
+    with the CPU reduction the prologue's update sums both uses' copies (one rank: adds the embedding's
+    part to the head's on the host); the device holds neither the
     table nor its gradient; the prologue's delivery copy is kept (no decision), and no gradient
     streams into the update."""
     vocab, hidden, elem = 64000, 2048, 2
@@ -424,3 +425,10 @@ def test_a_streamed_tied_table_is_priced_for_both_uses():
     assert resident.resident_params_bytes - streamed.resident_params_bytes == table * elem
     assert resident.resident_grads_bytes - streamed.resident_grads_bytes == table * 4
     assert pro in resident.copyable and pro not in streamed.copyable and epi in streamed.copyable
+    # one rank, or the GPU reduction: the embedding's part is added to the head's on the host, once
+    one = Problem(graph, PRESETS["h100-sxm"], 1)
+    alone = {v: ProblemCosts(one.with_vocab_streamed(v), options).option_of(pro, LayerChoice(1, a))
+             for v, a in ((frozenset(), "resident"), (both, "streamed"))}
+    added = PRESETS["h100-sxm"].host_dram_bytes_per_s
+    assert alone[both].update_piece - alone[frozenset()].update_piece == \
+        pytest.approx(streamed.scale.ticks(table * (elem + 8) / added), abs=1)

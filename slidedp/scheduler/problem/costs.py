@@ -189,6 +189,9 @@ class ProblemCosts:
                 if reduction == CPU:  # the prologue sums a streamed tied table's copies of both uses
                     summed = numel + (tied if layer.id == g.prologue.id else 0)
                     update += ops.cpu_reduce_time_s(summed / k, self.elem, W, hw, lanes=G)
+                if layer.id == g.prologue.id and (reduction != CPU or W == 1):
+                    # else the embedding's part of a streamed tied table's gradient is added on the host
+                    update += ops.host_add_time_s(tied / k, self.elem, hw, lanes=G)
                 option = TransferOption(
                     chunks=k, delivery=delivery, reduction=reduction, owned=owned, load_pieces=load_pieces,
                     fwd_piece=t(ops.transfer_time_s(load_bytes, rates.h2d_alone, curve)),
