@@ -237,7 +237,7 @@ class Engine:
         new: dict[int, nn.Parameter] = {}
         for module in self.model.modules():
             for name, p in list(module._parameters.items()):
-                if p is None or not p.requires_grad:
+                if p is None or not p.requires_grad or p.device.type == "meta":  # meta: held by another host
                     continue
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
