@@ -27,7 +27,7 @@ RESULTS = ("<!-- results:begin -->", "<!-- results:end -->")
 # study: what it measures (one line). Every folder with a run.py is a study.
 STUDIES = {
     "single_gpu_throughput": "slidedp against GPU-resident PyTorch, FSDP2 with CPU offload and DeepSpeed "
-                             "ZeRO-Offload (ZeRO-2/3, CPU Adam; written, not yet measured), same model and "
+                             "ZeRO-Offload (ZeRO-2/3, CPU Adam), same model and "
                              "batches, one H200: tokens/s, step time measured and predicted, peak memory",
     "multi_gpu_scaling": "slidedp's data parallelism over 1-8 GPUs of one host, per route, against FSDP2 "
                          "(CPU offload and GPU-resident): scaling efficiency, host memory",
