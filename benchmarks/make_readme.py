@@ -28,7 +28,7 @@ RESULTS = ("<!-- results:begin -->", "<!-- results:end -->")
 STUDIES = {
     "single_gpu_throughput": "slidedp against GPU-resident PyTorch, FSDP2 with CPU offload and DeepSpeed "
                              "ZeRO-Offload (ZeRO-2/3, CPU Adam), same model and "
-                             "batches, one H200: tokens/s, step time measured and predicted, peak memory",
+                             "batches, one GPU (H200 unless a record names another): tokens/s, step time measured and predicted, peak memory",
     "multi_gpu_scaling": "slidedp's data parallelism over 1-8 GPUs of one host, per route, against FSDP2 "
                          "(CPU offload and GPU-resident): scaling efficiency, host memory",
     "long_context": "one 262,144-token sequence of the Qwen3-4B shape within a device budget "
