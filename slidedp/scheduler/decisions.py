@@ -2,7 +2,8 @@
 
 A `Problem` is the workload to schedule (layer IR, hardware, ranks, micro-batches, loss chunk).
 `Decisions` is one complete choice for it: the window, the update order across the step boundary,
-and per layer its chunk count, activation policy and routes. `SolverOptions` lists the values each
+and per layer its chunk count, activation policy, routes, delivery copy and the placement of its
+optimizer state (host or device). `SolverOptions` lists the values each
 decision may take; the CP-SAT model, the baselines and brute force all draw from the same lists.
 """
 

@@ -199,6 +199,32 @@ def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
         simulate(ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1), SolverOptions()), d)
 
 
+def test_moving_optimizer_state_keeps_streamed_and_early_updates_to_host_layers():
+    """A layer's state moved to the device or back (local search, the plan's alternatives) leaves the
+    streamed updates a prefix of the host layers in update order and the early order (here: streamed
+    gradients, every host layer as it lands) over the host layers: every move simulates."""
+    from slidedp.scheduler.search.local_search import device_state_moves
+    from slidedp.scheduler.search.streamed_prefix import candidates
+
+    graph = synthetic_graph(4, block_scale=(1.0, 0.5, 2.0, 1.0))
+    every = frozenset(layer.id for layer in graph.layers)
+    costs = ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1, device_state_optional=every,
+                                 streamed_updates=True, grads_streamable=True), SolverOptions())
+    d = baselines.uniform(costs, window=1, activation="recompute", on_device={1, 2})
+    host = [i for i in range(costs.n_layers - 2, -1, -1) if i not in (1, 2)] + [costs.n_layers - 1]
+    for start in (replace(d, streamed=candidates(costs, d)[:2]),
+                  replace(d, early_order=tuple(host), grads_streamed=True)):
+        simulate(costs, start)
+        moves = list(device_state_moves(costs, start))
+        assert {frozenset(e.device_state) for e in moves} == {frozenset({1, 2, 3}), frozenset({1}),
+                                                             frozenset({0, 1, 2})}
+        for e in moves:
+            simulate(costs, e)
+            assert not (set(e.early_order) | set(e.streamed)) & e.device_state
+            assert e.streamed == candidates(costs, e)[:len(start.streamed)]
+            assert len(e.early_order) == (costs.n_layers - len(e.device_state) if start.early_order else 0)
+
+
 def test_streamed_layers_must_be_host_layers_without_early_updates():
     graph = synthetic_graph(3)
     costs = ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1, device_state=frozenset({1}), streamed_updates=True,

@@ -97,25 +97,33 @@ def moves(costs: ProblemCosts, d: Decisions):
 def device_state_moves(costs: ProblemCosts, d: Decisions):
     """Where the placement of the optimizer state is a decision: one more layer's on the device (the
     first of the blocks, then the epilogue, on the host), one fewer (the last on the device), the
-    prologue's moved (delivery copies of layers moved to the device: kept, the only way there)."""
+    prologue's moved (delivery copies of layers moved to the device: kept, the only way there); d's
+    streamed updates and early order laid out again for the host layers (`relaid`)."""
     optional = costs.problem.device_state_optional
     prologue = costs.problem.graph.prologue.id
     rest = [i for i in sorted(optional) if i != prologue]
     on, off = [i for i in rest if d.layers[i].on_device], [i for i in rest if not d.layers[i].on_device]
-    if off:
-        yield d.replace_layers(off[:1], on_device=True, host_copy=KEPT)
-    if on:
-        yield d.replace_layers(on[-1:], on_device=False)
-    if prologue in optional:
-        yield d.replace_layers([prologue], on_device=not d.layers[prologue].on_device, host_copy=KEPT)
+    moved = ([d.replace_layers(off[:1], on_device=True, host_copy=KEPT)] if off else []) + (
+        [d.replace_layers(on[-1:], on_device=False)] if on else []) + (
+        [d.replace_layers([prologue], on_device=not d.layers[prologue].on_device, host_copy=KEPT)]
+        if prologue in optional else [])
+    for e in moved:
+        e = relaid(costs, d, e)
+        if e is not None:
+            yield e
 
 
 def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions | None:
-    """`d` with another update order, its streamed updates still the first host layers of that order
-    and its early order's tail (the layers not taken as they land) in it, as the searches that chose
-    them lay them out (streamed_prefix.candidates, early_order.early_order); None when d's early order
-    is not one of that form."""
-    e = replace(d, update_order=update_order)
+    """`d` with another update order (`relaid`)."""
+    return relaid(costs, d, replace(d, update_order=update_order))
+
+
+def relaid(costs: ProblemCosts, d: Decisions, e: Decisions) -> Decisions | None:
+    """`e` (d with its update order or placement changed) with d's streamed updates still the first
+    host layers of its update order and d's early order's tail (the layers not taken as they land) in
+    it, every host layer where the gradients stream, as the searches that chose them lay them out
+    (streamed_prefix.candidates, early_order.early_order); None when d's early order is not one of
+    that form."""
     if d.streamed:
         e = replace(e, streamed=streamed_prefix.candidates(costs, e)[: len(d.streamed)])
     if d.early_order:
@@ -123,7 +131,7 @@ def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions
                   if early_order.early_order(costs, d, m) == d.early_order), None)
         if m is None:
             return None
-        e = replace(e, early_order=early_order.early_order(costs, e, m))
+        e = replace(e, early_order=early_order.early_order(costs, e, costs.n_layers if d.grads_streamed else m))
     return e
 
 
