@@ -87,7 +87,10 @@ def _host_too_small(costs: ProblemCosts, budget_bytes: int) -> InfeasibleBudgetE
     if budget_bytes < min_bound:
         return _device_too_small(costs, budget_bytes, min_budget, min_decisions)
     host_budget = costs.problem.host_budget_bytes
-    need, leanest = cpsat.minimum_host(costs, costs.windows()[0], budget_bytes)
+    found = cpsat.minimum_host(costs, costs.windows()[0], budget_bytes)
+    if found is None:  # a budget within the least-peak model's gap that nothing fits
+        return _device_too_small(costs, budget_bytes, min_budget, min_decisions)
+    need, leanest = found
     parts = costs.host_fixed.memory(leanest.device_state)
     return InfeasibleBudgetError(
         f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
