@@ -3,18 +3,22 @@
 A layer whose fp32 master and moments live on the device takes them off PCIe and its update off the
 CPU, at the price of their device memory for good (12 B per parameter and its gradient), which the
 other decisions (window, kept activations) no longer have. The model weighs that per layer; on large
-models its search has little time, so it starts from a good placement: the greedy baseline
-(baselines.greedy) with the state of the first k layers that may go there (blocks in forward order,
-then the epilogue) on the device, with and without the prologue, each judged by the simulator's
-closed form (local_search.score). k is swept as the step is about unimodal in it: from the fewest
+models its search has little time, so it starts from a good placement: with the state of the first
+k layers that may go there (blocks in forward order, then the epilogue) on the device, with and
+without the prologue, the faster of the greedy baseline (baselines.greedy: activations kept where
+device memory allows) and the least-memory decisions (cpsat.minimum_peak with that placement:
+activations offloaded where host memory allows) in each window that fits, each judged by the simulator's closed form
+(local_search.score). k is swept as the step is about unimodal in it: from the fewest
 with which the host fits to the most whose state fits next to the least-memory schedule, at 0, 1/4,
 1/2, 3/4 and all of that range, then the midpoints around the best until neighbours are tried.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.search import baselines, local_search
+from slidedp.scheduler.search import baselines, cpsat, local_search
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.search.found import Found
 
@@ -42,8 +46,14 @@ def search(costs: ProblemCosts, budget_bytes: int, min_peak_bytes: int) -> Found
 
     def at(family: bool, k: int) -> float:
         if (family, k) not in tried:
-            d = baselines.greedy(costs, budget_bytes, on_device=on_device(family, k))
-            tried[(family, k)] = (float("inf"), None) if d is None else (local_search.score(costs, d, budget_bytes), d)
+            placed = on_device(family, k)
+            least = cpsat.minimum_peak(costs, costs.windows()[0], on_device=placed)
+            greedy = baselines.greedy(costs, budget_bytes, on_device=placed)
+            found = [greedy] if greedy is not None else []
+            if least is not None and least[0] <= budget_bytes:
+                found += [replace(least[2], window=w) for w in costs.windows() if w >= least[2].window]
+            tried[(family, k)] = min(((local_search.score(costs, d, budget_bytes), i, d) for i, d in enumerate(found)),
+                                     default=(float("inf"), 0, None))[::2]
         return tried[(family, k)][0]
 
     host = problem.host_budget_bytes
