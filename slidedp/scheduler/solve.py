@@ -125,7 +125,7 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     # placement so far (offloads that a descent from the others rarely reaches). They fit as the
     # CP-SAT model counts host RAM (no gradient that may stream into the update).
     found = [baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES]
-    found.append(device_placement.search(costs, budget_bytes, min_budget))
+    found.append(device_placement.search(costs, budget_bytes, min_decisions, min_budget))
     candidates = [f for f in found if f and costs.fits(f.decisions, f.simulation.peak_bytes, budget_bytes, grads=False)]
     if min_budget <= budget_bytes:
         candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))

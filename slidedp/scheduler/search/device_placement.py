@@ -7,16 +7,18 @@ models its search has little time, so it starts from a good placement: with the 
 k layers that may go there (blocks in forward order, then the epilogue) on the device, with and
 without the prologue, the faster of the greedy baseline (baselines.greedy: activations kept where
 device memory allows) and the least-memory decisions (cpsat.minimum_peak with that placement:
-activations offloaded where host memory allows) in each window that fits, each judged by the simulator's closed form
-(local_search.score). k is swept as the step is about unimodal in it: from the fewest
-with which the host fits to the most whose state fits next to the least-memory schedule, at 0, 1/4,
-1/2, 3/4 and all of that range, then the midpoints around the best until neighbours are tried.
+activations offloaded where host memory allows) in each window that fits, each judged by the
+simulator's closed form (local_search.score). k is swept as the step is about unimodal in it: from
+the fewest with which the host fits to the most whose state fits next to the least-memory schedule,
+at 0, 1/4, 1/2, 3/4 and all of that range, then the midpoints around the best until neighbours are
+tried (ties: the fewest layers, without the prologue).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from slidedp.scheduler.decisions import Decisions
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.search import baselines, cpsat, local_search
 from slidedp.scheduler.oracles.timeline import simulate
@@ -29,16 +31,16 @@ def layer_order(costs: ProblemCosts) -> list[int]:
     return [i for i in sorted(costs.problem.device_state_optional) if i != prologue]
 
 
-def search(costs: ProblemCosts, budget_bytes: int, min_peak_bytes: int) -> Found | None:
-    """The fastest greedy schedule with a prefix of `layer_order` (and maybe the prologue) on the device
-    that fits both budgets (None: the placement is no decision, or nothing fits); `min_peak_bytes`: the
-    least peak of any decisions, next to which the state must fit."""
+def search(costs: ProblemCosts, budget_bytes: int, least: Decisions, least_peak_bytes: int) -> Found | None:
+    """The fastest schedule of the sweep, a prefix of `layer_order` (and maybe the prologue) on the
+    device, that fits both budgets (None: the placement is no decision, or nothing fits); `least`:
+    decisions of the least peak, `least_peak_bytes`, next to whose other buffers the state must fit."""
     problem = costs.problem
     if not problem.device_state_optional:
         return None
     order, prologue = layer_order(costs), problem.graph.prologue.id
     families = [False] + ([True] if prologue in problem.device_state_optional else [])
-    spare = budget_bytes - min_peak_bytes
+    spare = budget_bytes - (least_peak_bytes - costs.device_state_bytes(least.device_state))
     tried: dict[tuple[bool, int], tuple[float, object]] = {}
 
     def on_device(family: bool, k: int) -> frozenset:
