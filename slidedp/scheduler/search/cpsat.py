@@ -61,7 +61,7 @@ class Vars:
     """Every variable of the model, by domain id: the only bridge between model and solution."""
 
     act: dict = field(default_factory=dict)  # (block, activation) -> bool
-    opt: dict = field(default_factory=dict)  # (layer, (chunks, delivery, reduction)) -> bool
+    opt: dict = field(default_factory=dict)  # (layer, TransferOption.key) -> bool
     route: dict = field(default_factory=dict)  # (group, delivery, reduction) -> bool
     on_device: dict = field(default_factory=dict)  # layer -> bool, or 0 / 1 where the problem fixes it
     device_delay: object = None  # int: the device's AdamW's delay of the forward (None: no device state)
