@@ -65,13 +65,8 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
                  "--hardware", "h100-sxm", "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["workload"]["seq_len"] == 1024
-    # the device-state search's progress, one stderr line per choice tried, when there is a search (for
-    # each vocabulary choice solved: this tied model's table may stream or not)
-    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[slidedp] plan: ")]
-    tried = plan["explanation"]["solver"]["device_state_tried"]
-    assert len(tried) > 1 and len(progress) >= len(tried)
-    for label in tried:
-        assert any(f"optimizer state of {label} on the device" in line for line in progress), label
+    # the placement of the optimizer state is a decision of the model, credited to the search that made it
+    assert "optimizer state on the device" in plan["explanation"]["solver"]["searches"]
     assert out.stat().st_size < 200_000  # the timeline is kept as rows, not one object per event
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out

@@ -42,7 +42,9 @@ from slidedp.scheduler.oracles.timeline import simulate  # noqa: E402
 def decisions_of(plan: Plan) -> Decisions:
     last = len(plan.decisions) - 1
     order = "head_first" if len(plan.update_order) > 1 and plan.update_order[1] == last else "forward"
-    return Decisions(plan.window, order, tuple(LayerChoice(d.chunks, d.activation, d.delivery, d.reduction)
+    on_device = set(plan.device_state)
+    return Decisions(plan.window, order, tuple(LayerChoice(d.chunks, d.activation, d.delivery, d.reduction,
+                                                           on_device=d.layer_id in on_device)
                                                for d in plan.decisions))
 
 

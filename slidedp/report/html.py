@@ -225,7 +225,7 @@ def group_decisions(decisions: "tuple[LayerDecision, ...]", device_state=(), str
 OPTIMIZER_WHERE = {"host": "host (CPU AdamW)", "device": "device-resident",
                    "streamed": "streamed (updated on the device)"}
 # solver entries whose values are seconds though their keys do not say so
-_SECONDS = ("candidates", "device_state_tried", "streamed_tried")
+_SECONDS = ("candidates", "streamed_tried")
 
 
 def _key(d) -> tuple:

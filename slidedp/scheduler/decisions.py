@@ -2,7 +2,8 @@
 
 A `Problem` is the workload to schedule (layer IR, hardware, ranks, micro-batches, loss chunk).
 `Decisions` is one complete choice for it: the window, the update order across the step boundary,
-and per layer its chunk count, activation policy and routes. `SolverOptions` lists the values each
+and per layer its chunk count, activation policy, routes, delivery copy and the placement of its
+optimizer state (host or device). `SolverOptions` lists the values each
 decision may take; the CP-SAT model, the baselines and brute force all draw from the same lists.
 """
 
@@ -47,9 +48,10 @@ class Problem:
     host_offload_bytes: int | None = None  # host memory that offloaded activations may take (None: no limit)
     # Layers whose fp32 master weights and AdamW moments live on the device, the same on every rank
     # (loaded once, updated there, never copied over PCIe; their gradient is all-reduced between the
-    # devices); the solver picks a prefix of the blocks (then the epilogue), with or without the
-    # prologue (solve.py).
+    # devices): `device_state` fixed there, `device_state_optional` where the solver chooses
+    # (LayerChoice.on_device, a decision of the CP-SAT model); solve.py sets both from the options.
     device_state: frozenset = frozenset()
+    device_state_optional: frozenset = frozenset()
     # Several ranks: each keeps the device state only of the chunks it owns (reduce-scattered
     # gradient, owner's update, weights all-gathered into the slots at each load); False: every
     # rank keeps the same full copy (all-reduced gradient, the same update everywhere).
@@ -76,14 +78,18 @@ class Problem:
     vocab_streamed: frozenset = frozenset()
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     # Host layers may make their delivery copy on load (LayerChoice.host_copy): offered where a host
-    # budget could bind (solve.py); the copies kept then share `host_offload_bytes` with the offloaded
-    # activations, the host state's fixed part counting none.
+    # budget could bind (solve.py); the copies kept then count with the offloaded activations (against
+    # `host_offload_bytes` and `host_budget_bytes`), the host state's fixed part counting none.
     copies_on_load: bool = False
     # The host layers' gradients may stream into their update (Decisions.grads_streamed): no clipping,
     # one pass, several ranks only with the GPU reduction, and a non-finite gradient stops training
-    # instead of skipping the step (CompileOptions.nonfinite "stop"). The host state's fixed part then counts no gradient; one kept
-    # counts against `host_offload_bytes` with the offloaded activations.
+    # instead of skipping the step (CompileOptions.nonfinite "stop"). The host state's fixed part then
+    # counts no gradient; one kept counts with the offloaded activations.
     grads_streamable: bool = False
+    # Host RAM one host's ranks may take in all (costs.host_memory: host state, spare state, offloaded
+    # activations, pinned buffers); None: unbounded. A constraint of every search, the CP-SAT model's
+    # included: with one rank a layer whose state is on the device takes nothing of it.
+    host_budget_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("world_size", "micro_batches", "loss_chunk_tokens"):
@@ -95,10 +101,14 @@ class Problem:
             raise ValueError(f"hosts must be a positive int dividing world_size {self.world_size}, got {self.hosts!r}")
         if self.hosts > 1 and not self.link_bytes_per_s > 0:
             raise ValueError(f"{self.hosts} hosts need the link between them: link_bytes_per_s > 0")
-        if not set(self.device_state) <= {layer.id for layer in self.graph.layers}:
-            raise ValueError(f"device_state must be layer ids, got {sorted(self.device_state)}")
+        for name in ("device_state", "device_state_optional"):
+            if not set(getattr(self, name)) <= {layer.id for layer in self.graph.layers}:
+                raise ValueError(f"{name} must be layer ids, got {sorted(getattr(self, name))}")
+        if set(self.device_state) & set(self.device_state_optional):
+            raise ValueError("a layer's state is fixed on the device (device_state) or placed by the solver "
+                             "(device_state_optional), not both")
         if frozenset(self.vocab_streamed) not in self.graph.vocab_sets() \
-                or set(self.vocab_streamed) & set(self.device_state):
+                or set(self.vocab_streamed) & set(self.device_capable):
             raise ValueError(f"vocab_streamed must be the prologue / epilogue whose vocabulary table can stream (a "
                              f"tied table: both), with no device state, got {sorted(self.vocab_streamed)}")
         if self.grads_streamable and self.tied_streamed:
@@ -109,11 +119,17 @@ class Problem:
             raise ValueError(f"vocab_chunk_numel must be a positive int, got {self.vocab_chunk_numel!r}")
         if self.device_state_sharded and (self.world_size == 1 or self.hosts > 1):
             raise ValueError("device_state_sharded needs several ranks of one host (world_size > 1, hosts == 1)")
-        if self.host_offload_bytes is not None and self.host_offload_bytes < 0:
-            raise ValueError(f"host_offload_bytes must be >= 0 or None, got {self.host_offload_bytes!r}")
+        for name in ("host_offload_bytes", "host_budget_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)!r}")
         if self.graph.saved_bytes_method == "aot-min-cut" and not self.compiled_blocks:
             raise ValueError("the graph counts kept activations as compiled blocks save them; eager blocks "
                              "save more: build it with compiled_blocks=False to plan eager blocks")
+
+    @property
+    def device_capable(self) -> frozenset:
+        """The layers whose state is or may be on the device."""
+        return frozenset(self.device_state) | frozenset(self.device_state_optional)
 
     @property
     def ranks_per_host(self) -> int:
@@ -157,6 +173,9 @@ class LayerChoice:
     delivery: str = REPLICATED
     reduction: str = CPU
     host_copy: str = KEPT  # the delivery copy kept in host RAM, or made on load (KEPT, ON_LOAD)
+    # The layer's fp32 master and AdamW moments on the device (Problem.device_state_optional: the
+    # solver's choice; Problem.device_state: fixed there): no copies over PCIe, updated there.
+    on_device: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,11 @@ class Decisions:
     # applied in place from the staging buffer it lands in, so the host keeps no gradient and no spare;
     # early_order is then every host layer in landing order.
     grads_streamed: bool = False
+
+    @property
+    def device_state(self) -> frozenset:
+        """The layers whose optimizer state these decisions keep on the device."""
+        return frozenset(i for i, c in enumerate(self.layers) if c.on_device)
 
     def order(self, n_layers: int) -> tuple[int, ...]:
         """Layer ids in CPU update order (also the order of the next step's weight loads)."""
@@ -213,10 +237,10 @@ class SolverOptions:
     all_windows_up_to_blocks: int = 16
     large_deterministic_time: float = 0.2
     local_search_evaluations: int = 200
-    # How many leading blocks keep their optimizer state on the device: None lets the planner choose
-    # (device bandwidth known, and peer-to-peer between the GPUs for several ranks; solve.py), an
-    # int fixes it (blocks + 1: the epilogue too). device_state_prologue: the prologue's too (None:
-    # the planner chooses; with a fixed device_state_blocks, None means no).
+    # Which layers keep their optimizer state on the device: None lets the CP-SAT model choose per
+    # layer (device bandwidth known, and peer-to-peer between the GPUs for several ranks; solve.py),
+    # an int fixes the first that many blocks (blocks + 1: the epilogue too). device_state_prologue:
+    # the prologue's too (None: the model chooses; with a fixed device_state_blocks, None means no).
     device_state_blocks: int | None = None
     device_state_prologue: bool | None = None
     # Several ranks: the device state sharded by chunk owner (None: yes, the default with W > 1;

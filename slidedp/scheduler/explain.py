@@ -16,6 +16,7 @@ from slidedp.scheduler.decisions import (
 from slidedp.scheduler.plan import Alternative, GroupPrediction
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, build_lanes
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
+from slidedp.scheduler.search.local_search import device_state_moves
 
 LANES = (COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE)
 
@@ -64,7 +65,7 @@ def group_predictions(costs: ProblemCosts, d: Decisions, sim: Simulation) -> tup
             o = costs.option_of(i, c)
             layer_bytes = costs.moved_numel(i) * costs.elem
             loads = 1 + (i in reloaded)
-            if i in costs.problem.device_state:  # nothing over PCIe; collectives between the devices
+            if c.on_device:  # nothing over PCIe; collectives between the devices
                 numel = g.layers[i].numel
                 if costs.problem.device_state_sharded:  # weights all-gathered, gradient reduce-scattered
                     coll += (loads * layer_bytes + 4 * numel) * (W - 1) / W
@@ -235,16 +236,38 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
                 f"({_ms(ops.cpu_reduce_time_s(numel, costs.elem, W, hw, lanes=W))} per block per rank lane); "
                 f"GPU: reduce-scatter ({_ms(ops.reduce_scatter_time_s(layer_bytes, W, hw))}), then 1/{W} goes down.")
 
+    # Optimizer state on the device, where its placement is a decision: one layer more or fewer there.
+    if costs.problem.device_state_optional:
+        g = costs.problem.graph
+        cands = [(device_state_label(g, e.device_state), e) for e in device_state_moves(costs, d)]
+        add("optimizer state on the device", device_state_label(g, d.device_state),
+            _runner_up(costs, budget_bytes, cands),
+            "Each layer kept there takes its state's device memory for good "
+            f"({format_bytes(min(costs.device_state_layer_bytes[i] for i in range(1, costs.epilogue_id)))} per "
+            "rank for the smallest block) and takes its copies and its update off PCIe and the CPU; the "
+            "device's updates run beside the next forward, which waits for each layer's; the prologue is "
+            "the first layer the next step needs.")
+
     # Delivery copies, where they are a decision (a host budget that may bind).
-    if costs.copyable:
-        made = sorted(i for i in costs.copyable if d.layers[i].host_copy == ON_LOAD)
-        chosen = f"{len(made)} of {len(costs.copyable)} made on load"
-        cands = [(f"all {x}", d.replace_layers(costs.copyable, host_copy=x)) for x in costs.options.host_copies
-                 if any(d.layers[i].host_copy != x for i in costs.copyable)]
+    copyable = [i for i in sorted(costs.copyable) if not d.layers[i].on_device]
+    if copyable:
+        made = [i for i in copyable if d.layers[i].host_copy == ON_LOAD]
+        chosen = f"{len(made)} of {len(copyable)} made on load"
+        cands = [(f"all {x}", d.replace_layers(copyable, host_copy=x)) for x in costs.options.host_copies
+                 if any(d.layers[i].host_copy != x for i in copyable)]
         add("delivery copies", chosen, _runner_up(costs, budget_bytes, cands),
             f"A kept copy takes {costs.elem} B per parameter of host RAM; made on load, the layer's loads read "
             "the fp32 master (4 B per parameter over PCIe, twice the bytes) and the device casts each chunk.")
     return tuple(out)
+
+
+def device_state_label(graph, on_device) -> str:
+    """"no layer", or e.g. "the prologue + 12 blocks + the epilogue": the layers `on_device`."""
+    n_blocks = sum(1 for i in on_device if i not in (graph.prologue.id, graph.epilogue.id))
+    parts = (["the prologue"] if graph.prologue.id in on_device else []) + (
+        [f"{n_blocks} block{'s' if n_blocks != 1 else ''}"] if n_blocks else []) + (
+        ["the epilogue"] if graph.epilogue.id in on_device else [])
+    return " + ".join(parts) or "no layer"
 
 
 def _span(costs: ProblemCosts, ids: list[int]) -> str:

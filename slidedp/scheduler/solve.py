@@ -8,7 +8,6 @@ simulated step time (asserted in cpsat.solve_window).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version as package_version
@@ -18,28 +17,30 @@ from slidedp.costmodel import memory as mem
 from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
-from slidedp.scheduler.search import baselines, cpsat, early_order, local_search, streamed_prefix
+from slidedp.scheduler.search import baselines, cpsat, device_placement, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
-from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes, host_fixed_memory
+from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes
 from slidedp.scheduler.decisions import GPU, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD, SHARDED, Decisions, Problem, SolverOptions
-from slidedp.scheduler.explain import alternatives, group_predictions
+from slidedp.scheduler.explain import alternatives, device_state_label, group_predictions
 from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
 )
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, window_loads
 from slidedp.scheduler.oracles.timeline import simulate
 
-log = logging.getLogger("slidedp")
 
-
-def minimum_budget(costs: ProblemCosts) -> tuple[int, Decisions, dict[int, int], int]:
-    """The smallest budget with which planning succeeds: the least peak over every decision (a
-    CP-SAT solve at the smallest window), decisions reaching it, the least budget of each window
-    (a lower bound), and the proven lower bound of the least peak (the peak itself where CP-SAT
-    proves it minimal). The window only adds its slots (footprint.py), so each window's minimum is
+def minimum_budget(costs: ProblemCosts, host: bool = True) -> tuple[int, Decisions, dict[int, int], int] | None:
+    """The smallest budget with which planning succeeds: the least peak over every decision within
+    the host budget (`host` False: whatever the host takes; a CP-SAT solve at the smallest window),
+    decisions reaching it, the least budget of each window (a lower bound), and the proven lower
+    bound of the least peak (the peak itself where CP-SAT proves it minimal); None where no decisions
+    fit the host budget. The window only adds its slots (footprint.py), so each window's minimum is
     the smallest one plus (window - smallest) slots."""
     windows = costs.windows()
-    peak, bound, decisions = cpsat.minimum_peak(costs, windows[0])
+    found = cpsat.minimum_peak(costs, windows[0], host=host)
+    if found is None:
+        return None
+    peak, bound, decisions = found
     slot = costs.weight_slots_bytes(1)
     return peak, decisions, {w: bound + (w - windows[0]) * slot for w in windows}, bound
 
@@ -61,12 +62,13 @@ class Solution:
     streamed_tried: dict = field(default_factory=dict)  # streamed layers k -> step [s] (streamed.py)
 
 
-def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_decisions: Decisions,
-                      host_budget: int | None = None) -> InfeasibleBudgetError:
+def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int,
+                      min_decisions: Decisions) -> InfeasibleBudgetError:
     """The error of a device budget below the smallest schedule's peak (with the host bytes of that
-    schedule's problem: a plan needs them too)."""
+    schedule's placement: a plan needs them too)."""
     sim = simulate(costs, min_decisions, all_ranks=False)
-    min_host = host_fixed_bytes(costs.problem, costs.options)
+    min_host = costs.host_fixed.bytes(min_decisions.device_state)
+    host_budget = costs.problem.host_budget_bytes
     return InfeasibleBudgetError(
         f"the device budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the "
         f"{format_bytes(min_budget)} ({min_budget} bytes) that the smallest schedule needs "
@@ -76,21 +78,55 @@ def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int, m
         min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=min_host, host_budget_bytes=host_budget)
 
 
+def _host_too_small(costs: ProblemCosts, budget_bytes: int) -> InfeasibleBudgetError:
+    """The error of budgets that no decisions fit together: of the device's where it is below the least
+    peak of any decisions whatever the host takes, else of the host's, naming the least host RAM of any
+    decisions within the device budget (the leanest host layout: optimizer state on the device where
+    it fits, delivery copies made on load, no offloaded activations where the device budget allows)."""
+    min_budget, min_decisions, _, min_bound = minimum_budget(costs, host=False)
+    if budget_bytes < min_bound:
+        return _device_too_small(costs, budget_bytes, min_budget, min_decisions)
+    host_budget = costs.problem.host_budget_bytes
+    found = cpsat.minimum_host(costs, costs.windows()[0], budget_bytes)
+    if found is None:  # a budget within the least-peak model's gap that nothing fits
+        return _device_too_small(costs, budget_bytes, min_budget, min_decisions)
+    need, leanest = found
+    parts = costs.host_fixed.memory(leanest.device_state)
+    return InfeasibleBudgetError(
+        f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
+        f"({need} bytes) that the leanest plan needs (host state {format_bytes(parts['state'])} with the "
+        f"optimizer state of {device_state_label(costs.problem.graph, leanest.device_state)} on the device, "
+        f"pinned buffers {format_bytes(parts['pinned_buffers'])}, the device state's staging "
+        f"{format_bytes(parts['load_staging'])}); give host_memory at least {need} bytes, or a larger device "
+        f"budget to keep more optimizer state on the device (the device budget {format_bytes(budget_bytes)} "
+        f"needs at least {format_bytes(min_budget)}, {min_budget} bytes)",
+        min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=need, host_budget_bytes=host_budget)
+
+
 def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
 
-    Raises InfeasibleBudgetError below the smallest budget that any decisions fit; its
+    Raises InfeasibleBudgetError below the smallest budgets that any decisions fit; its
     `min_budget_bytes` is the least simulated peak over every decision (exact where CP-SAT proves
-    it; else the least it found, and a budget between its proven bound and that is searched).
+    it; else the least it found, and a budget between its proven bound and that is searched), its
+    `min_host_bytes` where the host is what binds the least host RAM within the device budget.
     """
-    min_budget, min_decisions, min_per_window, min_bound = minimum_budget(costs)
-    if budget_bytes < min_bound:
-        raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
+    floor = minimum_budget(costs)
+    if floor is None or budget_bytes < floor[3]:
+        if costs.problem.host_budget_bytes is None:
+            raise _device_too_small(costs, budget_bytes, floor[0], floor[1])
+        raise _host_too_small(costs, budget_bytes)
+    min_budget, min_decisions, min_per_window, min_bound = floor
 
     # Heuristics: the baselines that fit, the least-memory decisions (which fit unless the budget is
-    # below the least peak found and above its proven bound), and a local search from each of the two
-    # best distinct ones.
-    candidates = [f for f in (baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES) if f]
+    # below the least peak found and above its proven bound), the placement seed of the optimizer
+    # state (search/device_placement.py), and a local search from each of the two best distinct ones;
+    # where the placement is a decision, then one from the least-memory decisions with the best
+    # placement so far (offloads that a descent from the others rarely reaches). They fit as the
+    # CP-SAT model counts host RAM (no gradient that may stream into the update).
+    found = [baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES]
+    found.append(device_placement.search(costs, budget_bytes, min_decisions, min_budget))
+    candidates = [f for f in found if f and costs.fits(f.decisions, f.simulation.peak_bytes, budget_bytes, grads=False)]
     if min_budget <= budget_bytes:
         candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
     starts: list[Decisions] = []
@@ -100,6 +136,12 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     for k, d in enumerate(starts[:2]):
         candidates.append(local_search.search(costs, budget_bytes, d, name=f"local-search-{k + 1}"))
     incumbent = fastest(candidates)
+    placement = incumbent.decisions.device_state if incumbent is not None else None
+    if costs.problem.device_state_optional and placement is not None and placement != min_decisions.device_state:
+        least = cpsat.minimum_peak(costs, costs.windows()[0], on_device=placement)
+        if least is not None and least[0] <= budget_bytes:
+            candidates.append(local_search.search(costs, budget_bytes, least[2], name="local-search-3"))
+            incumbent = fastest(candidates)
 
     # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
     # started from the best candidate of its window. Skipped when the incumbent meets the bound.
@@ -190,7 +232,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     `host_budget_bytes` (None: unbounded) bounds everything the plan takes of host RAM, all ranks
     together (Explanation.host_memory: host state, spare state, offloaded activations, pinned
     buffers): a hard constraint like the device budget (InfeasibleBudgetError with min_host_bytes).
-    Which layers keep their optimizer state on the device: `_device_state_search`."""
+    Which layers keep their optimizer state on the device: a decision of the CP-SAT model, per layer
+    (`_placement_problem`)."""
     t0 = time.perf_counter()
     problem = Problem(graph, hardware, world_size, micro_batches, loss_chunk_tokens, compiled_blocks,
                       host_offload_bytes, early_host_bytes=early_host_bytes, streamed_updates=streamed_updates,
@@ -201,7 +244,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     only_gpu = hosts > 1 or set(options.reductions) == {GPU}
     problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu),
                       vocab_chunk_numel=options.vocab_chunk_numel)
-    costs, sol, tried, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
+    costs, sol, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
     solver = {
@@ -225,45 +268,43 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "seed": costs.options.seed,
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
-        "device_state_tried": {_device_state_label(c): step_s for c, step_s in sorted(tried.items())},
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "vocab_streamed_tried": vocab_tried,
         "wall_s": wall,
-        "searches": {**_searches(sol, tried, costs.options, sharded=costs.problem.device_state_sharded,
-                                 copies=bool(costs.copyable)),
-                     **_vocab_searched(vocab_tried, costs)},
+        "searches": {**_searches(sol, costs), **_vocab_searched(vocab_tried, costs)},
     }
     if host_budget_bytes is not None:
         solver["host_budget_bytes"] = int(host_budget_bytes)
     plan = plan_for(costs, sol.decisions, budget_bytes=budget_bytes, precision=precision, version=version,
                     solver=solver, explain=explain)
     assert host_budget_bytes is None or plan.peak_host_bytes <= host_budget_bytes, (plan.host_memory, host_budget_bytes)
-    if explain and len(tried) > 1:
-        chosen = (graph.prologue.id in plan.device_state, len(set(plan.device_state) - {graph.prologue.id}))
-        plan = plan.replace(alternatives=plan.alternatives + (_device_state_alternative(tried, chosen),))
     if explain and len(sol.streamed_tried) > 1 and len(plan.streamed_updates) in sol.streamed_tried:
         plan = plan.replace(alternatives=plan.alternatives + (
             _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates), _polished(sol.chosen_by)),))
     return plan
 
 
-def _searches(sol: Solution, device_state_tried: dict, options: SolverOptions, *,
-              sharded: bool = False, copies: bool = False) -> dict[str, str]:
+def _searches(sol: Solution, costs: ProblemCosts) -> dict[str, str]:
     """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to
-    it). `copies`: the delivery copies were a decision of the model (ProblemCosts.copyable)."""
+    it): the delivery copies and the placement of the optimizer state where they are decisions of the
+    model (ProblemCosts.copyable, Problem.device_state_optional)."""
+    options, problem = costs.options, costs.problem
     core = sol.chosen_by.split(" + ")[0]
-    decisions = "window, chunks, activations, routes, update owners" + (", delivery copies" if copies else "")
-    searches = {decisions: "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"}
+    decisions = "window, chunks, activations, routes, update owners" + (", delivery copies" if costs.copyable else "")
+    made = "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"
+    searches = {decisions: made}
+    if problem.device_state_optional:
+        searches["optimizer state on the device"] = made + (
+            "; the prologue's fixed by SolverOptions.device_state_prologue"
+            if options.device_state_prologue is not None and problem.graph.prologue.id not in
+            problem.device_state_optional else "")
+    elif options.device_state_blocks is not None:
+        searches["optimizer state on the device"] = "fixed by SolverOptions.device_state_blocks"
     polish = _polished(sol.chosen_by)
     if polish:
         searches[f"{polish}, changed last"] = ("local search from the decisions above, judged by the simulator "
                                                "(search/local_search.py)")
-    if options.device_state_blocks is not None:
-        searches["optimizer state on the device"] = "fixed by SolverOptions.device_state_blocks"
-    elif len(device_state_tried) > 1:
-        searches["optimizer state on the device"] = (f"sweep around the solver: {len(device_state_tried)} choices, "
-                                                     "each solved in full (solve._device_state_search)")
-    if sharded:
+    if problem.device_state_sharded and sol.decisions.device_state:
         searches["device state sharded by chunk owner"] = (
             "fixed by SolverOptions.device_state_sharded" if options.device_state_sharded
             else "the default with several ranks (SolverOptions.device_state_sharded=False keeps a full copy "
@@ -296,23 +337,6 @@ def _streamed_alternative(tried: dict[int, float], chosen: int, polished: str = 
     return Alternative("streamed updates", f"{chosen} layers", f"{other} layers", tried[chosen], tried[other], 0,
                        f"{chosen} layers: {tried[chosen] * 1e3:.1f} ms; {other} layers: {tried[other] * 1e3:.1f} ms. "
                        f"{why}")
-
-
-def _device_state_label(choice: tuple[bool, int]) -> str:
-    """"12 layers" or "prologue + 12 layers" for a (prologue, k) choice of the device-state search:
-    the first k blocks (k past the last block counts the epilogue)."""
-    prologue, k = choice
-    return ("prologue + " if prologue else "") + f"{k} layers"
-
-
-def _device_state_alternative(tried: dict[tuple[bool, int], float], chosen: tuple[bool, int]) -> Alternative:
-    """The layers whose state lives on the device against the best other choice tried."""
-    other = min((c for c in tried if c != chosen), key=lambda c: (tried[c], c[1], c[0]))
-    why = ("each layer kept there takes its state's device memory for good, and takes its copies "
-           "and its update off PCIe and the CPU; the prologue is the first layer the next step needs")
-    a, b = _device_state_label(chosen), _device_state_label(other)
-    return Alternative("optimizer state on the device", a, b, tried[chosen], tried[other], 0,
-                       f"{a}: {tried[chosen] * 1e3:.1f} ms; {b}: {tried[other] * 1e3:.1f} ms. {why}")
 
 
 def _vocab_label(problem: Problem, streamed) -> str:
@@ -349,16 +373,16 @@ def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
 
 
 def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, host_budget: int | None):
-    """Solve with each set of vocabulary-streamed layers (_vocab_choices), each in full (the device-state
-    search and everything below it), and keep the fastest (ties: the earlier, resident first).
+    """Solve with each set of vocabulary-streamed layers (_vocab_choices), each in full (`solve`, with the
+    placement of the optimizer state `_placement_problem` allows), and keep the fastest (ties: the
+    earlier, resident first).
 
     Why a sweep: streaming a table takes it (and its fp32 gradient) off the device for the whole step,
     which every other decision's memory sees, at the price of a second load of the head and the
     recomputation of its logits (costs.py); so each choice is its own problem. Below every choice's
     smallest budget, the error names the smallest of them. A choice whose compute alone
-    (cpsat.lower_bound) is no faster than the best step found is not solved. Returns the costs,
-    solution and device states tried of the best choice, and {label: predicted step [s] or None (does
-    not fit, or not solved)}."""
+    (cpsat.lower_bound) is no faster than the best step found is not solved. Returns the costs and
+    solution of the best choice, and {label: predicted step [s] or None (does not fit, or not solved)}."""
     best, errors, tried = None, [], {}
     # with the sharded delivery or the GPU reduction possible (several ranks with peer-to-peer, several
     # hosts) a streamed table is solved only where the resident ones do not fit: each full solve of
@@ -376,20 +400,20 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
                 tried[label] = None
                 continue
         try:
-            costs, sol, ds_tried = _device_state_search(problem.with_vocab_streamed(choice), options, budget_bytes,
-                                                        host_budget)
+            costs = ProblemCosts(_placement_problem(problem.with_vocab_streamed(choice), options, host_budget), options)
+            sol = solve(costs, budget_bytes)
         except InfeasibleBudgetError as e:
             errors.append(e)
             tried[label] = None
             continue
         tried[label] = sol.makespan * costs.scale.tick_s
         if best is None or tried[label] < best[0]:
-            best = (tried[label], costs, sol, ds_tried)
+            best = (tried[label], costs, sol)
     if best is None:  # the host is too small for every choice the device budget fits, else the device is
         host = [e for e in errors if e.min_budget_bytes <= budget_bytes]
         raise (min(host, key=lambda e: e.min_host_bytes or 0) if host else min(errors, key=lambda e: e.min_budget_bytes))
-    _, costs, sol, ds_tried = best
-    return costs, sol, ds_tried, tried
+    _, costs, sol = best
+    return costs, sol, tried
 
 
 def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
@@ -404,194 +428,62 @@ def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
     return {f"streamed vocabulary ({_vocab_label(costs.problem, costs.problem.vocab_streamed)})": how}
 
 
-def _device_state_search(problem: Problem, options: SolverOptions, budget_bytes: int,
-                         host_budget: int | None = None
-                         ) -> tuple[ProblemCosts, Solution, dict[tuple[bool, int], float]]:
-    """Solve with the optimizer state of the first k blocks (and maybe the prologue) on the device,
-    for the best choice; k = blocks + 1 puts the epilogue's there too.
+def _placement_problem(problem: Problem, options: SolverOptions, host_budget: int | None) -> Problem:
+    """The problem with the layers whose optimizer state is fixed on the device (Problem.device_state)
+    or placed by the CP-SAT model (Problem.device_state_optional), its sharding, and the host budget.
 
-    Their master weights and moments take device memory for good (costmodel.memory.device_state_bytes)
-    that the other decisions (window, kept activations) no longer have; in exchange their weights
-    never cross PCIe and their update leaves the CPU, which is what bounds a step once the host's
-    DRAM is busy. The prologue is worth its (often large) embedding table when the step is otherwise
-    compute-bound: its CPU update comes first in the next step and nothing on the GPU can start before
-    it. With several ranks the state is sharded by chunk owner unless options.device_state_sharded
-    is False (the default: Problem.device_state_sharded): each rank keeps and updates the chunks it
-    owns (about 1/W of the bytes, so W times as many layers fit), their gradient reduce-scattered and
-    their weights all-gathered at each load; False keeps the same full copy on every rank (gradient
-    all-reduced, the same update everywhere).
-    options.device_state_blocks fixes k (and _prologue, default no, the prologue), _prologue alone
-    fixes the family searched; with neither, nothing goes to the device unless its bandwidth is known
-    (and, with several ranks, the GPUs reach each other directly). Then, without the prologue and
-    (if it fits) with it, k is searched over k_min..k_max (k_max: the most whose state fits next to
-    the smallest schedule; k_min: the fewest with which the host state fits `host_budget`, 0 without
-    one): first k_min + (k_max - k_min) * (0, 1/4, 1/2, 3/4, 1), then the midpoints around the best,
-    until neighbours are tried (ties: the smaller k, no prologue).
-
-    The host budget is a hard constraint: a choice whose fixed host bytes (host state, which a
-    of which a one-rank engine keeps nothing for the layers on the device, 16 bytes per parameter
-    less in bf16, then the bounded staging of their state and the pinned buffers:
-    problem.costs.host_fixed_bytes) exceed it is skipped, and the rest of the
-    budget bounds the offloaded activations and early updates' spare state. No choice within both
-    budgets: InfeasibleBudgetError naming the smallest of each (min_host_bytes: the leanest choice
-    that fits the device budget).
-    Returns the costs and solution of the best choice, and every (prologue, k) tried with its
-    predicted step [s].
-    """
+    A layer's state on the device takes its device memory for good (costmodel.memory.device_state_bytes)
+    that the other decisions (window, kept activations) no longer have; in exchange its weights never
+    cross PCIe and its update leaves the CPU, which is what bounds a step once the host's DRAM is busy;
+    the prologue's (often a large embedding table) is updated first in the next step, before anything
+    on the GPU can start. With one rank its layer takes no host RAM, which a host budget may need. With
+    several ranks the state is sharded by chunk owner unless options.device_state_sharded is False:
+    each rank keeps and updates the chunks it owns (about 1/W of the bytes), their gradient
+    reduce-scattered and their weights all-gathered at each load; False keeps the same full copy on
+    every rank (gradient all-reduced, the same update everywhere); several hosts keep it whole.
+    options.device_state_blocks fixes the first that many blocks (then the epilogue) and, with
+    device_state_prologue, the prologue; device_state_prologue alone fixes the prologue's. Without
+    either, every layer with parameters whose table does not stream may go there, where the device's
+    memory bandwidth is known (and, with several ranks, the GPUs reach each other directly)."""
     g = problem.graph
-    prologue = g.prologue
-    # the head last, after every block; never a table that streams
-    candidates = list(g.blocks) + ([g.epilogue] if g.epilogue.numel and g.epilogue.id not in problem.vocab_streamed
-                                   else [])
-    results: dict[tuple[bool, int], tuple[ProblemCosts, Solution] | None] = {}  # None: does not fit
-    searching = False
     W = problem.world_size
-    # several hosts: every host keeps device-state layers whole (run/launch.py), so a full copy per rank
-    sharded = W > 1 and problem.hosts == 1 and options.device_state_sharded is not False
-    elem = mem.DTYPE_BYTES[g.compute_dtype]
-
-    def state_bytes(layers) -> int:
-        """Device-state bytes per rank of these layers (the busiest rank's shard when sharded)."""
-        if not sharded:
-            return mem.device_state_bytes(sum(layer.numel for layer in layers), elem)
-        fewest = min(options.chunk_multiples) * W  # the largest chunks any option has
-        return sum(mem.device_state_shard_bytes(layer.numel, elem, fewest, W) for layer in layers)
-
-    def problem_of(choice: tuple[bool, int]) -> Problem:
-        with_prologue, k = choice
-        ids = frozenset(b.id for b in candidates[:k]) | ({prologue.id} if with_prologue else set())
-        p = replace(problem, device_state=ids, device_state_sharded=sharded and bool(ids))
-        if host_budget is None:
-            return p
-        p = replace(p, copies_on_load=copies_may_bind(p, options, host_budget))
-        left = max(0, host_budget - host_fixed_bytes(p, options))
-        per_rank = left // p.ranks_per_host
-        return replace(p, host_offload_bytes=per_rank if p.host_offload_bytes is None else min(p.host_offload_bytes, per_rank),
-                       early_host_bytes=None if p.early_host_bytes is None else min(p.early_host_bytes, left))
-
-    def host_bytes(choice: tuple[bool, int]) -> int:
-        return host_fixed_bytes(problem_of(choice), options)
-
-    def host_fits(choice: tuple[bool, int]) -> bool:
-        return host_budget is None or host_bytes(choice) <= host_budget
-
-    def run(choice: tuple[bool, int], first: bool = False) -> None:
-        if choice not in results and not first and not host_fits(choice):
-            results[choice] = None  # its fixed host bytes alone exceed the host budget: not a choice
-        if choice not in results:
-            costs = ProblemCosts(problem_of(choice), options)
-            try:
-                results[choice] = costs, solve(costs, budget_bytes)
-            except InfeasibleBudgetError as e:
-                if first:
-                    raise InfeasibleBudgetError(str(e), min_budget_bytes=e.min_budget_bytes, budget_bytes=budget_bytes,
-                                                min_host_bytes=e.min_host_bytes, host_budget_bytes=host_budget) from None
-                results[choice] = None  # its offloaded activations no longer fit the host: not a choice
-                return
-            if searching:
-                log.info("plan: optimizer state of %s on the device: %.1f ms per step",
-                         _device_state_label(choice), step_s(choice) * 1e3)
-
-    def step_s(choice: tuple[bool, int]) -> float:
-        if results.get(choice) is None:
-            return float("inf")
-        c, s = results[choice]
-        return s.makespan * c.scale.tick_s
-
-    def done(best: tuple[bool, int]):
-        costs, sol = results[best]
-        return costs, sol, {c: step_s(c) for c in results if results[c] is not None}
-
-    def host_too_small(leanest: tuple[bool, int], min_budget: int) -> InfeasibleBudgetError:
-        need = host_bytes(leanest)
-        parts = host_fixed_memory(problem_of(leanest), options)
-        return InfeasibleBudgetError(
-            f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
-            f"({need} bytes) that the leanest plan needs (host state {format_bytes(parts['state'])} with the "
-            f"optimizer state of {_device_state_label(leanest)} on the device, pinned buffers "
-            f"{format_bytes(parts['pinned_buffers'])}, the device state's staging {format_bytes(parts['load_staging'])}); "
-            f"give host_memory at least {need} bytes, or a larger device "
-            f"budget to keep more optimizer state on the device (the device budget {format_bytes(budget_bytes)} "
-            f"needs at least {format_bytes(min_budget)}, {min_budget} bytes)",
-            min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=need, host_budget_bytes=host_budget)
-
+    eligible = [layer.id for layer in g.layers if layer.numel and layer.id not in problem.vocab_streamed]
+    # the head last, after every block; never a table that streams
+    candidates = [b.id for b in g.blocks] + ([g.epilogue.id] if g.epilogue.id in eligible else [])
+    prologue = g.prologue.id
+    hw = problem.hardware
     fixed_k, fixed_prologue = options.device_state_blocks, options.device_state_prologue
+    forced, optional = frozenset(), frozenset()
     if fixed_k is not None:
         if fixed_k > len(candidates):
             raise ValueError(f"device_state_blocks={fixed_k}, but the model has {len(g.blocks)} blocks "
                              f"(and {len(candidates) - len(g.blocks)} epilogue with parameters)")
-        choice = (bool(fixed_prologue), fixed_k)
-        run(choice, first=True)
-        if not host_fits(choice):
-            raise host_too_small(choice, results[choice][1].min_budget_bytes)
-        return done(choice)
-    if host_fits((False, 0)):
-        run((False, 0), first=True)  # the least memory: raises InfeasibleBudgetError if nothing fits
-        min_budget = results[(False, 0)][1].min_budget_bytes
-    else:
-        costs0 = ProblemCosts(problem_of((False, 0)), options)
-        min_budget, min_decisions, _, min_bound = minimum_budget(costs0)
-        if budget_bytes < min_bound:
-            raise _device_too_small(costs0, budget_bytes, min_budget, min_decisions, host_budget)
-    hw = problem.hardware
-    if fixed_prologue is None and (hw.gpu_memory_bytes_per_s <= 0 or (
-            problem.world_size > 1 and hw.gpu_p2p_bytes_per_s <= 0)):
-        if results.get((False, 0)) is None:
-            raise host_too_small((False, 0), min_budget)
-        return done((False, 0))
-    spare = budget_bytes - min_budget
-    searching = True  # progress from here: a search takes several solves
-    if results.get((False, 0)) is not None:
-        log.info("plan: optimizer state of %s on the device: %.1f ms per step", _device_state_label((False, 0)),
-                 step_s((False, 0)) * 1e3)
-    families = [False, True] if fixed_prologue is None else [fixed_prologue]
-    leanest: list[tuple[bool, int]] = [(False, 0)]  # the choice of each family with the least host memory
-    for with_prologue in families:
-        if with_prologue and prologue.id in problem.vocab_streamed:
-            continue
-        numel = prologue.numel if with_prologue else 0
-        first = [prologue] if with_prologue else []
-        if with_prologue and (numel == 0 or state_bytes(first) > spare):
-            continue
-        k_max = 0
-        while k_max < len(candidates) and state_bytes(first + candidates[: k_max + 1]) <= spare:
-            k_max += 1
-        leanest.append((with_prologue, k_max))
-        k_min = next((k for k in range(k_max + 1) if host_fits((with_prologue, k))), None)
-        if k_min is None:
-            continue  # no choice of this family fits the host budget
-        if with_prologue:  # start where the blocks' best was, less the blocks the prologue's state displaces
-            blocks_tried = [c for c in results if not c[0] and results[c] is not None]
-            best = min(blocks_tried, key=lambda c: (step_s(c), c[1]))[1] if blocks_tried else k_max
-            shift = round(numel / (sum(b.numel for b in g.blocks) / len(g.blocks)))
-            starts = {k_max, max(k_min, min(k_max, best - shift))}
-        else:
-            starts = {k_min + round((k_max - k_min) * f) for f in (0.0, 0.25, 0.5, 0.75, 1.0)}
-        for k in sorted(starts):
-            run((with_prologue, k))
-        while True:
-            tried = sorted(k for p, k in results if p == with_prologue)
-            best = min(tried, key=lambda k: (step_s((with_prologue, k)), k))
-            i = tried.index(best)
-            todo = [k for k in ((tried[j] + best) // 2 for j in (i - 1, i + 1) if 0 <= j < len(tried))
-                    if (with_prologue, k) not in results]
-            if not todo:
-                break
-            for k in todo:
-                run((with_prologue, k))
-    feasible = [c for c in results if results[c] is not None]
-    if not feasible:
-        raise host_too_small(min(leanest, key=lambda c: (host_bytes(c), c[1], c[0])), min_budget)
-    return done(min(feasible, key=lambda c: (step_s(c), c[1], c[0])))
+        forced = frozenset(candidates[:fixed_k]) | ({prologue} if fixed_prologue and prologue in eligible else set())
+    elif hw.gpu_memory_bytes_per_s > 0 and (W == 1 or hw.gpu_p2p_bytes_per_s > 0):
+        optional = frozenset(candidates)
+        if prologue in eligible and fixed_prologue:
+            forced = frozenset({prologue})
+        elif prologue in eligible and fixed_prologue is None:
+            optional |= {prologue}
+    # several hosts: every host keeps device-state layers whole (run/launch.py), so a full copy per rank
+    sharded = W > 1 and problem.hosts == 1 and options.device_state_sharded is not False
+    p = replace(problem, device_state=forced, device_state_optional=optional,
+                device_state_sharded=sharded and bool(forced | optional), host_budget_bytes=host_budget)
+    if host_budget is not None:
+        p = replace(p, copies_on_load=copies_may_bind(p, options, host_budget))
+    return p
 
 
 def copies_may_bind(problem: Problem, options: SolverOptions, host_budget: int) -> bool:
     """Whether making a delivery copy on load can matter: the host budget is below what the plan could
     take with every copy kept (its fixed part, every block's activations (or input) offloaded, early updates'
-    spare state). Otherwise keeping them is never worse (a load made from the fp32 master moves twice
+    spare state; placing optimizer state on the device takes host RAM away, but for the lean layers'
+    staging). Otherwise keeping them is never worse (a load made from the fp32 master moves twice
     the bytes) and the choice is left out of the model."""
     kept = replace(problem, copies_on_load=False)
     most = host_fixed_bytes(kept, options)
+    if problem.device_state_optional and problem.world_size == 1 and not problem.device_state:
+        most += mem.load_staging_bytes(problem.device_state_optional)
     boundary = max(layer.costs.boundary_activation_bytes for layer in problem.graph.layers)  # costs.boundary_bytes
     offloaded = [max(b.costs.saved_activation_bytes if OFFLOAD in options.activations else 0,
                      boundary if RECOMPUTE_OFFLOAD in options.activations else 0) for b in problem.graph.blocks]
@@ -678,8 +570,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         decisions=layer_decisions,
         window_loads=window_loads(costs.n_blocks, decisions.window),
         update_order=order,
-        device_state=tuple(sorted(problem.device_state)),
-        device_state_sharded=problem.device_state_sharded,
+        device_state=tuple(sorted(decisions.device_state)),
+        device_state_sharded=problem.device_state_sharded and bool(decisions.device_state),
         early_order=decisions.early_order,
         streamed_gradients=decisions.grads_streamed,
         streamed_updates=decisions.streamed,

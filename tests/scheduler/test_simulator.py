@@ -126,13 +126,15 @@ def test_memory_over_program_order():
     assert wider.peak_bytes - a.peak_bytes == costs.weight_slots_bytes(1)
 
 
-@pytest.mark.parametrize("hardware, n_on_device", [("h200-sxm", 3), ("h200-sxm", 7), ("a100-sxm", 7)])
-def test_device_updates_delay_the_forward_by_their_largest_overrun(hardware, n_on_device):
+@pytest.mark.parametrize("hardware, on_device", [("h200-sxm", {0, 1, 2}), ("h200-sxm", set(range(8))),
+                                                 ("a100-sxm", set(range(8))), ("h200-sxm", {0, 3, 4, 7})])
+def test_device_updates_delay_the_forward_by_their_largest_overrun(hardware, on_device):
     """The device's AdamW runs beside the next forward in forward order; the forward starts late by
-    the most any update (with those before it) runs past the forward of the layers before it.
-    Brute force: an event walk over the forward, pausing before each layer until it is updated."""
+    the most any update (with those before it) runs past the forward of the layers before it, for
+    any set of layers on the device. Brute force: an event walk over the forward, pausing before each
+    layer until it is updated."""
     graph = synthetic_graph(6, block_scale=(1.0, 0.5, 2.0, 1.0, 1.5, 1.0))
-    on_device = frozenset(range(n_on_device))
+    on_device = frozenset(on_device)
     plain = ProblemCosts(Problem(graph, PRESETS[hardware], 1, 1), SolverOptions())
     costs = ProblemCosts(Problem(graph, PRESETS[hardware], 1, 1, device_state=on_device), SolverOptions())
     update = {layer.id: costs.scale.ticks(ops.device_update_time_s(layer.numel, PRESETS[hardware]))
@@ -150,7 +152,9 @@ def test_device_updates_delay_the_forward_by_their_largest_overrun(hardware, n_o
         if ok:
             best = delay
             break
-    assert costs.device_update == best and costs.prologue_fwd == plain.prologue_fwd + best
+    d = baselines.uniform(costs, window=1, activation="recompute")
+    assert d.device_state == on_device and costs.device_update(on_device) == best
+    assert costs.prologue_fwd_ticks(d) == plain.prologue_fwd + best
     assert 0 < best <= sum(update.values())
 
 
@@ -193,6 +197,32 @@ def test_streamed_updates_leave_the_cpu_and_gate_their_loads(k, early):
     assert sim.makespan >= max(ticks, sim.lane_busy["compute"])
     with pytest.raises(ValueError, match="streamed"):
         simulate(ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1), SolverOptions()), d)
+
+
+def test_moving_optimizer_state_keeps_streamed_and_early_updates_to_host_layers():
+    """A layer's state moved to the device or back (local search, the plan's alternatives) leaves the
+    streamed updates a prefix of the host layers in update order and the early order (here: streamed
+    gradients, every host layer as it lands) over the host layers: every move simulates."""
+    from slidedp.scheduler.search.local_search import device_state_moves
+    from slidedp.scheduler.search.streamed_prefix import candidates
+
+    graph = synthetic_graph(4, block_scale=(1.0, 0.5, 2.0, 1.0))
+    every = frozenset(layer.id for layer in graph.layers)
+    costs = ProblemCosts(Problem(graph, PRESETS["h200-sxm"], 1, 1, device_state_optional=every,
+                                 streamed_updates=True, grads_streamable=True), SolverOptions())
+    d = baselines.uniform(costs, window=1, activation="recompute", on_device={1, 2})
+    host = [i for i in range(costs.n_layers - 2, -1, -1) if i not in (1, 2)] + [costs.n_layers - 1]
+    for start in (replace(d, streamed=candidates(costs, d)[:2]),
+                  replace(d, early_order=tuple(host), grads_streamed=True)):
+        simulate(costs, start)
+        moves = list(device_state_moves(costs, start))
+        assert {frozenset(e.device_state) for e in moves} == {frozenset({1, 2, 3}), frozenset({1}),
+                                                             frozenset({0, 1, 2})}
+        for e in moves:
+            simulate(costs, e)
+            assert not (set(e.early_order) | set(e.streamed)) & e.device_state
+            assert e.streamed == candidates(costs, e)[:len(start.streamed)]
+            assert len(e.early_order) == (costs.n_layers - len(e.device_state) if start.early_order else 0)
 
 
 def test_streamed_layers_must_be_host_layers_without_early_updates():

@@ -78,6 +78,29 @@ CASES = {
         hosts=2, link_bytes_per_s=12.5e9, vocab_streamed=True,
         options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
                      update_orders=("forward", "head_first"))),
+    # the placement of every layer's optimizer state a decision (every set of layers on the device)
+    "optimizer state placed, one rank": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0)), world_size=1, hardware="h200-sxm",
+        device_state="optional",
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
+    "optimizer state placed, 2 ranks sharded": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 3.0)), world_size=2, hardware="h100-sxm",
+        device_state="optional", device_state_sharded=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
+                     deliveries=("replicated", "sharded"), reductions=("cpu",), update_orders=("forward",))),
+    "optimizer state placed, 2 ranks each a full copy": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 3.0)), world_size=2, hardware="h100-sxm",
+        device_state="optional",
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     deliveries=("replicated",), reductions=("cpu", "gpu"), update_orders=("forward",))),
+    # the host budget binds: the state of some layers must go to the device (no host RAM there, one
+    # rank), or their delivery copies be made on load
+    "optimizer state placed under a host budget": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0)), world_size=1, hardware="h200-sxm",
+        device_state="optional", copies_on_load=True, host_budget="binding",
+        options=dict(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward",))),
 }
 
 
@@ -85,11 +108,17 @@ def make_costs(case) -> ProblemCosts:
     c = CASES[case]
     graph = c["graph"]()
     vocab = frozenset({0, len(graph.layers) - 1}) if c.get("vocab_streamed") else frozenset()
-    return ProblemCosts(Problem(graph, PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
-                                hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
-                                vocab_streamed=vocab, copies_on_load=c.get("copies_on_load", False),
-                                host_offload_bytes=c.get("host_offload_bytes")),
-                        SolverOptions(**c["options"]))
+    placed = frozenset(layer.id for layer in graph.layers) if c.get("device_state") == "optional" else frozenset()
+    problem = Problem(graph, PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
+                      hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
+                      vocab_streamed=vocab, copies_on_load=c.get("copies_on_load", False),
+                      host_offload_bytes=c.get("host_offload_bytes"), device_state_optional=placed,
+                      device_state_sharded=c.get("device_state_sharded", False))
+    options = SolverOptions(**c["options"])
+    if c.get("host_budget") == "binding":  # halfway between the fixed host RAM of no state and all on the device
+        fixed = ProblemCosts(problem, options).host_fixed
+        problem = replace(problem, host_budget_bytes=(fixed.bytes(()) + fixed.bytes(placed)) // 2)
+    return ProblemCosts(problem, options)
 
 
 def peak(costs, d) -> int:
@@ -152,8 +181,8 @@ def test_an_unproven_least_peak_refuses_below_its_bound_and_searches_the_gap(mon
     exact = cpsat.minimum_peak
     gap = 64 * MiB
 
-    def unproven(costs, window, deterministic_time=30.0):
-        found, bound, decisions = exact(costs, window, deterministic_time)
+    def unproven(costs, window, deterministic_time=30.0, **kw):
+        found, bound, decisions = exact(costs, window, deterministic_time, **kw)
         assert found == bound == smallest  # proven on a problem this small
         return found, bound - gap, decisions
 
@@ -315,50 +344,64 @@ def test_a_decision_is_credited_to_cp_sat_only_when_cp_sat_beat_every_heuristic(
 
 
 def test_a_host_budget_that_forces_device_state_agrees_with_brute_force():
-    """With a host budget below what the plan without device state takes (and below that with one
-    layer's state on the device), the plan keeps the state of leading layers on the device (0 host bytes each, one rank): its step is the fastest that brute
-    force finds over every device-state choice that fits the host (what is left of it bounding the
-    offloaded activations) and every decision within the device budget."""
-
-    from slidedp.scheduler.problem.costs import host_fixed_bytes
-    from slidedp.scheduler.solve import copies_may_bind
+    """With a host budget below what the plan takes with the state of no layer (nor of one layer) on the
+    device, the plan keeps the state of some layers there (0 host bytes each, one rank): its step is the
+    fastest that brute force finds over every placement of the state, every delivery copy and every
+    other decision within both budgets (what the host budget leaves beside the placement's fixed part
+    bounding the offloaded activations and kept copies)."""
+    from slidedp.scheduler.solve import _placement_problem
 
     graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
     hw = PRESETS["h200-sxm"]
     options = SolverOptions(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
                             update_orders=("forward",), device_state_prologue=False)
     base = Problem(graph, hw, 1, micro_batches=2)
-    candidates = [layer.id for layer in graph.blocks] + [graph.epilogue.id]
-
-    def problem_of(k: int, host_budget: int) -> Problem:
-        p = replace(base, device_state=frozenset(candidates[:k]))
-        # delivery copies a decision (kept or made on load) where they may not all fit, as the planner has it
-        p = replace(p, copies_on_load=copies_may_bind(p, options, host_budget))
-        return replace(p, host_offload_bytes=max(0, host_budget - host_fixed_bytes(p, options)))
-
-    fixed = [host_fixed_bytes(problem_of(k, 0), options) for k in range(len(candidates) + 1)]
+    tight = ProblemCosts(_placement_problem(base, options, 0), options)  # copies a decision, as they are below
+    assert tight.problem.device_state_optional == {b.id for b in graph.blocks} | {graph.epilogue.id}
+    candidates = [b.id for b in graph.blocks] + [graph.epilogue.id]
+    fixed = [tight.host_fixed.bytes(candidates[:k]) for k in range(len(candidates) + 1)]
     assert all(a > b for a, b in zip(fixed, fixed[1:]))  # each layer moved to the device frees host RAM
     budget = 40 * GiB
-    host_budget = (fixed[1] + fixed[2]) // 2  # k >= 2 fits; what is left bounds the offloaded activations
-    best = None
-    for k in range(len(candidates) + 1):
-        if fixed[k] > host_budget:
-            continue
-        costs = ProblemCosts(problem_of(k, host_budget), options)
-        found = brute_force(costs, budget)
-        if found is not None and (best is None or found[0] * costs.scale.tick_s < best[0]):
-            best = (found[0] * costs.scale.tick_s, k)
-    assert best is not None and best[1] >= 2
+    host_budget = (fixed[1] + fixed[2]) // 2  # two layers or more on the device; the rest bounds the offloads
+    costs = ProblemCosts(_placement_problem(base, options, host_budget), options)
+    ticks, best = brute_force(costs, budget)
+    assert len(best.device_state) >= 2
     plan = solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2, options=options,
                       host_budget_bytes=host_budget)
-    assert plan.predicted_step_time_s == pytest.approx(best[0], rel=1e-9)
+    assert round(plan.predicted_step_time_s / plan.solver["tick_s"]) == ticks
     assert len(plan.device_state) >= 2 and plan.peak_host_bytes <= host_budget
-    free = solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2,
-                      options=replace(options, device_state_blocks=0))
-    assert free.peak_host_bytes > host_budget >= plan.peak_host_bytes
+    free_plan = solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2,
+                           options=replace(options, device_state_blocks=0))
+    assert free_plan.peak_host_bytes > host_budget >= plan.peak_host_bytes
     with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget"):
         solve_plan(graph, budget_bytes=budget, hardware=hw, micro_batches=2, host_budget_bytes=host_budget,
                    options=replace(options, device_state_blocks=0))
+
+
+def test_the_placement_of_the_optimizer_state_is_credited_to_the_search_that_made_it(monkeypatch):
+    """The plan credits the placement to CP-SAT where CP-SAT made it (heuristics that cannot place any
+    state on the device: CP-SAT's model puts it there), and to the heuristic whose decisions won
+    otherwise (CP-SAT found nothing better); its alternative is one layer more or fewer there, simulated."""
+    from slidedp.scheduler.search import device_placement, local_search
+
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
+    kw = dict(budget_bytes=40 * GiB, hardware=PRESETS["h200-sxm"], micro_batches=2,
+              options=SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2)))
+    plan = solve_plan(graph, **kw)
+    core = plan.solver["chosen_by"].split(" + ")[0]
+    credit = plan.solver["searches"]["optimizer state on the device"]
+    assert plan.device_state and (credit == "CP-SAT" if core == "cp-sat" else
+                                  credit.startswith(core) and "CP-SAT found nothing better" in credit)
+    alternative = next(a for a in plan.alternatives if a.decision == "optimizer state on the device")
+    assert alternative.chosen_step_s == pytest.approx(plan.predicted_step_time_s)
+    assert alternative.runner_up_step_s is None or alternative.runner_up_step_s >= plan.predicted_step_time_s
+    monkeypatch.setattr(device_placement, "search", lambda *args: None)
+    monkeypatch.setattr(local_search, "improve", lambda costs, start, *args, **kw: start)
+    by_cpsat = solve_plan(graph, **kw)
+    assert by_cpsat.solver["chosen_by"].split(" + ")[0] == "cp-sat" and by_cpsat.device_state
+    assert by_cpsat.solver["searches"]["optimizer state on the device"] == "CP-SAT"
+    assert "decided by: optimizer state on the device: CP-SAT" in by_cpsat.summary()
+    assert by_cpsat.predicted_step_time_s == pytest.approx(plan.predicted_step_time_s)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

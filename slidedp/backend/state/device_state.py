@@ -1,5 +1,5 @@
-"""The optimizer state of the layers the plan keeps on the device (`plan.device_state`: leading
-blocks, maybe the prologue, and the epilogue once every block is there).
+"""The optimizer state of the layers the plan keeps on the device (`plan.device_state`: any set of
+layers with parameters, chosen per layer by the planner).
 
 For these layers the device holds the fp32 master weights, both AdamW moments and the step's
 gradient (in the host gradient's dtype). A step then moves nothing of them over PCIe: the weight

@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import product
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import GROUPS, KEPT, Decisions, LayerChoice
+from slidedp.scheduler.decisions import GROUPS, Decisions, LayerChoice
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
@@ -14,10 +14,12 @@ from slidedp.scheduler.oracles.timeline import simulate
 
 def all_decisions(costs: ProblemCosts):
     """Every Decisions the options allow: windows x orders x routes per group x chunks per layer
-    x activation per block x delivery copy per copyable layer."""
+    x activation per block x delivery copy per copyable layer x placement of the optimizer state per
+    layer where it is a decision (every set of layers on the device)."""
     W = costs.problem.world_size
     blocks = sorted(costs.blocks)
-    copy_choices = [costs.options.host_copies if i in costs.copyable else (KEPT,) for i in range(costs.n_layers)]
+    # (delivery copy, state on the device) per layer, as its options have them
+    copy_choices = [sorted({(o.host_copy, o.on_device) for o in opts}) for opts in costs.layer_options]
     for window in costs.windows():
         for order in costs.options.update_orders:
             for routes in product(costs.routes, repeat=len(GROUPS)):
@@ -27,7 +29,7 @@ def all_decisions(costs: ProblemCosts):
                         act_of = [costs.edge_activation(0)] + list(acts) + [costs.edge_activation(costs.epilogue_id)]
                         for copies in product(*copy_choices):
                             yield Decisions(window, order, tuple(
-                                LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1], copies[i])
+                                LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1], *copies[i])
                                 for i in range(costs.n_layers)))
 
 

@@ -47,7 +47,7 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
     c = d.layers[i]
     o = costs.option_of(i, c)
     if op.kind == "fwd":
-        return costs.prologue_fwd if i == 0 else costs.blocks[i].fwd
+        return costs.prologue_fwd_ticks(d) if i == 0 else costs.blocks[i].fwd
     if op.kind == "epi":
         return costs.epilogue
     if op.kind == "bwd":

@@ -118,7 +118,7 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     if len(blocks) != 1:
         raise ValueError(f"every block must share one delivery and reduction route, got {sorted(blocks)}")
     if d.grads_streamed:
-        n, on_device = costs.n_layers, set(costs.problem.device_state)
+        n, on_device = costs.n_layers, d.device_state
         landing = tuple(i for i in tuple(range(n - 2, -1, -1)) + (n - 1,) if i not in on_device)
         cpu_reduced = costs.problem.world_size > 1 and any(c.reduction == CPU for i, c in enumerate(d.layers)
                                                            if i not in on_device)
@@ -129,7 +129,8 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
     if d.streamed:
         if not costs.problem.streamed_updates:
             raise ValueError("streamed updates are not allowed for this problem (Problem.streamed_updates)")
-        bad = [i for i in d.streamed if i not in costs.streamed_layers or i in d.early_order]
+        bad = [i for i in d.streamed if i not in costs.streamed_layers or i in d.early_order
+               or d.layers[i].on_device]
         if bad or len(set(d.streamed)) != len(d.streamed):
             raise ValueError(f"streamed layers must be distinct host layers with parameters and no early "
                              f"update, got {d.streamed}")
@@ -313,7 +314,7 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
         if op.kind == "epi":
             ticks, name = costs.epilogue, "epilogue L{}"
         elif layer == 0:
-            ticks = costs.prologue_fwd if op.kind == "fwd" else costs.prologue_bwd
+            ticks = costs.prologue_fwd_ticks(d) if op.kind == "fwd" else costs.prologue_bwd
             name = op.kind + " L{}"
         elif op.kind == "fwd":
             ticks, name = costs.blocks[layer].fwd, "fwd L{}"

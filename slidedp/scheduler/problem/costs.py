@@ -63,10 +63,11 @@ class TransferOption:
     host_copy: str = KEPT  # the delivery copy kept in host RAM or made on load (decisions.KEPT, ON_LOAD)
     copy_host_bytes: int = 0  # host RAM of the kept copy on the host holding most of it, where it is a
     # decision (copyable_layers); 0 where made on load, or counted in the host state's fixed part
+    on_device: bool = False  # the layer's optimizer state on the device (LayerChoice.on_device)
 
     @property
-    def key(self) -> tuple[int, str, str, str]:
-        return (self.chunks, self.delivery, self.reduction, self.host_copy)
+    def key(self) -> tuple[int, str, str, str, bool]:
+        return (self.chunks, self.delivery, self.reduction, self.host_copy, self.on_device)
 
     def update_lane_ticks(self) -> int:
         """A rank's CPU lane time for the whole layer: owned * update_piece."""
@@ -122,9 +123,10 @@ class ProblemCosts:
                        d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
         self._choose_routes()
         self.copyable = copyable_layers(problem, self.options)
-        # the gradients a plan keeps unless they stream into the update (Problem.grads_streamable)
-        self.streamable_grad_bytes = sum(mem.host_grad_bytes(layer.numel, DTYPE_BYTES[problem.graph.compute_dtype])
-                                         for layer in streamable_grad_layers(problem))
+        # the gradients a plan keeps unless they stream into the update (Problem.grads_streamable), per layer
+        self.streamable_grads = {layer.id: mem.host_grad_bytes(layer.numel, DTYPE_BYTES[problem.graph.compute_dtype])
+                                 for layer in streamable_grad_layers(problem)}
+        self.host_fixed = host_fixed_parts(problem, self.options)
         self._transfer_options(rates)
         self._block_ticks(rates)
         self._device_updates()
@@ -165,7 +167,10 @@ class ProblemCosts:
         self.default_route = (REPLICATED, CPU) if (REPLICATED, CPU) in self.routes else self.routes[0]
 
     def _transfer_options(self, rates: "_Rates") -> None:
-        """Per layer, per chunk count and route: the copies' and updates' ticks (`TransferOption`)."""
+        """Per layer, per chunk count, route, delivery copy and placement of its optimizer state: the
+        copies' and updates' ticks (`TransferOption`). A layer whose state may live on the device
+        (Problem.device_state_optional) has both placements, one fixed there (Problem.device_state)
+        only the device's."""
         problem, t = self.problem, self.scale.ticks
         g, hw, W, G = problem.graph, problem.hardware, problem.world_size, problem.ranks_per_host
         across = dict(hosts=problem.hosts, link_bytes_per_s=problem.link_bytes_per_s)
@@ -175,9 +180,14 @@ class ProblemCosts:
         for layer in g.layers:
             numel, opts = layer.numel, []
             moved = self.moved_numel(layer.id)
-            on_device = layer.id in problem.device_state  # copies within the device, update there
+            placements = (True,) if layer.id in problem.device_state else (
+                (False, True) if layer.id in problem.device_state_optional else (False,))
             copies = self.options.host_copies if layer.id in self.copyable else (KEPT,)
-            for mult, (delivery, reduction), copy in product(self.options.chunk_multiples, self.routes, copies):
+            choices = [(mult, route, copy, on_device)
+                       for mult, route, copy, on_device in product(self.options.chunk_multiples, self.routes, copies,
+                                                                   placements)
+                       if not on_device or copy == KEPT]  # copies within the device, update there
+            for mult, (delivery, reduction), copy, on_device in choices:
                 k = mult * W
                 piece_bytes = moved * self.elem / k
                 load_bytes = self.load_bytes(layer.id, copy) / k
@@ -207,7 +217,8 @@ class ProblemCosts:
                     staging_bytes=mem.grad_staging_bytes(numel, self.elem, k, W, reduction),
                     piece_bytes=int(math.ceil(piece_bytes)),
                     host_copy=copy,
-                    copy_host_bytes=self._copy_host_bytes(layer, k) if copy == KEPT else 0,
+                    copy_host_bytes=self._copy_host_bytes(layer, k) if copy == KEPT and not on_device else 0,
+                    on_device=on_device,
                 )
                 if layer.id in problem.vocab_streamed:  # its chunks' casts: costmodel.memory.vocab_stream_bytes
                     option = replace(option, staging_bytes=0)
@@ -282,36 +293,49 @@ class ProblemCosts:
             )
 
     def _device_updates(self) -> None:
-        """Device-resident state: its bytes, and the delay its step-boundary AdamW adds to the prologue."""
+        """Per layer whose state is or may be on the device: its state's bytes per rank and its
+        device AdamW's ticks; and the forward before each layer (for the delay of `device_update`)."""
         problem, t = self.problem, self.scale.ticks
         g, hw, m = problem.graph, problem.hardware, problem.micro_batches
-        pro = g.prologue.costs
-        # The device's AdamW of the layers whose state lives there runs at the step boundary on a stream
-        # of its own, in forward order, beside the next forward (backend/runtime/rank.py); the forward reaches
-        # each such layer after the forward of the layers before it, and is delayed (at its start) by
-        # the most any update, with those before it, runs past that: max_k (sum_{j<=k} U_j - F_<k).
         # Sharded (several ranks): each rank keeps and updates only its chunks, the busiest rank's
         # share at the largest chunk size any option of the layer has (about numel / W).
-        on_device = [layer for layer in g.layers if layer.id in problem.device_state]
-        self.device_state_numel = {layer.id: self.device_state_shard_numel(layer) for layer in on_device}
-        self.device_state_bytes = sum(mem.device_state_bytes(n, self.elem) for n in self.device_state_numel.values())
-        prologue_fwd = t(ops.forward_time_s(pro, hw, m))
-        forward_before, elapsed = {g.prologue.id: 0}, prologue_fwd
+        capable = [layer for layer in g.layers if layer.id in problem.device_capable]
+        numel = {layer.id: self.device_state_shard_numel(layer) for layer in capable}
+        self.device_state_layer_bytes = {i: mem.device_state_bytes(n, self.elem) for i, n in numel.items()}
+        self.device_update_ticks = {i: t(ops.device_update_time_s(n, hw)) for i, n in numel.items()}
+        self.prologue_fwd = t(ops.forward_time_s(g.prologue.costs, hw, m))  # without the devices' updates
+        self.forward_before, elapsed = {g.prologue.id: 0}, self.prologue_fwd
         for b in g.blocks:
-            forward_before[b.id], elapsed = elapsed, elapsed + self.blocks[b.id].fwd
-        forward_before[g.epilogue.id] = elapsed
-        updated, self.device_update = 0, 0
-        for layer in on_device:
-            updated += t(ops.device_update_time_s(self.device_state_numel[layer.id], hw))
-            self.device_update = max(self.device_update, updated - forward_before[layer.id])
-        self.prologue_fwd = prologue_fwd + self.device_update
+            self.forward_before[b.id], elapsed = elapsed, elapsed + self.blocks[b.id].fwd
+        self.forward_before[g.epilogue.id] = elapsed
+
+    def device_update(self, on_device) -> int:
+        """Ticks by which the device's AdamW of the layers `on_device` delays the forward's start.
+
+        It runs at the step boundary on a stream of its own, in forward order, beside the next forward
+        (backend/runtime/rank.py); the forward reaches each such layer after the forward of the layers
+        before it, and is delayed (at its start) by the most any update, with those before it, runs
+        past that: max(0, max_k (sum_{j<=k} U_j - F_<k)) over the layers k on the device."""
+        updated, delay = 0, 0
+        for i in sorted(on_device):
+            updated += self.device_update_ticks[i]
+            delay = max(delay, updated - self.forward_before[i])
+        return delay
+
+    def prologue_fwd_ticks(self, d: Decisions) -> int:
+        """The prologue's forward under `d`, delayed by its device state's updates (`device_update`)."""
+        return self.prologue_fwd + self.device_update(d.device_state)
+
+    def device_state_bytes(self, on_device) -> int:
+        """Device bytes per rank of the optimizer state of the layers `on_device`."""
+        return sum(self.device_state_layer_bytes[i] for i in on_device)
 
     def device_state_shard_numel(self, layer) -> int:
         """Parameters of a device-state layer the busiest rank keeps: all of them unless sharded."""
         W = self.problem.world_size
         if not self.problem.device_state_sharded:
             return layer.numel
-        return max(mem.device_state_shard_numel(layer.numel, o.chunks, W) for o in self.layer_options[layer.id])
+        return max(mem.device_state_shard_numel(layer.numel, m * W, W) for m in self.options.chunk_multiples)
 
     def _streamed_updates(self, rates: "_Rates") -> None:
         """Per host layer and chunk count, each chunk's streamed-update pieces as (up, down) ticks."""
@@ -326,7 +350,7 @@ class ProblemCosts:
         for layer in g.layers:
             if layer.id in problem.device_state or not layer.numel:
                 continue
-            for k in {o.chunks for o in self.layer_options[layer.id]}:
+            for k in sorted({o.chunks for o in self.layer_options[layer.id]}):
                 size = -(-layer.numel // k)
                 chunks = []
                 for lo in range(0, layer.numel, size):
@@ -392,14 +416,16 @@ class ProblemCosts:
         each holds the chunks its ranks own, backend/state/host_state.py host_runs), the spare state
         of d's early updates, its offloaded activations and the pinned staging of its largest chunk."""
         g, G, p = self.problem.graph, self.problem.ranks_per_host, self.problem
+        on_device = d.device_state
         max_chunk = max((-(-layer.numel // c.chunks) for layer, c in zip(g.layers, d.layers)
-                         if layer.id not in p.device_state), default=0)
+                         if layer.id not in on_device), default=0)
+        no_grad = [i for i in self.streamable_grads if i not in on_device] if d.grads_streamed else ()
 
         def of_host(numels) -> dict[str, int]:
-            return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p),
+            return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p, on_device),
                                    spare=() if d.grads_streamed else d.early_order, no_copy=self.copies_made_on_load(d),
-                                   no_grad=[layer.id for layer in streamable_grad_layers(p)] if d.grads_streamed else (),
-                                   offloaded_bytes=G * self.host_offload_bytes(d), max_chunk_numel=max_chunk)
+                                   no_grad=no_grad, offloaded_bytes=G * self.host_offload_bytes(d),
+                                   max_chunk_numel=max_chunk)
 
         return max((of_host(numels) for numels in self.host_numels(d)), key=lambda parts: parts["state"])
 
@@ -410,7 +436,7 @@ class ProblemCosts:
         position = {layer: q for q, layer in enumerate(d.order(self.n_layers))}
         layers = [(layer.numel, c.chunks, tuple(self.owner(position[layer.id], k) for k in range(c.chunks)))
                   for layer, c in zip(g.layers, d.layers)]
-        return [mem.host_held_numels(layers, p.world_size, p.hosts, h, whole=p.device_state)
+        return [mem.host_held_numels(layers, p.world_size, p.hosts, h, whole=d.device_state)
                 for h in range(p.hosts)]
 
     def copies_made_on_load(self, d: Decisions) -> frozenset:
@@ -421,31 +447,53 @@ class ProblemCosts:
         """Host RAM of the delivery copies `d` keeps where that is a decision (`copy_host_bytes`)."""
         return sum(self.option_of(i, c).copy_host_bytes for i, c in enumerate(d.layers))
 
-    def host_left_bytes(self, d: Decisions) -> int:
-        """Host RAM of one host that `d` takes beyond the fixed part: its ranks' offloaded activations,
-        the delivery copies it keeps and, where they could stream, the gradients it keeps; within
-        ranks_per_host * host_offload_bytes."""
-        grads = 0 if d.grads_streamed else self.streamable_grad_bytes
-        return self.problem.ranks_per_host * self.host_offload_bytes(d) + self.kept_copy_bytes(d) + grads
+    def streamable_grad_bytes(self, d: Decisions) -> int:
+        """Host RAM of the gradients of `d`'s host layers that could stream into their update."""
+        on_device = d.device_state
+        return sum(b for i, b in self.streamable_grads.items() if i not in on_device)
 
-    def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int) -> bool:
-        """The device peak within the budget; the offloaded activations and the kept delivery copies
-        within host memory."""
-        limit = self.problem.host_offload_bytes
-        return peak_bytes <= budget_bytes and (
-            limit is None or self.host_left_bytes(d) <= self.problem.ranks_per_host * limit)
+    def host_left_bytes(self, d: Decisions, grads: bool = True) -> int:
+        """Host RAM of one host that `d` takes beyond the fixed part (`host_fixed`): its ranks' offloaded
+        activations, the delivery copies it keeps and, where they could stream, the gradients it keeps
+        (`grads` False: none, as the CP-SAT model counts them)."""
+        kept = self.streamable_grad_bytes(d) if grads and not d.grads_streamed else 0
+        return self.problem.ranks_per_host * self.host_offload_bytes(d) + self.kept_copy_bytes(d) + kept
+
+    def host_room(self, d: Decisions) -> int | None:
+        """Host RAM of one host that `d`'s `host_left_bytes` may take (None: unbounded): the ranks'
+        `host_offload_bytes`, and what the host budget leaves beside the fixed part of d's placement."""
+        p = self.problem
+        rooms = [p.ranks_per_host * p.host_offload_bytes] if p.host_offload_bytes is not None else []
+        if p.host_budget_bytes is not None:
+            rooms.append(p.host_budget_bytes - self.host_fixed.bytes(d.device_state))
+        return min(rooms, default=None)
+
+    def early_host_bytes(self, d: Decisions) -> int | None:
+        """Host RAM early updates' spare state may take with `d`'s `host_left_bytes` (None: no early
+        updates): Problem.early_host_bytes, within what the host budget leaves beside the fixed part."""
+        p = self.problem
+        if p.early_host_bytes is None or p.host_budget_bytes is None:
+            return p.early_host_bytes
+        return min(p.early_host_bytes, p.host_budget_bytes - self.host_fixed.bytes(d.device_state))
+
+    def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int, grads: bool = True) -> bool:
+        """The device peak within the budget; the fixed host part of d's placement, the offloaded
+        activations, the kept delivery copies and (`grads`) gradients within host memory (`host_room`)."""
+        room = self.host_room(d)
+        return peak_bytes <= budget_bytes and (room is None or self.host_left_bytes(d, grads) <= room)
 
     def windows(self) -> tuple[int, ...]:
         """Window sizes worth trying: the options, capped at the number of blocks."""
         return tuple(sorted({min(w, self.n_blocks) for w in self.options.windows}))
 
     def option_of(self, layer_id: int, c: LayerChoice) -> TransferOption:
-        """The transfer option of a layer's choice (its chunks, routes and delivery copy)."""
+        """The transfer option of a layer's choice (its chunks, routes, delivery copy and placement)."""
         try:
-            return self._option_index[(layer_id, c.chunks, c.delivery, c.reduction, c.host_copy)]
+            return self._option_index[(layer_id, c.chunks, c.delivery, c.reduction, c.host_copy, c.on_device)]
         except KeyError:
             raise ValueError(f"layer {layer_id}: no option chunks={c.chunks}, {c.delivery}, {c.reduction}, copy "
-                             f"{c.host_copy} among {[o.key for o in self.layer_options[layer_id]]}") from None
+                             f"{c.host_copy}, state on the {'device' if c.on_device else 'host'} among "
+                             f"{[o.key for o in self.layer_options[layer_id]]}") from None
 
     def owner(self, update_position: int, chunk: int) -> int:
         """Rank whose CPU threads update a chunk: (position in update order + chunk) mod W."""
@@ -468,10 +516,11 @@ class ProblemCosts:
 
 
 def copyable_layers(problem: Problem, options: SolverOptions) -> frozenset:
-    """Host layers whose delivery copy is a decision (kept or made on load): with a compute dtype
-    narrower than fp32, where the problem offers it (Problem.copies_on_load) and the options allow it;
-    not the layers whose state is on the device (their loads read the device's master), nor the
-    prologue of a streamed tied table (the epilogue's loads of it are priced from a kept copy)."""
+    """Layers whose delivery copy is a decision (kept or made on load) while their state is on the host:
+    with a compute dtype narrower than fp32, where the problem offers it (Problem.copies_on_load) and the
+    options allow it; not the layers whose state is fixed on the device (their loads read the device's
+    master), nor the prologue of a streamed tied table (the epilogue's loads of it are priced from a kept
+    copy)."""
     g = problem.graph
     if not problem.copies_on_load or ON_LOAD not in options.host_copies or DTYPE_BYTES[g.compute_dtype] == 4:
         return frozenset()
@@ -481,41 +530,85 @@ def copyable_layers(problem: Problem, options: SolverOptions) -> frozenset:
 
 
 def streamable_grad_layers(problem: Problem) -> list:
-    """The host layers whose gradient may stream into their update (Problem.grads_streamable): every
-    layer with parameters whose state is not on the device."""
+    """The layers whose gradient may stream into their update while their state is on the host
+    (Problem.grads_streamable): every layer with parameters whose state is not fixed on the device."""
     if not problem.grads_streamable:
         return []
     return [layer for layer in problem.graph.layers if layer.numel and layer.id not in problem.device_state]
 
 
-def host_lean_layers(problem: Problem) -> frozenset:
+def host_lean_layers(problem: Problem, on_device) -> frozenset:
     """Layers whose host state is lean (nothing on the host: costmodel.memory.host_layer_bytes):
-    those whose optimizer state is on the device of a one-rank engine, which runs in the engine's own
-    process (with several ranks every layer keeps its full host state)."""
-    return problem.device_state if problem.world_size == 1 else frozenset()
+    those whose optimizer state is on the device (`on_device`) of a one-rank engine, which runs in the
+    engine's own process (with several ranks every layer keeps its full host state)."""
+    return frozenset(on_device) if problem.world_size == 1 else frozenset()
 
 
-def host_fixed_memory(problem: Problem, options: SolverOptions) -> dict[str, int]:
-    """Host RAM every plan of `problem` takes whatever its decisions (one host's ranks): the host state with
-    its control region (without the delivery copies that are decisions, copyable_layers, nor the
-    gradients that may stream into the update, streamable_grad_layers) (with several hosts, a bound on a host's share over every chunk count), and the
-    pinned gradient staging of the largest chunk of a host layer any decisions can have (the fewest
-    chunks: the smallest chunk multiple times the ranks). Early updates' spare state and offloaded
-    activations come on top, as the decisions choose them."""
+@dataclass(frozen=True)
+class HostFixed:
+    """The host RAM every plan of a problem takes whatever its decisions but the placement of the
+    optimizer state (one host's ranks), as a function of the layers `on_device` whose state is on the
+    device: the host state with its control region, the pinned gradient staging of the largest chunk
+    of a host layer, and the lean layers' load staging. Linear but for the largest chunk, as the
+    CP-SAT model writes it:
+
+        control + sum_L (device_L if L on the device else host_L)
+              + staging_per_numel * max_{L on the host} chunk_numel_L + load_staging [some L on the device]
+    """
+
+    control: int  # the control region
+    host: tuple[int, ...]  # per layer: its host state with its state on the host
+    device: tuple[int, ...]  # ... on the device (nothing with one rank: lean)
+    chunk_numel: tuple[int, ...]  # per layer: its largest chunk, staged on the host while its state is there
+    staging_per_numel: int  # pinned staging bytes per parameter of the largest chunk
+    load_staging: int  # the lean layers' staging when there is one (one rank), else 0
+
+    def memory(self, on_device) -> dict[str, int]:
+        """By category, as costmodel.memory.host_memory names them."""
+        on_device = frozenset(on_device)
+        state = self.control + sum(self.device[i] if i in on_device else self.host[i] for i in range(len(self.host)))
+        chunk = max((n for i, n in enumerate(self.chunk_numel) if i not in on_device), default=0)
+        return {"state": state, "spare": 0, "offloaded_activations": 0,
+                "pinned_buffers": self.staging_per_numel * chunk,
+                "load_staging": self.load_staging if on_device else 0}
+
+    def bytes(self, on_device) -> int:
+        return sum(self.memory(on_device).values())
+
+
+def host_fixed_parts(problem: Problem, options: SolverOptions) -> HostFixed:
+    """The `HostFixed` of a problem (costmodel.memory counts each part): the host state without the
+    delivery copies that are decisions (copyable_layers) nor the gradients that may stream into the
+    update (streamable_grad_layers) (with several hosts, a bound on a host's share over every chunk
+    count; a layer whose state is on the device whole on every host), and the pinned gradient
+    staging of the largest chunk any decisions can have (the fewest chunks: the smallest chunk
+    multiple times the ranks). Early updates' spare state, offloaded activations, kept copies and
+    gradients come on top, as the decisions choose them."""
     g, W, G = problem.graph, problem.world_size, problem.ranks_per_host
     elem = DTYPE_BYTES[g.compute_dtype]
     fewest = min(options.chunk_multiples) * W
-    numels = [layer.numel for layer in g.layers]
-    if problem.hosts > 1:  # a host holds its ranks' chunks: at most chunks / hosts of them, whatever the count
-        numels = [n if layer.id in problem.device_state else
-                  max(min(n, -(-m * W // problem.hosts) * -(-n // (m * W))) for m in options.chunk_multiples)
-                  for layer, n in zip(g.layers, numels)]
-    return mem.host_memory(numels, elem, world_size=G, lean=host_lean_layers(problem),
-                           no_copy=copyable_layers(problem, options),
-                           no_grad=[layer.id for layer in streamable_grad_layers(problem)], max_chunk_numel=max((-(-layer.numel // fewest) for layer in g.layers
-                                                if layer.id not in problem.device_state), default=0))
+    copyable = copyable_layers(problem, options)
+    streamable = {layer.id for layer in streamable_grad_layers(problem)}
+    host, device = [], []
+    for layer in g.layers:
+        n = layer.numel
+        if problem.hosts > 1:  # a host holds its ranks' chunks: at most chunks / hosts of them, whatever the count
+            n = max(min(n, -(-m * W // problem.hosts) * -(-n // (m * W))) for m in options.chunk_multiples)
+        host.append(mem.host_layer_bytes(n, elem, copy=layer.id not in copyable, grad=layer.id not in streamable))
+        device.append(mem.host_layer_bytes(layer.numel, elem, lean=W == 1))
+    return HostFixed(control=mem.host_state_bytes((), elem, control_ints=mem.step_flag_ints(G, len(g.layers))),
+                     host=tuple(host), device=tuple(device),
+                     chunk_numel=tuple(-(-layer.numel // fewest) for layer in g.layers),
+                     staging_per_numel=mem.host_staging_bytes(1, elem, G),
+                     load_staging=mem.load_staging_bytes([0]) if W == 1 else 0)
 
 
-def host_fixed_bytes(problem: Problem, options: SolverOptions) -> int:
+def host_fixed_memory(problem: Problem, options: SolverOptions, on_device=None) -> dict[str, int]:
+    """Host RAM every plan of `problem` takes with the optimizer state of `on_device` on the device
+    (None: the layers fixed there), by category (`HostFixed`)."""
+    return host_fixed_parts(problem, options).memory(problem.device_state if on_device is None else on_device)
+
+
+def host_fixed_bytes(problem: Problem, options: SolverOptions, on_device=None) -> int:
     """The sum of host_fixed_memory."""
-    return sum(host_fixed_memory(problem, options).values())
+    return sum(host_fixed_memory(problem, options, on_device).values())

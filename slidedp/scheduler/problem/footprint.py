@@ -7,7 +7,8 @@ before the compute that reuses it, see program.py). At compute position x:
   mem(x) = resident weights + resident fp32 gradients (a streamed table's not: its layer's chunk
            buffers at its own positions instead) + window * largest block
            + 2 fp32 block gradient accumulators + max over layers of its gradient staging
-           + the optimizer state of the blocks that keep it on the device (costmodel.memory)
+           + the optimizer state of the layers that keep it on the device (costmodel.memory; a decision:
+             LayerChoice.on_device, added to these terms by `evaluate` and the CP-SAT model)
            + the slots of streamed updates, if any (allocated once, held throughout)
            + boundary stash(x) * m + working set(x)
            + sum over kept blocks i with fwd_i <= x <= bwd_i of m * saved_i
@@ -66,7 +67,8 @@ class PositionTerms:
 
 
 def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
-    """Memory terms at every compute position (the staging maximum is added separately)."""
+    """Memory terms at every compute position (the staging maximum and the device state are added
+    separately)."""
     key = ("footprint.terms", window)
     if key not in costs.cache:
         costs.cache[key] = _terms(costs, window, compute_keys)
@@ -78,8 +80,7 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
     static = (("resident_params_bytes", costs.resident_params_bytes),
               ("resident_grads_bytes", costs.resident_grads_bytes),
               ("weight_slots_bytes", costs.weight_slots_bytes(window)),
-              ("grad_accumulators_bytes", costs.grad_accumulators_bytes),
-              ("device_state_bytes", costs.device_state_bytes))
+              ("grad_accumulators_bytes", costs.grad_accumulators_bytes))
     out = []
     for x, key in enumerate(compute_keys):
         if x == 0:
@@ -128,6 +129,7 @@ def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str,
     activation = {i: decisions.layers[i].activation for i in costs.blocks}
     staging = max(costs.option_of(i, c).staging_bytes
                   for i, c in enumerate(decisions.layers))
+    device_state = costs.device_state_bytes(decisions.device_state)
     m = costs.problem.micro_batches
     kept_prefix = [0]  # bytes kept by blocks 1..j (the blocks held at a position are always 1..j)
     for i in sorted(costs.blocks):
@@ -138,6 +140,7 @@ def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str,
         for name, b in t.base:
             part[name] += b
         part["grad_staging_bytes"] = staging
+        part["device_state_bytes"] = device_state
         part["streamed_update_bytes"] = costs.streamed_update_bytes if decisions.streamed else 0
         part["kept_activation_bytes"] = kept_prefix[t.keep_upto]
         for (i, b) in t.offload:

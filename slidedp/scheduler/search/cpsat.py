@@ -6,9 +6,13 @@ constraints -> objective -> solve -> read back. Variables live in dicts keyed by
 carry structural names (`opt[L3,k4,replicated,cpu]`, `end[load[L3,fwd]]`). Times are integer
 ticks (costs.TimeScale: the only place where seconds become integers).
 
-Decisions (Booleans): act[i,a] the activation policy a of block i; opt[L,(k,d,r)] the chunk count
-k and routes (delivery d, reduction r) of layer L; route[g,d,r] the routes of layer group g;
-order[o] the update order across the step boundary. Ops that exist only under some decisions
+Decisions (Booleans): act[i,a] the activation policy a of block i; opt[L,(k,d,r,c,p)] the chunk
+count k, routes (delivery d, reduction r), delivery copy c and placement p of the optimizer state
+(host or device) of layer L; device_state[L] = sum of opt[L,.] with p on the device, where the
+placement is a decision (Problem.device_state_optional); route[g,d,r] the routes of layer group g;
+order[o] the update order across the step boundary. A layer's state on the device changes its
+options' copies and updates (costs.py), the forward's start (the device's AdamW: `_device_delay`),
+device memory and host memory (`memory_constraints`). Ops that exist only under some decisions
 (offloads, collectives, the two possible places of the epilogue's load) have a presence literal.
 Update ownership is not a variable: chunk c of the layer at update position p belongs to rank
 (p + c) mod W, which gives every rank the same share (note [lockstep] in oracles/timeline.py).
@@ -57,8 +61,10 @@ class Vars:
     """Every variable of the model, by domain id: the only bridge between model and solution."""
 
     act: dict = field(default_factory=dict)  # (block, activation) -> bool
-    opt: dict = field(default_factory=dict)  # (layer, (chunks, delivery, reduction)) -> bool
+    opt: dict = field(default_factory=dict)  # (layer, TransferOption.key) -> bool
     route: dict = field(default_factory=dict)  # (group, delivery, reduction) -> bool
+    on_device: dict = field(default_factory=dict)  # layer -> bool, or 0 / 1 where the problem fixes it
+    device_delay: object = None  # int: the device's AdamW's delay of the forward (None: no device state)
     order: dict = field(default_factory=dict)  # update order -> bool
     any_offload: object = None  # bool: some block offloads (forward loads then share the link)
     offloads: dict = field(default_factory=dict)  # block -> bool: it offloads (decisions.OFFLOADED; several allowed)
@@ -72,6 +78,8 @@ class Vars:
     head_extra: object = None  # int: U_E when the epilogue is updated second, else 0
     lane_end: dict = field(default_factory=dict)  # lane -> int: end of its last op
     kept: dict = field(default_factory=dict)  # block -> int: bytes kept by blocks 1..i (prefix sum)
+    host_chunk: object = None  # int: the largest chunk of a host layer (pinned staging), or a constant
+    host_lean: object = None  # bool: some layer's host state is lean (load staging), or 0 / 1
     staging: object = None  # max over layers of the gradient staging bytes
     cpu_end: object = None
     makespan: object = None
@@ -140,7 +148,8 @@ def _max_duration(costs: ProblemCosts, op: Op) -> int:
     if op.kind == "epi":
         return costs.epilogue
     if op.layer == 0:
-        return costs.prologue_fwd if op.kind == "fwd" else costs.prologue_bwd
+        return costs.prologue_fwd + costs.device_update(costs.problem.device_capable) if op.kind == "fwd" \
+            else costs.prologue_bwd
     if op.kind == "fwd":
         return costs.blocks[op.layer].fwd
     return max(costs.blocks[op.layer].bwd.values())
@@ -158,7 +167,8 @@ def lower_bound(costs: ProblemCosts, early: bool = False, streamed: bool = False
     its period. With streamed updates (the device takes some of the updates) it is the compute alone.
     """
     bwd = sum(min(costs.blocks[i].bwd[a] for a in costs.options.activations) for i in costs.blocks)
-    compute = costs.prologue_fwd + sum(b.fwd for b in costs.blocks.values()) + costs.epilogue + bwd
+    fwd_p = costs.prologue_fwd + costs.device_update(costs.problem.device_state)  # the least state on the device
+    compute = fwd_p + sum(b.fwd for b in costs.blocks.values()) + costs.epilogue + bwd
     compute += costs.prologue_bwd
     if streamed:
         return compute
@@ -178,7 +188,12 @@ def _decision_variables(m: cp_model.CpModel, costs: ProblemCosts, acts, orders) 
             v.act[(i, a)] = m.new_bool_var(f"act[L{i},{a}]")
     for i, opts in enumerate(costs.layer_options):
         for o in opts:
-            v.opt[(i, o.key)] = m.new_bool_var(f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction},{o.host_copy}]")
+            where = "device" if o.on_device else "host"
+            v.opt[(i, o.key)] = m.new_bool_var(f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction},{o.host_copy},{where}]")
+        if i in costs.problem.device_state_optional:
+            v.on_device[i] = m.new_bool_var(f"device_state[L{i}]")
+        else:
+            v.on_device[i] = int(i in costs.problem.device_state)
     for g in GROUPS:
         for d, r in costs.routes:
             v.route[(g, d, r)] = m.new_bool_var(f"route[{g},{d},{r}]")
@@ -214,6 +229,8 @@ def _one_choice_each(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> None:
         m.add_exactly_one(lit for (j, _), lit in v.act.items() if j == i)
     for i, opts in enumerate(costs.layer_options):
         m.add_exactly_one(v.opt[(i, o.key)] for o in opts)
+        if i in costs.problem.device_state_optional:  # the placement its option carries
+            m.add(v.on_device[i] == sum(v.opt[(i, o.key)] for o in opts if o.on_device))
     for g in GROUPS:
         m.add_exactly_one(v.route[(g, d, r)] for d, r in costs.routes)
     if v.order:
@@ -279,6 +296,24 @@ def _update_lanes(m: cp_model.CpModel, data: Data, v: Vars) -> None:
     m.add(v.cpu_end == sum(U.values()))
 
 
+def _device_delay(m: cp_model.CpModel, data: Data, v: Vars) -> None:
+    """The device's AdamW delays the forward's start (costs.device_update) by
+
+        delay >= 0,  delay >= sum_{j <= k} U_j device_state[j] - F_<k     for every layer k that may be there
+
+    (U_j: layer j's update on the device, F_<k: the forward before layer k); minimised, it is the
+    largest (a layer k on the host adds nothing: its bound is that of the last one before it)."""
+    c = data.costs
+    capable = sorted(c.problem.device_capable)
+    if not capable:
+        return
+    v.device_delay = m.new_int_var(0, c.device_update(capable), "device_delay")
+    updated = 0
+    for k in capable:
+        updated += c.device_update_ticks[k] * v.on_device[k]
+        m.add(v.device_delay >= updated - c.forward_before[k])
+
+
 # -- constraints: the program ------------------------------------------------------------------------
 
 
@@ -319,7 +354,9 @@ def _duration(data: Data, v: Vars, op: Op, duplex: bool = False):
     c = data.costs
     i, opts = op.layer, c.layer_options[op.layer]
     if op.kind == "fwd":
-        return c.prologue_fwd if i == 0 else c.blocks[i].fwd
+        if i == 0:
+            return c.prologue_fwd + (v.device_delay if v.device_delay is not None else 0)
+        return c.blocks[i].fwd
     if op.kind == "epi":
         return c.epilogue
     if op.kind == "bwd":
@@ -331,9 +368,9 @@ def _duration(data: Data, v: Vars, op: Op, duplex: bool = False):
     if op.kind == "grad":
         return _option_sum(v, i, opts, lambda o: o.grad_pieces * o.grad_piece)
     if op.kind == "all_gather":
-        return max(o.all_gather for o in opts)
+        return _option_sum(v, i, opts, lambda o: o.all_gather)
     if op.kind == "reduce_scatter":
-        return max(o.reduce_scatter for o in opts)
+        return _option_sum(v, i, opts, lambda o: o.reduce_scatter)
     if op.kind in ("offload", "reload"):
         ticks = c.blocks[i].offload if op.kind == "offload" else c.blocks[i].reload
         return sum(ticks[a] * v.act[(i, a)] for a in OFFLOADED if (i, a) in v.act)
@@ -412,20 +449,23 @@ def _busy_interval(m: cp_model.CpModel, data: Data, op: Op, e, dur, lit):
     return m.new_optional_interval_var(start, size, e, lit, f"iv[{op.key}]")
 
 
-def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v: Vars, cap) -> None:
+def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v: Vars, cap,
+                       host: bool = True) -> None:
     """Device memory at every compute position x (footprint.py) within `cap` (the budget, or a
-    variable when minimising the peak):
+    variable when minimising the peak), and (`host`) host memory within its budgets:
 
         staging >= sum_o opt[L,o] staging_o                        for every layer L
         kept_i = kept_(i-1) + m saved_i act[i,keep]                 (blocks 1..i keep, prefix sum)
         unstash_i = act[i,recompute_offload] AND (act[i-1,recompute] + act[i-1,recompute_offload])
-        base(x) + staging + kept_(j(x)) + sum_i (offload and recompute terms(x) act[i,.])
-            - sum_i (unstashed terms(x) unstash_i) <= cap
-        G sum_i,a m host_i,a act[i,a] + sum_L,o copy_L,o opt[L,o] <= G host_offload_bytes
-                                       (host memory of one host's G ranks and kept copies, when limited)
+        base(x) + staging + sum_L state_L device_state[L] + kept_(j(x))
+            + sum_i (offload and recompute terms(x) act[i,.]) - sum_i (unstashed terms(x) unstash_i) <= cap
+        left = G sum_i,a m host_i,a act[i,a] + sum_L,o copy_L,o opt[L,o]
+                                       (one host's G ranks' offloaded activations and kept copies)
+        left <= G host_offload_bytes,  fixed + left <= host_budget_bytes        (where given)
 
-    where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward) and
-    host_i,a the bytes an offloaded policy a of block i puts on the host per micro-batch."""
+    where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward),
+    state_L the device bytes of layer L's optimizer state, host_i,a the bytes an offloaded policy a
+    of block i puts on the host per micro-batch, and fixed the host RAM of the placement (`host_bytes`)."""
     for i, opts in enumerate(costs.layer_options):
         m.add(v.staging >= sum(o.staging_bytes * v.opt[(i, o.key)] for o in opts))
     m_batches = costs.problem.micro_batches
@@ -448,20 +488,59 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
             m.add(lit <= sum(before))
             m.add(lit >= v.act[(i, RECOMPUTE_OFFLOAD)] + sum(before) - 1)
     program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
+    device_state = sum(b * v.on_device[i] for i, b in costs.device_state_layer_bytes.items())
     for t in terms(costs, window, program.compute_keys):
-        expr = t.base_bytes + v.staging
+        expr = t.base_bytes + v.staging + device_state
         expr += prefix[t.keep_upto]
         for policies, pairs in (((OFFLOAD,), t.offload), (RECOMPUTED, t.recompute)):
             expr += sum(b * v.act[(i, p)] for p in policies for i, b in pairs if (i, p) in v.act)
         expr -= sum(b * v.unstash[i] for i, b in t.unstashed if i in v.unstash)
         m.add(expr <= cap)
-    limit, G = costs.problem.host_offload_bytes, costs.problem.ranks_per_host
-    host = [(G * m_batches * b.host_bytes[a], v.act[(i, a)]) for i, b in costs.blocks.items() for a in OFFLOADED
+    p = costs.problem
+    if host and p.host_offload_bytes is not None:
+        m.add(host_left(costs, v) <= p.ranks_per_host * p.host_offload_bytes)
+    if host and p.host_budget_bytes is not None:
+        m.add(host_bytes(m, costs, v) <= p.host_budget_bytes)
+
+
+def host_left(costs: ProblemCosts, v: Vars) -> cp_model.LinearExpr:
+    """One host's offloaded activations and kept delivery copies (costs.host_left_bytes without the
+    gradients that may stream)."""
+    G, m_batches = costs.problem.ranks_per_host, costs.problem.micro_batches
+    left = [(G * m_batches * b.host_bytes[a], v.act[(i, a)]) for i, b in costs.blocks.items() for a in OFFLOADED
             if (i, a) in v.act]
-    host += [(o.copy_host_bytes, v.opt[(i, o.key)]) for i, opts in enumerate(costs.layer_options) for o in opts
+    left += [(o.copy_host_bytes, v.opt[(i, o.key)]) for i, opts in enumerate(costs.layer_options) for o in opts
              if o.copy_host_bytes]
-    if limit is not None and host:  # host memory of the offloaded activations and the kept delivery copies
-        m.add(sum(b * lit for b, lit in host) <= G * limit)
+    return sum(b * lit for b, lit in left)
+
+
+def host_bytes(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> cp_model.LinearExpr:
+    """One host's RAM as the model counts it: the fixed part of the placement (costs.HostFixed),
+
+        control + sum_L (host_L + (device_L - host_L) device_state[L]) + staging chunk + load lean,
+        chunk >= chunk_L (1 - device_state[L]),  lean >= device_state[L]       (one rank)
+
+    (chunk and lean at least their true values; the least is the true one), plus `host_left`."""
+    f, capable = costs.host_fixed, costs.problem.device_capable
+    host_only = [n for i, n in enumerate(f.chunk_numel) if i not in capable]
+    if v.host_chunk is None:
+        optional = [i for i in sorted(costs.problem.device_state_optional) if f.chunk_numel[i] > max(host_only, default=0)]
+        if optional:
+            v.host_chunk = m.new_int_var(max(host_only, default=0), max(f.chunk_numel[i] for i in optional), "host_chunk")
+            for i in optional:
+                m.add(v.host_chunk >= f.chunk_numel[i] * (1 - v.on_device[i]))
+        else:
+            v.host_chunk = max(host_only, default=0)
+        if not f.load_staging or not capable:
+            v.host_lean = 0
+        elif costs.problem.device_state:
+            v.host_lean = 1
+        else:
+            v.host_lean = m.new_bool_var("host_lean")
+            for i in sorted(capable):
+                m.add_implication(v.on_device[i], v.host_lean)
+    state = f.control + sum(f.host[i] + (f.device[i] - f.host[i]) * v.on_device[i] for i in range(len(f.host)))
+    return state + f.staging_per_numel * v.host_chunk + f.load_staging * v.host_lean + host_left(costs, v)
 
 
 def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
@@ -479,8 +558,9 @@ def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
 def _decision_values(costs: ProblemCosts, v: Vars, d: Decisions):
     """(literal, value) of every decision variable for decisions `d` (hints, pinning)."""
     out = [(lit, d.layers[i].activation == a) for (i, a), lit in v.act.items()]
-    chosen = {i: (x.chunks, x.delivery, x.reduction, x.host_copy) for i, x in enumerate(d.layers)}
+    chosen = {i: (x.chunks, x.delivery, x.reduction, x.host_copy, x.on_device) for i, x in enumerate(d.layers)}
     out += [(lit, chosen[i] == key) for (i, key), lit in v.opt.items()]
+    out += [(lit, d.layers[i].on_device) for i, lit in v.on_device.items() if not isinstance(lit, int)]
     first = {"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}
     out += [(lit, (d.layers[first[g]].delivery, d.layers[first[g]].reduction) == (dl, r))
             for (g, dl, r), lit in v.route.items()]
@@ -493,7 +573,7 @@ def _read_back(solver: cp_model.CpSolver, costs: ProblemCosts, v: Vars, window: 
     for i, opts in enumerate(costs.layer_options):
         key = next(o.key for o in opts if solver.boolean_value(v.opt[(i, o.key)]))
         act = costs.edge_activation(i) if i not in costs.blocks else next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
-        layers.append(LayerChoice(key[0], act, key[1], key[2], key[3]))
+        layers.append(LayerChoice(key[0], act, key[1], key[2], key[3], key[4]))
     order = next((o for o in orders if solver.boolean_value(v.order[o])), orders[0]) if v.order else orders[0]
     return Decisions(window, order, tuple(layers))
 
@@ -525,11 +605,24 @@ def build_model(costs: ProblemCosts, window: int, budget_bytes: int, upper_bound
     _routes_per_group(m, costs, v)
     _offload_flag(m, data, v)
     _update_lanes(m, data, v)
+    _device_delay(m, data, v)
     _program_order(m, data, v)
     memory_constraints(m, costs, window, v, budget_bytes)
     _makespan(m, data, v)
     m.minimize(v.makespan)
     return m, data, v
+
+
+def _placement_values(costs: ProblemCosts, v: Vars, d: Decisions):
+    """(variable, value) of the placement's auxiliary variables under `d`: the device's delay, the host's
+    largest chunk and lean flag."""
+    on_device, f = d.device_state, costs.host_fixed
+    out = [(v.device_delay, costs.device_update(on_device))] if v.device_delay is not None else []
+    if not isinstance(v.host_chunk, (int, type(None))):
+        out.append((v.host_chunk, max((n for i, n in enumerate(f.chunk_numel) if i not in on_device), default=0)))
+    if not isinstance(v.host_lean, (int, type(None))):
+        out.append((v.host_lean, bool(on_device)))
+    return out
 
 
 def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars, d: Decisions) -> int:
@@ -558,6 +651,7 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
             values.append((v.kept[i], kept))
     values.append((v.staging, max(costs.option_of(i, c).staging_bytes
                                   for i, c in enumerate(d.layers))))
+    values += _placement_values(costs, v, d)
     values += [(v.cpu_end, cf.cpu_end), (v.makespan, cf.makespan)]
     for var, value in values:
         m.add_hint(var, int(value))
@@ -614,36 +708,84 @@ def pinned(costs: ProblemCosts, d: Decisions, budget_bytes: int) -> tuple[int, l
     return objective, values
 
 
-def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 30.0) -> tuple[int, int, Decisions]:
-    """The smallest peak device memory over every decision with this window: (the least peak found,
-    the proven lower bound, decisions reaching that peak). Both are the same where CP-SAT proves the
-    minimum (OPTIMAL); a model it cannot close in `deterministic_time` gives its best peak and its bound.
+def _memory_model(costs: ProblemCosts, window: int, symmetric: bool = True):
+    """The decisions alone (no timing), for a model of memory only: model, variables.
 
-    A host budget that binds the offloaded activations and inputs makes the model a knapsack: the LP
-    relaxation with its cuts (linearization level 2) proves it in hundredths of a second on Qwen3-14B
-    (one H200, 118 GiB of host RAM), where level 1 stopped 1-5% short after 30 deterministic seconds."""
-    acts = costs.options.activations
-    orders = costs.options.update_orders
+    Memory does not see which of two layers alike in every byte (their options' staging and kept
+    copies, their state's device and host bytes, their largest chunk) keeps its state on the device,
+    so of such layers the earlier ones are placed there first (device_state[a] >= device_state[b] for
+    a < b): one placement of each count, where the blocks of a model (most of them alike) would give
+    CP-SAT every permutation to refute (not where the placement is given: `symmetric` False)."""
     m = cp_model.CpModel()
-    v = _decision_variables(m, costs, acts, orders)
+    v = _decision_variables(m, costs, costs.options.activations, costs.options.update_orders)
     _one_choice_each(m, costs, v)
     _routes_per_group(m, costs, v)
-    upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + sum(
-        t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute)
-        for t in terms(costs, window, build_lanes(costs.n_blocks, window, False).compute_keys))
-    peak = m.new_int_var(0, upper, "peak")
-    memory_constraints(m, costs, window, v, peak)
-    m.minimize(peak)
+    f, alike = costs.host_fixed, {}
+    for i in sorted(costs.problem.device_state_optional) if symmetric else ():
+        key = (tuple((o.key, o.staging_bytes, o.copy_host_bytes) for o in costs.layer_options[i]),
+               costs.device_state_layer_bytes[i], f.host[i], f.device[i], f.chunk_numel[i])
+        if key in alike:
+            m.add(v.on_device[alike[key]] >= v.on_device[i])
+        alike[key] = i
+    return m, v
+
+
+def _solve_memory_model(costs: ProblemCosts, m: cp_model.CpModel, v: Vars, window: int, deterministic_time: float):
+    """Solve a memory model (minimised): (status, the value found, the proven bound, decisions), or None
+    where no decisions satisfy it."""
     solver = cp_model.CpSolver()
     _parameters(solver, costs, deterministic_time, presolve=True)
     solver.parameters.linearization_level = 2
     status = solver.solve(m)
+    if status == cp_model.INFEASIBLE:
+        return None
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise RuntimeError(f"the minimum-memory model ended {STATUS[status]} (window {window})")
-    d = _read_back(solver, costs, v, window, acts, orders)
+        raise RuntimeError(f"the memory model ended {STATUS[status]} (window {window})")
+    orders = costs.options.update_orders
+    d = _read_back(solver, costs, v, window, costs.options.activations, orders)
     found = int(round(solver.objective_value))
     bound = found if status == cp_model.OPTIMAL else int(math.ceil(solver.best_objective_bound))
     return found, bound, replace(d, update_order=FORWARD_ORDER if FORWARD_ORDER in orders else orders[0])
+
+
+def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 30.0, *,
+                 host: bool = True, on_device=None) -> tuple[int, int, Decisions] | None:
+    """The smallest peak device memory over every decision with this window within host memory (`host`
+    False: whatever the host takes): (the least peak found, the proven lower bound, decisions reaching
+    that peak); None where no decisions fit the host. Both are the same where CP-SAT proves the
+    minimum (OPTIMAL); a model it cannot close in `deterministic_time` gives its best peak and its bound.
+    Optimizer state goes to the device only where the host budget needs it there, or (`on_device`, a
+    set of layers) exactly there.
+
+    A host budget that binds the offloaded activations and inputs makes the model a knapsack: the LP
+    relaxation with its cuts (linearization level 2) proves it in hundredths of a second on Qwen3-14B
+    (one H200, 118 GiB of host RAM), where level 1 stopped 1-5% short after 30 deterministic seconds."""
+    m, v = _memory_model(costs, window, symmetric=on_device is None)
+    upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + sum(
+        costs.device_state_layer_bytes.values()) + sum(
+        t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute)
+        for t in terms(costs, window, build_lanes(costs.n_blocks, window, False).compute_keys))
+    peak = m.new_int_var(0, upper, "peak")
+    memory_constraints(m, costs, window, v, peak, host=host)
+    if on_device is not None:
+        for i, lit in v.on_device.items():
+            if not isinstance(lit, int):
+                m.add(lit == int(i in on_device))
+    m.minimize(peak)
+    return _solve_memory_model(costs, m, v, window, deterministic_time)
+
+
+def minimum_host(costs: ProblemCosts, window: int, budget_bytes: int,
+                 deterministic_time: float = 30.0) -> tuple[int, Decisions] | None:
+    """The least host RAM of one host (`host_bytes`: the fixed part of the placement, offloaded
+    activations, kept delivery copies) over every decision with this window within the device budget:
+    (the least found, decisions taking it); None where nothing fits the device budget. The leanest
+    host layout may keep optimizer state on the device (with one rank its layers take no host RAM)."""
+    m, v = _memory_model(costs, window)
+    memory_constraints(m, costs, window, v, budget_bytes, host=False)
+    m.minimize(host_bytes(m, costs, v))
+    found = _solve_memory_model(costs, m, v, window, deterministic_time)
+    return None if found is None else (found[0], found[2])
 
 
 def search(costs: ProblemCosts, budget_bytes: int, start: Decisions | None, *, window: int,

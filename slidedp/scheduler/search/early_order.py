@@ -32,7 +32,7 @@ def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[i
     """The first `landed_first` host layers in landing order, then the others in the order the next
     step loads them (d's update order); layers with their state on the device, or whose update is
     streamed through it (d.streamed), are not in it."""
-    host = set(range(costs.n_layers)) - set(costs.problem.device_state) - set(d.streamed)
+    host = set(range(costs.n_layers)) - d.device_state - set(d.streamed)
     first = [i for i in landing_order(costs.n_layers) if i in host][:landed_first]
     return tuple(first) + tuple(i for i in d.order(costs.n_layers) if i in host and i not in first)
 
@@ -41,7 +41,7 @@ def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
     """Host bytes of the spare fp32 master and moments of every host layer the CPU updates
     (page-aligned, as the host state lays them out: costmodel.memory.host_spare_bytes)."""
     g = costs.problem.graph
-    skip = set(costs.problem.device_state) | set(d.streamed)
+    skip = d.device_state | set(d.streamed)
     return sum(mem.host_spare_bytes(layer.numel) for layer in g.layers if layer.id not in skip)
 
 
@@ -49,7 +49,7 @@ def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation
     """`d` with its best early order, or with its gradients streamed into the update (every host
     layer as it lands, in place: neither spare nor gradient in host RAM), whichever is faster and
     fits; None: neither allowed (or no host layer)."""
-    n = costs.n_layers - len(costs.problem.device_state) - len(d.streamed)
+    n = costs.n_layers - len(d.device_state) - len(d.streamed)
     found = [e for e in (_streamed_gradients(costs, d, n), _spare_early(costs, d, n)) if e is not None]
     return min(found, key=lambda e: e[1].makespan) if found else None
 
@@ -58,7 +58,7 @@ def _streamed_gradients(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Deci
     """`d` with every host layer's gradient streamed into its update (Problem.grads_streamable)."""
     if not costs.problem.grads_streamable or n == 0 or d.streamed:
         return None
-    host = set(range(costs.n_layers)) - set(costs.problem.device_state)
+    host = set(range(costs.n_layers)) - d.device_state
     if costs.problem.world_size > 1 and any(d.layers[i].reduction != GPU for i in host):
         return None  # the CPUs sum the ranks' gradients into a host gradient
     e = replace(d, early_order=early_order(costs, d, n), grads_streamed=True)
@@ -68,10 +68,10 @@ def _streamed_gradients(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Deci
 def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
     """`d` with the early order of the fastest step whose updates write a spare (taken back if the
     gradient is not finite), where the spare state fits."""
-    limit = costs.problem.early_host_bytes
     # the spare state shares the host RAM left beside the host state with d's offloaded activations
     # and the delivery copies and gradients it keeps
     d = replace(d, grads_streamed=False)
+    limit = costs.early_host_bytes(d)
     if limit is None or n == 0 or spare_bytes(costs, d) + costs.host_left_bytes(d) > limit:
         return None
     tried: dict[int, tuple[Decisions, Simulation]] = {}

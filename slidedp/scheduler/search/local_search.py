@@ -36,7 +36,10 @@ def moves(costs: ProblemCosts, d: Decisions):
     """Neighbours of `d`: another window; the other update order; another route, or another chunk
     count, for a whole group (prologue, blocks, epilogue); every block to one policy, or the blocks of
     one policy to another; one more block kept or offloaded (the latest recomputed one); one fewer
-    (the earliest); one more block's input offloaded (the earliest recomputed one); one fewer (the latest). These include every alternative the plan's explanation compares (explain.py)."""
+    (the earliest); one more block's input offloaded (the earliest recomputed one); one fewer (the
+    latest); where the placement of the optimizer state is a decision, one more layer's on the device
+    (the first on the host), one fewer (the last on the device), the prologue's moved. These include
+    every alternative the plan's explanation compares (explain.py)."""
     blocks = sorted(costs.blocks)
     groups = {"prologue": [0], "blocks": blocks, "epilogue": [costs.epilogue_id]}
     W = costs.problem.world_size
@@ -55,12 +58,13 @@ def moves(costs: ProblemCosts, d: Decisions):
         for mult in costs.options.chunk_multiples:
             if mult * W != current.chunks or any(d.layers[i].chunks != current.chunks for i in ids):
                 yield d.replace_layers(ids, chunks=mult * W)
-    if costs.copyable:  # every delivery copy kept, or made on load; one more block's made on load, one fewer
+    copyable = [i for i in sorted(costs.copyable) if not d.layers[i].on_device]
+    if copyable:  # every delivery copy kept, or made on load; one more block's made on load, one fewer
         for copy in costs.options.host_copies:
-            if any(d.layers[i].host_copy != copy for i in costs.copyable):
-                yield d.replace_layers(costs.copyable, host_copy=copy)
-        kept = [i for i in blocks if i in costs.copyable and d.layers[i].host_copy == KEPT]
-        made = [i for i in blocks if i in costs.copyable and d.layers[i].host_copy == ON_LOAD]
+            if any(d.layers[i].host_copy != copy for i in copyable):
+                yield d.replace_layers(copyable, host_copy=copy)
+        kept = [i for i in blocks if i in copyable and d.layers[i].host_copy == KEPT]
+        made = [i for i in blocks if i in copyable and d.layers[i].host_copy == ON_LOAD]
         if kept:
             yield d.replace_layers([kept[-1]], host_copy=ON_LOAD)
         if made:
@@ -87,14 +91,39 @@ def moves(costs: ProblemCosts, d: Decisions):
             yield d.replace_layers(more, activation=a)
         if fewer:
             yield d.replace_layers(fewer, activation=RECOMPUTE)
+    yield from device_state_moves(costs, d)
+
+
+def device_state_moves(costs: ProblemCosts, d: Decisions):
+    """Where the placement of the optimizer state is a decision: one more layer's on the device (the
+    first of the blocks, then the epilogue, on the host), one fewer (the last on the device), the
+    prologue's moved (delivery copies of layers moved to the device: kept, the only way there); d's
+    streamed updates and early order laid out again for the host layers (`relaid`)."""
+    optional = costs.problem.device_state_optional
+    prologue = costs.problem.graph.prologue.id
+    rest = [i for i in sorted(optional) if i != prologue]
+    on, off = [i for i in rest if d.layers[i].on_device], [i for i in rest if not d.layers[i].on_device]
+    moved = ([d.replace_layers(off[:1], on_device=True, host_copy=KEPT)] if off else []) + (
+        [d.replace_layers(on[-1:], on_device=False)] if on else []) + (
+        [d.replace_layers([prologue], on_device=not d.layers[prologue].on_device, host_copy=KEPT)]
+        if prologue in optional else [])
+    for e in moved:
+        e = relaid(costs, d, e)
+        if e is not None:
+            yield e
 
 
 def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions | None:
-    """`d` with another update order, its streamed updates still the first host layers of that order
-    and its early order's tail (the layers not taken as they land) in it, as the searches that chose
-    them lay them out (streamed_prefix.candidates, early_order.early_order); None when d's early order
-    is not one of that form."""
-    e = replace(d, update_order=update_order)
+    """`d` with another update order (`relaid`)."""
+    return relaid(costs, d, replace(d, update_order=update_order))
+
+
+def relaid(costs: ProblemCosts, d: Decisions, e: Decisions) -> Decisions | None:
+    """`e` (d with its update order or placement changed) with d's streamed updates still the first
+    host layers of its update order and d's early order's tail (the layers not taken as they land) in
+    it, every host layer where the gradients stream, as the searches that chose them lay them out
+    (streamed_prefix.candidates, early_order.early_order); None when d's early order is not one of
+    that form."""
     if d.streamed:
         e = replace(e, streamed=streamed_prefix.candidates(costs, e)[: len(d.streamed)])
     if d.early_order:
@@ -102,7 +131,7 @@ def reordered(costs: ProblemCosts, d: Decisions, update_order: str) -> Decisions
                   if early_order.early_order(costs, d, m) == d.early_order), None)
         if m is None:
             return None
-        e = replace(e, early_order=early_order.early_order(costs, e, m))
+        e = replace(e, early_order=early_order.early_order(costs, e, costs.n_layers if d.grads_streamed else m))
     return e
 
 
@@ -134,7 +163,8 @@ def changed(before: Decisions, after: Decisions) -> list[str]:
     out = [name for name, attr in (("window", "window"), ("update order", "update_order")) if
            getattr(before, attr) != getattr(after, attr)]
     for name, attr in (("chunks", "chunks"), ("activations", "activation"), ("delivery", "delivery"),
-                       ("reduction", "reduction"), ("delivery copies", "host_copy")):
+                       ("reduction", "reduction"), ("delivery copies", "host_copy"),
+                       ("optimizer state on the device", "on_device")):
         if any(getattr(a, attr) != getattr(b, attr) for a, b in zip(before.layers, after.layers)):
             out.append(name)
     return out

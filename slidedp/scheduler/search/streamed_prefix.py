@@ -23,7 +23,7 @@ from slidedp.scheduler.search.found import Found
 
 def candidates(costs: ProblemCosts, d: Decisions) -> tuple[int, ...]:
     """Host layers with parameters, in update order: the streamed ones are a prefix of these."""
-    return tuple(i for i in d.order(costs.n_layers) if i in costs.streamed_layers)
+    return tuple(i for i in d.order(costs.n_layers) if i in costs.streamed_layers and not d.layers[i].on_device)
 
 
 def best_streamed(costs: ProblemCosts, d: Decisions, budget_bytes: int
