@@ -55,6 +55,27 @@ def test_device_state_is_exact(family, tied, blocks, prologue):
         train_side_by_side(engine, ref, steps=3, seed=11)
 
 
+@pytest.mark.parametrize("family, tied, layers", [
+    ("llama", False, (2,)),  # a middle block alone
+    ("qwen3", False, (1, 3)),  # blocks with a host block between them
+    ("gpt2", True, (0, 2)),  # the embedding (the tied head's weight) and a later block
+    ("llama", False, (3, 4)),  # the last block and the epilogue, the first blocks on the host
+])
+def test_any_set_of_layers_keeps_its_state_on_the_device(family, tied, layers):
+    """The planner places the state per layer (not only a prefix): a plan naming any set trains
+    exactly like torch.optim.AdamW, and the host keeps nothing of those layers."""
+    model = make_model(family, tied=tied)
+    ref = copy.deepcopy(model).eval()
+    host_plan = device_state_plan(model, 0)
+    assert host_plan.device_state == ()
+    plan = host_plan.replace(device_state=layers)
+    assert not plan.problems()
+    with compiled(model, plan) as engine:
+        assert set(engine.runner.updates.order).isdisjoint(layers)
+        assert_nothing_on_the_host(engine, plan)
+        train_side_by_side(engine, ref, steps=3, seed=12)
+
+
 def assert_nothing_on_the_host(engine, plan):
     """Lean: the host state allocates no byte for the layers on the device (the arrays' specs and
     views are empty, and the file holds only the other layers' arrays and the control region)."""

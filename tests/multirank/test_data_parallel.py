@@ -184,6 +184,19 @@ def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, prologue
         assert all(torch.equal(v, state[k]) for k, v in engine.state_dict().items())
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_a_set_of_layers_that_is_no_prefix_keeps_its_state_on_the_devices(sharded):
+    """Blocks 1 and 3 on the devices, block 2 between them on the host (the planner places the
+    state per layer): exact against torch.optim.AdamW on 2 ranks, full copies or sharded."""
+    model = make_model("qwen3", tied=True)
+    ref = copy.deepcopy(model).eval()
+    plan = device_state_plan(model, 2, prologue=False, sharded=None if sharded else False)
+    plan = plan.replace(device_state=(1, 3))
+    assert plan.device_state_sharded == sharded and not plan.problems()
+    with compile_ranks(model, 2, plan) as engine:
+        train_against_reference(engine, ref, world_size=2, steps=3)
+
+
 def test_sharded_device_state_keeps_a_third_per_rank_and_round_trips_checkpoints(tmp_path):
     """Three ranks: each keeps the device state of its own chunks (about 1/3 of the full copy each,
     every chunk on exactly one rank); a checkpoint written from the shards (the same on-disk format)
