@@ -73,9 +73,13 @@ class Problem:
     # through the device in row ranges of at most `vocab_chunk_numel` parameters instead of sitting whole
     # on it with a whole fp32 gradient: the embedding's rows in the forward, the head's twice (forward for
     # the logsumexp, backward recomputing the logits), each chunk's gradient sent down as it is made; a
-    # tied table for both layers or neither (LayerGraph.vocab_sets). The solver picks the set
-    # (solve._vocab_search).
+    # tied table for both layers or neither (LayerGraph.vocab_sets).
     vocab_streamed: frozenset = frozenset()
+    # The sets of layers whose table may stream, among which the CP-SAT model chooses (a Boolean per
+    # layer, one for a tied table: the edge layers' LayerChoice.activation, `streamed` or `resident`);
+    # (): `vocab_streamed` is fixed. With choices, vocab_streamed is empty (the resident problem) and a
+    # layer whose state the model may put on the device streams only with its state on the host.
+    vocab_choices: tuple = ()
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     # Host layers may make their delivery copy on load (LayerChoice.host_copy): offered where a host
     # budget could bind (solve.py); the copies kept then count with the offloaded activations (against
@@ -111,6 +115,15 @@ class Problem:
                 or set(self.vocab_streamed) & set(self.device_capable):
             raise ValueError(f"vocab_streamed must be the prologue / epilogue whose vocabulary table can stream (a "
                              f"tied table: both), with no device state, got {sorted(self.vocab_streamed)}")
+        if self.vocab_choices and (self.vocab_streamed or frozenset() not in self.vocab_choices
+                                   or any(c not in self.graph.vocab_sets() or set(c) & set(self.device_state)
+                                          for c in self.vocab_choices)):
+            raise ValueError(f"vocab_choices must be sets of LayerGraph.vocab_sets, the resident one among them, "
+                             f"none with a layer fixed on the device, with vocab_streamed empty, got "
+                             f"{[sorted(c) for c in self.vocab_choices]}")
+        if self.grads_streamable and self.graph.tied_table is not None and any(self.vocab_choices):
+            raise ValueError("a streamed tied table's gradient is the sum of two uses: it cannot stream into the "
+                             "update (grads_streamable): the choice of streaming it is not one of the model")
         if self.grads_streamable and self.tied_streamed:
             raise ValueError("a streamed tied table's gradient is the sum of two uses: it cannot stream into the "
                              "update (grads_streamable)")
@@ -249,9 +262,9 @@ class SolverOptions:
     # Streamed updates (Problem.streamed_updates): None lets the planner choose how many host layers,
     # an int fixes it (0: none).
     streamed_layers: int | None = None
-    # Vocabulary streaming (Problem.vocab_streamed): None lets the planner choose among the layers that
-    # can stream (solve._vocab_search); a tuple of "prologue" / "epilogue" fixes it (() : none; a tied
-    # table: both).
+    # Vocabulary streaming (Problem.vocab_streamed): None lets the CP-SAT model choose among the layers
+    # that can stream (Problem.vocab_choices, solve._vocab_search); a tuple of "prologue" / "epilogue"
+    # fixes it (() : none; a tied table: both).
     vocab_streamed: tuple[str, ...] | None = None
     vocab_chunk_numel: int = VOCAB_CHUNK_NUMEL
     seed: int = 0

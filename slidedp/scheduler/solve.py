@@ -67,7 +67,7 @@ def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int,
     """The error of a device budget below the smallest schedule's peak (with the host bytes of that
     schedule's placement: a plan needs them too)."""
     sim = simulate(costs, min_decisions, all_ranks=False)
-    min_host = costs.host_fixed.bytes(min_decisions.device_state)
+    min_host = costs.variant(min_decisions).host_fixed.bytes(min_decisions.device_state)
     host_budget = costs.problem.host_budget_bytes
     return InfeasibleBudgetError(
         f"the device budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the "
@@ -91,7 +91,7 @@ def _host_too_small(costs: ProblemCosts, budget_bytes: int) -> InfeasibleBudgetE
     if found is None:  # a budget within the least-peak model's gap that nothing fits
         return _device_too_small(costs, budget_bytes, min_budget, min_decisions)
     need, leanest = found
-    parts = costs.host_fixed.memory(leanest.device_state)
+    parts = costs.variant(leanest).host_fixed.memory(leanest.device_state)
     return InfeasibleBudgetError(
         f"the host budget {format_bytes(host_budget)} ({host_budget} bytes) is below the {format_bytes(need)} "
         f"({need} bytes) that the leanest plan needs (host state {format_bytes(parts['state'])} with the "
@@ -103,27 +103,14 @@ def _host_too_small(costs: ProblemCosts, budget_bytes: int) -> InfeasibleBudgetE
         min_budget_bytes=min_budget, budget_bytes=budget_bytes, min_host_bytes=need, host_budget_bytes=host_budget)
 
 
-def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
-    """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
-
-    Raises InfeasibleBudgetError below the smallest budgets that any decisions fit; its
-    `min_budget_bytes` is the least simulated peak over every decision (exact where CP-SAT proves
-    it; else the least it found, and a budget between its proven bound and that is searched), its
-    `min_host_bytes` where the host is what binds the least host RAM within the device budget.
-    """
-    floor = minimum_budget(costs)
-    if floor is None or budget_bytes < floor[3]:
-        if costs.problem.host_budget_bytes is None:
-            raise _device_too_small(costs, budget_bytes, floor[0], floor[1])
-        raise _host_too_small(costs, budget_bytes)
-    min_budget, min_decisions, min_per_window, min_bound = floor
-
-    # Heuristics: the baselines that fit, the least-memory decisions (which fit unless the budget is
-    # below the least peak found and above its proven bound), the placement seed of the optimizer
-    # state (search/device_placement.py), and a local search from each of the two best distinct ones;
-    # where the placement is a decision, then one from the least-memory decisions with the best
-    # placement so far (offloads that a descent from the others rarely reaches). They fit as the
-    # CP-SAT model counts host RAM (no gradient that may stream into the update).
+def _heuristics(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_decisions: Decisions) -> list[Found]:
+    """The heuristics' candidates: the baselines that fit, the least-memory decisions (`min_decisions`,
+    of peak `min_budget`; they fit unless the budget is below the least peak found and above its proven
+    bound), the placement seed of the optimizer state (search/device_placement.py), and a local search
+    from each of the two best distinct ones; where the placement is a decision, then one from the
+    least-memory decisions with the best placement so far (offloads that a descent from the others
+    rarely reaches). They fit as the CP-SAT model counts host RAM (no gradient that may stream into the
+    update)."""
     found = [baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES]
     found.append(device_placement.search(costs, budget_bytes, min_decisions, min_budget))
     candidates = [f for f in found if f and costs.fits(f.decisions, f.simulation.peak_bytes, budget_bytes, grads=False)]
@@ -141,7 +128,70 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         least = cpsat.minimum_peak(costs, costs.windows()[0], on_device=placement)
         if least is not None and least[0] <= budget_bytes:
             candidates.append(local_search.search(costs, budget_bytes, least[2], name="local-search-3"))
-            incumbent = fastest(candidates)
+    return candidates
+
+
+def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
+    """The passes after the search from `best`: (decisions, simulation, chosen_by, whether early updates
+    and whether streamed updates were taken, the streamed updates tried).
+
+    Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
+    models the step boundary, so its bound is not one for them: the analytical one is. Where the
+    gradients may stream into the update, CP-SAT's host budget counts none of them: the decisions that
+    keep them must also fit with them, else they stream. Streamed updates (if allowed): the device takes
+    the first host layers' updates off the CPU. The searches judge window, chunks, activations, routes
+    and update order at the step boundary, and a time-limited CP-SAT may stop short: a descent from the
+    final decisions by whole-group moves (the ones the plan's alternatives are compared with), crediting
+    what it changes."""
+    chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
+    assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
+    early = early_order.search(costs, budget_bytes, decisions)
+    kept_fits = costs.fits(decisions, best_sim.peak_bytes, budget_bytes)
+    took_early = early is not None and (early.makespan < best_sim.makespan or not kept_fits)
+    if took_early:
+        decisions, best_sim = early.decisions, early.simulation
+        chosen_by += f" + {early.by}"
+    streamed = streamed_prefix.search(costs, budget_bytes, decisions)
+    streamed_tried = streamed.tried if streamed is not None else {}
+    fixed = costs.options.streamed_layers is not None
+    took_streamed = streamed is not None and (fixed or streamed.makespan < best_sim.makespan)
+    if took_streamed:
+        decisions, best_sim = streamed.decisions, streamed.simulation
+        chosen_by += " + streamed updates"
+    polished = local_search.search(costs, budget_bytes, decisions, name="local search")
+    if polished.makespan < best_sim.makespan:
+        changed = local_search.changed(decisions, polished.decisions)
+        decisions, best_sim = polished.decisions, polished.simulation
+        chosen_by += f" + local search ({', '.join(changed)})"
+    return decisions, best_sim, chosen_by, took_early, took_streamed, streamed_tried
+
+
+def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
+    """Plan one problem: the smallest budget, the heuristics, CP-SAT per window, the best of all.
+
+    Raises InfeasibleBudgetError below the smallest budgets that any decisions fit; its
+    `min_budget_bytes` is the least simulated peak over every decision (exact where CP-SAT proves
+    it; else the least it found, and a budget between its proven bound and that is searched), its
+    `min_host_bytes` where the host is what binds the least host RAM within the device budget.
+    """
+    floor = minimum_budget(costs)
+    if floor is None or budget_bytes < floor[3]:
+        if costs.problem.host_budget_bytes is None:
+            raise _device_too_small(costs, budget_bytes, floor[0], floor[1])
+        raise _host_too_small(costs, budget_bytes)
+    min_budget, min_decisions, min_per_window, min_bound = floor
+
+    # Heuristics (`_heuristics`); where the tables that stream are a decision, those of each choice
+    # (ProblemCosts.variants) whose least peak fits the budget.
+    if costs.variants:
+        candidates = []
+        for variant in costs.variants.values():
+            least = minimum_budget(variant)
+            if least is not None and least[3] <= budget_bytes:
+                candidates += _heuristics(variant, budget_bytes, least[0], least[1])
+    else:
+        candidates = _heuristics(costs, budget_bytes, min_budget, min_decisions)
+    incumbent = fastest(candidates)
 
     # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
     # started from the best candidate of its window. Skipped when the incumbent meets the bound.
@@ -171,36 +221,18 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     best = fastest(candidates + solved)  # a tie credits the heuristic: CP-SAT found nothing better
     if best is None:  # a budget within the least-peak model's gap, and nothing found that fits it
         raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
-    chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
-    assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
-    # Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
-    # above models the step boundary, so its bound is not one for them: the analytical one is.
-    # Where the gradients may stream into the update, CP-SAT's host budget counts none of them: the
-    # decisions that keep them must also fit with them, else they stream.
-    early = early_order.search(costs, budget_bytes, decisions)
-    kept_fits = costs.fits(decisions, best_sim.peak_bytes, budget_bytes)
-    if early is not None and (early.makespan < best_sim.makespan or not kept_fits):
-        decisions, best_sim = early.decisions, early.simulation
-        chosen_by += f" + {early.by}"
+    # The passes after the search (`_after`) from the best decisions; where the tables that stream are a
+    # decision, also from the best of each other choice (the passes may favour another), keeping the fastest.
+    finals = [_after(costs, budget_bytes, best)]
+    for choice in costs.variants:
+        own = fastest([f for f in candidates + solved if costs.vocab_set(f.decisions) == choice])
+        if own is not None and costs.vocab_set(own.decisions) != costs.vocab_set(best.decisions):
+            finals.append(_after(costs, budget_bytes, own))
+    decisions, best_sim, chosen_by, early, streamed, streamed_tried = min(
+        finals, key=lambda f: (f[1].makespan, len(costs.vocab_set(f[0]))))  # ties: fewer tables streamed
+    if early or streamed:
         results = [replace(r, best_bound=None) for r in results]
-        lower = cpsat.lower_bound(costs, early=True)
-    # Streamed updates (if allowed): the device takes the first host layers' updates off the CPU.
-    streamed = streamed_prefix.search(costs, budget_bytes, decisions)
-    streamed_tried = streamed.tried if streamed is not None else {}
-    fixed = costs.options.streamed_layers is not None
-    if streamed is not None and (fixed or streamed.makespan < best_sim.makespan):
-        decisions, best_sim = streamed.decisions, streamed.simulation
-        chosen_by += " + streamed updates"
-        results = [replace(r, best_bound=None) for r in results]
-        lower = cpsat.lower_bound(costs, streamed=True)
-    # The searches above judge window, chunks, activations, routes and update order at the step
-    # boundary, and a time-limited CP-SAT may stop short: descend from the final decisions by
-    # whole-group moves (the ones the plan's alternatives are compared with), crediting what it changes.
-    polished = local_search.search(costs, budget_bytes, decisions, name="local search")
-    if polished.makespan < best_sim.makespan:
-        changed = local_search.changed(decisions, polished.decisions)
-        decisions, best_sim = polished.decisions, polished.simulation
-        chosen_by += f" + local search ({', '.join(changed)})"
+        lower = cpsat.lower_bound(costs, streamed=True) if streamed else cpsat.lower_bound(costs, early=True)
 
     best_ticks = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
@@ -244,7 +276,8 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     only_gpu = hosts > 1 or set(options.reductions) == {GPU}
     problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu),
                       vocab_chunk_numel=options.vocab_chunk_numel)
-    costs, sol, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
+    model_costs, sol, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
+    costs = model_costs.variant(sol.decisions)  # the problem with the chosen tables streamed
     wall = time.perf_counter() - t0
     tick = costs.scale.tick_s
     solver = {
@@ -262,16 +295,16 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
                      "deterministic_time": round(r.deterministic_time, 6), "conflicts": r.conflicts,
                      "branches": r.branches, "variables": r.n_variables, "constraints": r.n_constraints}
                     for r in sol.windows],
-        "candidates": {name: ticks * tick for name, ticks in sol.candidates},
+        "candidates": _candidates(sol.candidates, tick),
         "lower_bound_s": sol.lower_bound * tick,
         "min_budget_bytes": sol.min_budget_bytes,
         "seed": costs.options.seed,
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
-        "vocab_streamed_tried": vocab_tried,
+        "vocab_streamed_tried": vocab_tried if vocab_tried is not None else {},
         "wall_s": wall,
-        "searches": {**_searches(sol, costs), **_vocab_searched(vocab_tried, costs)},
+        "searches": {**_searches(sol, model_costs), **_vocab_searched(vocab_tried, model_costs, sol)},
     }
     if host_budget_bytes is not None:
         solver["host_budget_bytes"] = int(host_budget_bytes)
@@ -282,6 +315,14 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         plan = plan.replace(alternatives=plan.alternatives + (
             _streamed_alternative(sol.streamed_tried, len(plan.streamed_updates), _polished(sol.chosen_by)),))
     return plan
+
+
+def _candidates(candidates, tick: float) -> dict[str, float]:
+    """Each heuristic's fastest step [s] (one name may run once per choice of streamed tables)."""
+    best: dict[str, float] = {}
+    for name, ticks in candidates:
+        best[name] = min(best.get(name, ticks * tick), ticks * tick)
+    return best
 
 
 def _searches(sol: Solution, costs: ProblemCosts) -> dict[str, str]:
@@ -373,32 +414,27 @@ def _vocab_choices(problem: Problem, options: SolverOptions) -> list[frozenset]:
 
 
 def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, host_budget: int | None):
-    """Solve with each set of vocabulary-streamed layers (_vocab_choices), each in full (`solve`, with the
-    placement of the optimizer state `_placement_problem` allows), and keep the fastest (ties: the
-    earlier, resident first).
+    """Which tables stream (_vocab_choices): a decision of the CP-SAT model (Problem.vocab_choices: a
+    Boolean per table, one for a tied table), solved once with the placement of the optimizer state
+    `_placement_problem` allows. Streaming a table takes it (and its fp32 gradient) off the device for
+    the whole step, which every other decision's memory sees, at the price of a second load of the head
+    and the recomputation of its logits (costs.py): the model prices both (ProblemCosts.variants).
 
-    Why a sweep: streaming a table takes it (and its fp32 gradient) off the device for the whole step,
-    which every other decision's memory sees, at the price of a second load of the head and the
-    recomputation of its logits (costs.py); so each choice is its own problem. Below every choice's
-    smallest budget, the error names the smallest of them. A choice whose compute alone
-    (cpsat.lower_bound) is no faster than the best step found is not solved. Returns the costs and
-    solution of the best choice, and {label: predicted step [s] or None (does not fit, or not solved)}."""
+    Where the options fix the set, or a tied table could stream while the gradients may stream into
+    the update (which a streamed tied table's gradient, the sum of two uses, cannot), each choice is
+    solved in full and the fastest kept (ties: the earlier, resident first); below every choice's
+    smallest budget, the error names the smallest of them. Returns the costs the model was built on,
+    its solution, and {label: predicted step [s] or None (does not fit)} of such a sweep (None where the
+    model chose)."""
+    choices = _vocab_choices(problem, options)
+    tied_grads = problem.grads_streamable and problem.graph.tied_table is not None
+    if len(choices) > 1 and not tied_grads:
+        costs = ProblemCosts(_placement_problem(replace(problem, vocab_choices=tuple(choices)), options, host_budget),
+                             options)
+        return costs, solve(costs, budget_bytes), None
     best, errors, tried = None, [], {}
-    # with the sharded delivery or the GPU reduction possible (several ranks with peer-to-peer, several
-    # hosts) a streamed table is solved only where the resident ones do not fit: each full solve of
-    # those route choices takes seconds of a large model
-    plain = not options.forces_route and problem.hosts == 1 and (
-        problem.world_size == 1 or problem.hardware.gpu_p2p_bytes_per_s <= 0)
-    for choice in _vocab_choices(problem, options):
+    for choice in choices:
         label = _vocab_label(problem, choice)
-        if best is not None and not plain and options.vocab_streamed is None:
-            tried[label] = None
-            continue
-        if best is not None:  # skipped when its compute alone (a bound for every plan of it) is no faster
-            costs = ProblemCosts(problem.with_vocab_streamed(choice), options)
-            if cpsat.lower_bound(costs, streamed=True) * costs.scale.tick_s >= best[0]:
-                tried[label] = None
-                continue
         try:
             costs = ProblemCosts(_placement_problem(problem.with_vocab_streamed(choice), options, host_budget), options)
             sol = solve(costs, budget_bytes)
@@ -416,16 +452,22 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
     return costs, sol, tried
 
 
-def _vocab_searched(tried: dict, costs: ProblemCosts) -> dict[str, str]:
-    """The plan's credit for the vocabulary decision (solver["searches"])."""
-    if len(tried) < 2:
+def _vocab_searched(tried: dict | None, costs: ProblemCosts, sol: Solution) -> dict[str, str]:
+    """The plan's credit for the vocabulary decision (solver["searches"]): the search whose decisions the
+    plan holds where the CP-SAT model chose (a decision not made by CP-SAT is not credited to it)."""
+    label = _vocab_label(costs.problem, costs.vocab_set(sol.decisions) if costs.variants else costs.problem.vocab_streamed)
+    if tried is None:
+        core = sol.chosen_by.split(" + ")[0]
+        how = ("CP-SAT (a Boolean per table, one for a tied table)" if core == "cp-sat"
+               else f"{core} (a heuristic; CP-SAT found nothing better)")
+    elif len(tried) < 2:
         how = "fixed by SolverOptions.vocab_streamed" if costs.options.vocab_streamed is not None else \
             "the only choice (no table that can stream)"
     else:
-        how = (f"sweep around the solver: {len(tried)} choices, each solved in full (solve._vocab_search); "
-               + ", ".join(f"{k}: {'does not fit, cannot be faster or not solved' if v is None else f'{v * 1e3:.1f} ms'}"
-                            for k, v in tried.items()))
-    return {f"streamed vocabulary ({_vocab_label(costs.problem, costs.problem.vocab_streamed)})": how}
+        how = (f"sweep around the solver (a tied table whose gradient could otherwise stream into the update): "
+               f"{len(tried)} choices, each solved in full (solve._vocab_search); "
+               + ", ".join(f"{k}: {'does not fit' if v is None else f'{v * 1e3:.1f} ms'}" for k, v in tried.items()))
+    return {f"streamed vocabulary ({label})": how}
 
 
 def _placement_problem(problem: Problem, options: SolverOptions, host_budget: int | None) -> Problem:

@@ -78,6 +78,24 @@ CASES = {
         hosts=2, link_bytes_per_s=12.5e9, vocab_streamed=True,
         options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
                      update_orders=("forward", "head_first"))),
+    # which tables stream a decision of the model (every allowed set: untied, each on its own; tied, both or
+    # neither), with every route (the head's second load gathered again when sharded) and beside the
+    # placement of the optimizer state (a table streams only with its layer's state on the host)
+    "vocabulary streamed or not, one rank": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000), world_size=1,
+        hardware="h100-sxm", vocab_streamed="choice",
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward", "head_first"), vocab_chunk_numel=16 * 2**20)),
+    "vocabulary streamed or not, tied table, 2 ranks with peer-to-peer": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 2.0), tied=True), world_size=2, hardware="h100-sxm",
+        vocab_streamed="choice",
+        options=dict(activations=("recompute",), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
+    "vocabulary streamed or not, optimizer state placed": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 0.5), vocab=64000), world_size=1, hardware="h200-sxm",
+        vocab_streamed="choice", device_state="optional",
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward",), vocab_chunk_numel=16 * 2**20)),
     # the placement of every layer's optimizer state a decision (every set of layers on the device)
     "optimizer state placed, one rank": dict(
         graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0)), world_size=1, hardware="h200-sxm",
@@ -107,14 +125,16 @@ CASES = {
 def make_costs(case) -> ProblemCosts:
     c = CASES[case]
     graph = c["graph"]()
-    vocab = frozenset({0, len(graph.layers) - 1}) if c.get("vocab_streamed") else frozenset()
+    vocab = frozenset({0, len(graph.layers) - 1}) if c.get("vocab_streamed") is True else frozenset()
+    choices = tuple(graph.vocab_sets()) if c.get("vocab_streamed") == "choice" else ()
     placed = frozenset(layer.id for layer in graph.layers) if c.get("device_state") == "optional" else frozenset()
     problem = Problem(graph, PRESETS[c["hardware"]], c["world_size"], micro_batches=2,
                       hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
                       vocab_streamed=vocab, copies_on_load=c.get("copies_on_load", False),
                       host_offload_bytes=c.get("host_offload_bytes"), device_state_optional=placed,
-                      device_state_sharded=c.get("device_state_sharded", False))
+                      device_state_sharded=c.get("device_state_sharded", False), vocab_choices=choices)
     options = SolverOptions(**c["options"])
+    problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
     if c.get("host_budget") == "binding":  # halfway between the fixed host RAM of no state and all on the device
         fixed = ProblemCosts(problem, options).host_fixed
         problem = replace(problem, host_budget_bytes=(fixed.bytes(()) + fixed.bytes(placed)) // 2)
@@ -405,11 +425,35 @@ def test_the_placement_of_the_optimizer_state_is_credited_to_the_search_that_mad
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_vocabulary_choice_is_credited_to_the_search_that_made_it(monkeypatch, tied):
+    """Below the resident tables' floor a table must stream: with no heuristic candidates the CP-SAT
+    model's Boolean makes that choice, and the plan credits it to CP-SAT (not to a sweep)."""
+    from slidedp.scheduler import solve as solve_module
+
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000, hidden=2048, tied=tied)
+    options = SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                            update_orders=("forward",), device_state_blocks=0, streamed_layers=0,
+                            vocab_chunk_numel=16 * 2**20)
+    with pytest.raises(slidedp.InfeasibleBudgetError) as info:
+        solve_plan(graph, budget_bytes=1, hardware=PRESETS["h100-sxm"], options=replace(options, vocab_streamed=()))
+    budget = info.value.min_budget_bytes - 1  # the resident tables do not fit
+    monkeypatch.setattr(solve_module, "_heuristics", lambda *args: [])
+    plan = solve_plan(graph, budget_bytes=budget, hardware=PRESETS["h100-sxm"], options=options)
+    assert plan.solver["chosen_by"].split(" + ")[0] == "cp-sat"
+    streamed = [k for k in plan.solver["searches"] if k.startswith("streamed vocabulary")]
+    assert len(streamed) == 1 and "none" not in streamed[0]
+    assert plan.solver["searches"][streamed[0]].startswith("CP-SAT")
+    assert {d.activation for d in plan.decisions if d.kind != "block"} >= {"streamed"}
+    assert plan.peak_device_bytes <= budget
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_vocabulary_streaming_agrees_with_brute_force(tied):
-    """The planner's sweep over streamed tables (solve._vocab_search) finds brute force's optimum over
-    every decision and every set of streamed tables, at budgets where only streaming fits, where
-    streaming buys kept activations, and where everything fits; its floor is the smallest. A tied
-    table streams for both layers or neither."""
+    """Which tables stream, a decision of the CP-SAT model (Problem.vocab_choices), agrees with brute
+    force over every decision and every set of streamed tables (each set a problem of its own, and all
+    of them as one), at budgets where only streaming fits, where streaming buys kept activations, and
+    where everything fits; its floor is the smallest. A tied table streams for both layers or neither.
+    The plan credits the choice to the search whose decisions it holds."""
     from slidedp.scheduler.oracles.brute_force import brute_force_vocab
 
     graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0), vocab=64000, hidden=2048, tied=tied)
@@ -430,13 +474,25 @@ def test_vocabulary_streaming_agrees_with_brute_force(tied):
     assert info.value.min_budget_bytes == lowest
     for budget in (lowest, (lowest + resident) // 2, resident, resident + 4 * GiB):
         ticks, choice, _ = brute_force_vocab(problem, options, budget)
+        if budget == lowest:  # the sets as one problem: the same optimum, by brute force and CP-SAT alone
+            union = ProblemCosts(replace(problem, vocab_choices=tuple(graph.vocab_sets())), options)
+            assert brute_force(union, budget)[0] == ticks
+            results = [cpsat.solve_window(union, w, budget, None, 30.0) for w in union.windows()]
+            assert min(r.objective for r in results if r.objective is not None) == ticks
         plan = solve_plan(graph, budget_bytes=budget, hardware=PRESETS["h100-sxm"], options=options)
         tick = plan.solver["tick_s"]
         assert round(plan.predicted_step_time_s / tick) == ticks, budget
         streamed = {d.layer_id for d in plan.decisions if d.activation == "streamed"}
-        assert plan.solver["vocab_streamed_tried"] and plan.peak_device_bytes <= budget
+        assert plan.peak_device_bytes <= budget
         if budget < resident:
             assert streamed
+        label = "none" if not streamed else " + ".join(
+            n for n, i in (("prologue", 0), ("epilogue", len(graph.layers) - 1)) if i in streamed)
+        credit = plan.solver["searches"][f"streamed vocabulary ({label}{' (tied table)' if tied and streamed else ''})"]
+        core = plan.solver["chosen_by"].split(" + ")[0]
+        assert credit.startswith("CP-SAT") if core == "cp-sat" else (
+            credit.startswith(core) and "CP-SAT found nothing better" in credit), credit
+        assert "sweep" not in credit
 
 
 def test_a_streamed_tied_table_is_priced_for_both_uses():

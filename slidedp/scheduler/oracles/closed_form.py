@@ -70,6 +70,7 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
 
 
 def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
+    costs = costs.variant(d)  # the costs of d's choice of streamed tables
     prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1, costs.head_reload)
     holds = condition(d)
     any_offload = any(c.activation in OFFLOADED for c in d.layers)

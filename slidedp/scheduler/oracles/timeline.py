@@ -157,7 +157,9 @@ EARLY_ITERATIONS = 40  # layouts tried for the steady state of early updates (no
 
 def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ranks: bool = True) -> Simulation:
     """Lay out one step (in steady state). `all_ranks=False` lays out the GPU lanes of rank 0 only
-    (with every rank's CPU lane), which gives the same makespan by note [lockstep], faster."""
+    (with every rank's CPU lane), which gives the same makespan by note [lockstep], faster.
+    Where the tables that stream are a decision, the costs of d's choice (ProblemCosts.variant)."""
+    costs = costs.variant(d)
     check_decisions(costs, d)
     if not d.early_order:
         return _layout(costs, d, record, all_ranks)[0]

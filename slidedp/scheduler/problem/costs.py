@@ -64,10 +64,11 @@ class TransferOption:
     copy_host_bytes: int = 0  # host RAM of the kept copy on the host holding most of it, where it is a
     # decision (copyable_layers); 0 where made on load, or counted in the host state's fixed part
     on_device: bool = False  # the layer's optimizer state on the device (LayerChoice.on_device)
+    vocab_streamed: bool = False  # the layer's vocabulary table streams (Problem.vocab_streamed, vocab_choices)
 
     @property
-    def key(self) -> tuple[int, str, str, str, bool]:
-        return (self.chunks, self.delivery, self.reduction, self.host_copy, self.on_device)
+    def key(self) -> tuple[int, str, str, str, bool, bool]:
+        return (self.chunks, self.delivery, self.reduction, self.host_copy, self.on_device, self.vocab_streamed)
 
     def update_lane_ticks(self) -> int:
         """A rank's CPU lane time for the whole layer: owned * update_piece."""
@@ -109,7 +110,9 @@ class _Rates:
 
 
 class ProblemCosts:
-    """Costs of one problem under one set of solver options (immutable once built)."""
+    """Costs of one problem under one set of solver options (immutable once built). Where the tables
+    that stream are a decision (Problem.vocab_choices), those of each choice too (`variants`): the
+    methods that take decisions answer with the costs of their choice (`variant`)."""
 
     def __init__(self, problem: Problem, options: SolverOptions | None = None):
         self.problem = problem
@@ -133,6 +136,65 @@ class ProblemCosts:
         self._streamed_updates(rates)
         self._resident_ticks()
         self._memory_terms()
+        self._vocab_variants()
+
+    def _vocab_variants(self) -> None:
+        """Where the CP-SAT model chooses which tables stream (Problem.vocab_choices): the costs of each
+        choice (`variants`, each the problem with that set fixed: what the simulator prices), and, in
+        this one (the resident problem), each streamable layer's options with its table streamed as
+        well (TransferOption.vocab_streamed), the streamed epilogue's ticks (`epilogue_streamed`, the
+        logits recomputed) and the literal groups (`vocab_groups`: one layer each, a tied table's two
+        together). The streamed options of a layer are the same in every choice that streams it."""
+        p, E = self.problem, self.epilogue_id
+        self.variants: dict = {}
+        self.vocab_groups: tuple = ()
+        self.epilogue_streamed = self.epilogue
+        self.head_reload_optional = False
+        if not p.vocab_choices:
+            return
+        tied = p.graph.tied_table is not None
+        for choice in p.vocab_choices:
+            variant = replace(p, vocab_choices=(), vocab_streamed=choice,
+                              device_state_optional=frozenset(p.device_state_optional) - choice,
+                              grads_streamable=p.grads_streamable and not (tied and choice))
+            self.variants[choice] = ProblemCosts(variant, self.options)
+            assert self.variants[choice].scale == self.scale
+        groups = [c for c in p.vocab_choices if c and (tied or len(c) == 1)]
+        self.vocab_groups = tuple(tuple(sorted(c)) for c in groups)
+        options = [list(opts) for opts in self.layer_options]
+        for group in groups:
+            variant = self.variants[group]
+            for i in group:
+                layer = p.graph.layers[i]
+                for o in variant.layer_options[i]:
+                    assert o.vocab_streamed and not o.on_device
+                    if i in self.copyable and i not in variant.copyable and o.host_copy == KEPT:
+                        o = replace(o, copy_host_bytes=self._copy_host_bytes(layer, o.chunks))
+                    options[i].append(o)
+        self.layer_options = [tuple(opts) for opts in options]
+        self._option_index = {(i, *o.key): o for i, opts in enumerate(self.layer_options) for o in opts}
+        for choice, variant in self.variants.items():  # every choice's options are this one's
+            for i, opts in enumerate(variant.layer_options):
+                for o in opts:
+                    mine = self._option_index[(i, *o.key)]
+                    assert replace(mine, copy_host_bytes=o.copy_host_bytes) == o, (choice, i, o.key)
+        if any(E in c for c in p.vocab_choices):
+            self.epilogue_streamed = next(v for c, v in self.variants.items() if E in c).epilogue
+            self.head_reload_optional = True
+
+    def vocab_set(self, d: Decisions) -> frozenset:
+        """The layers whose table streams under `d` (their LayerChoice.activation `streamed`)."""
+        return frozenset(i for i in (0, self.epilogue_id) if d.layers[i].activation == STREAMED)
+
+    def variant(self, d: Decisions) -> "ProblemCosts":
+        """The costs of `d`'s choice of streamed tables (`variants`), or these where it is fixed."""
+        if not self.variants:
+            return self
+        choice = self.vocab_set(d)
+        if choice not in self.variants:
+            raise ValueError(f"the tables of layers {sorted(choice)} cannot stream together (choices "
+                             f"{[sorted(c) for c in self.variants]})")
+        return self.variants[choice]
 
     def _layout(self) -> None:
         """Element size, layer counts and ids; checks the graph is prologue, blocks, epilogue."""
@@ -219,6 +281,7 @@ class ProblemCosts:
                     host_copy=copy,
                     copy_host_bytes=self._copy_host_bytes(layer, k) if copy == KEPT and not on_device else 0,
                     on_device=on_device,
+                    vocab_streamed=layer.id in problem.vocab_streamed,
                 )
                 if layer.id in problem.vocab_streamed:  # its chunks' casts: costmodel.memory.vocab_stream_bytes
                     option = replace(option, staging_bytes=0)
@@ -415,6 +478,8 @@ class ProblemCosts:
         state as laid out for this problem (with several hosts, that of the host holding the most:
         each holds the chunks its ranks own, backend/state/host_state.py host_runs), the spare state
         of d's early updates, its offloaded activations and the pinned staging of its largest chunk."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).host_memory(d)
         g, G, p = self.problem.graph, self.problem.ranks_per_host, self.problem
         on_device = d.device_state
         max_chunk = max((-(-layer.numel // c.chunks) for layer, c in zip(g.layers, d.layers)
@@ -445,10 +510,14 @@ class ProblemCosts:
 
     def kept_copy_bytes(self, d: Decisions) -> int:
         """Host RAM of the delivery copies `d` keeps where that is a decision (`copy_host_bytes`)."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).kept_copy_bytes(d)
         return sum(self.option_of(i, c).copy_host_bytes for i, c in enumerate(d.layers))
 
     def streamable_grad_bytes(self, d: Decisions) -> int:
         """Host RAM of the gradients of `d`'s host layers that could stream into their update."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).streamable_grad_bytes(d)
         on_device = d.device_state
         return sum(b for i, b in self.streamable_grads.items() if i not in on_device)
 
@@ -456,12 +525,16 @@ class ProblemCosts:
         """Host RAM of one host that `d` takes beyond the fixed part (`host_fixed`): its ranks' offloaded
         activations, the delivery copies it keeps and, where they could stream, the gradients it keeps
         (`grads` False: none, as the CP-SAT model counts them)."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).host_left_bytes(d, grads)
         kept = self.streamable_grad_bytes(d) if grads and not d.grads_streamed else 0
         return self.problem.ranks_per_host * self.host_offload_bytes(d) + self.kept_copy_bytes(d) + kept
 
     def host_room(self, d: Decisions) -> int | None:
         """Host RAM of one host that `d`'s `host_left_bytes` may take (None: unbounded): the ranks'
         `host_offload_bytes`, and what the host budget leaves beside the fixed part of d's placement."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).host_room(d)
         p = self.problem
         rooms = [p.ranks_per_host * p.host_offload_bytes] if p.host_offload_bytes is not None else []
         if p.host_budget_bytes is not None:
@@ -471,6 +544,8 @@ class ProblemCosts:
     def early_host_bytes(self, d: Decisions) -> int | None:
         """Host RAM early updates' spare state may take with `d`'s `host_left_bytes` (None: no early
         updates): Problem.early_host_bytes, within what the host budget leaves beside the fixed part."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).early_host_bytes(d)
         p = self.problem
         if p.early_host_bytes is None or p.host_budget_bytes is None:
             return p.early_host_bytes
@@ -479,6 +554,8 @@ class ProblemCosts:
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int, grads: bool = True) -> bool:
         """The device peak within the budget; the fixed host part of d's placement, the offloaded
         activations, the kept delivery copies and (`grads`) gradients within host memory (`host_room`)."""
+        if self.variants:  # the costs of d's streamed tables
+            return self.variant(d).fits(d, peak_bytes, budget_bytes, grads)
         room = self.host_room(d)
         return peak_bytes <= budget_bytes and (room is None or self.host_left_bytes(d, grads) <= room)
 
@@ -487,9 +564,11 @@ class ProblemCosts:
         return tuple(sorted({min(w, self.n_blocks) for w in self.options.windows}))
 
     def option_of(self, layer_id: int, c: LayerChoice) -> TransferOption:
-        """The transfer option of a layer's choice (its chunks, routes, delivery copy and placement)."""
+        """The transfer option of a layer's choice (its chunks, routes, delivery copy, placement and,
+        for the prologue and epilogue, whether its table streams)."""
         try:
-            return self._option_index[(layer_id, c.chunks, c.delivery, c.reduction, c.host_copy, c.on_device)]
+            return self._option_index[(layer_id, c.chunks, c.delivery, c.reduction, c.host_copy, c.on_device,
+                                       c.activation == STREAMED)]
         except KeyError:
             raise ValueError(f"layer {layer_id}: no option chunks={c.chunks}, {c.delivery}, {c.reduction}, copy "
                              f"{c.host_copy}, state on the {'device' if c.on_device else 'host'} among "

@@ -75,6 +75,30 @@ def terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tu
     return costs.cache[key]
 
 
+def vocab_memory_deltas(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> dict:
+    """Where the tables that stream are a decision (ProblemCosts.vocab_groups): per literal group, per
+    compute position, the device bytes its table's streaming adds to the resident problem's base
+    (`terms`; negative: it frees them); the choices' terms are asserted to be the resident ones plus
+    the deltas of their groups."""
+    key = ("footprint.vocab_memory_deltas", window)
+    if key in costs.cache:
+        return costs.cache[key]
+    base = terms(costs, window, compute_keys)
+    deltas = {}
+    for group in costs.vocab_groups:
+        other = terms(costs.variants[frozenset(group)], window, compute_keys)
+        deltas[group] = tuple(o.base_bytes - b.base_bytes for o, b in zip(other, base))
+    for choice, variant in costs.variants.items():
+        other = terms(variant, window, compute_keys)
+        for x, (o, b) in enumerate(zip(other, base)):
+            assert (o.position, o.keep, o.offload, o.recompute, o.unstashed) == \
+                (b.position, b.keep, b.offload, b.recompute, b.unstashed)
+            assert o.base_bytes == b.base_bytes + sum(deltas[g][x] for g in costs.vocab_groups
+                                                      if set(g) <= choice), (choice, x)
+    costs.cache[key] = deltas
+    return deltas
+
+
 def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> tuple[PositionTerms, ...]:
     N, m = costs.n_blocks, costs.problem.micro_batches
     static = (("resident_params_bytes", costs.resident_params_bytes),
@@ -125,7 +149,9 @@ class Footprint:
 
 
 def evaluate(costs: ProblemCosts, decisions: Decisions, compute_keys: tuple[str, ...]) -> Footprint:
-    """mem(x) at every position for these decisions, and the breakdown of the peak."""
+    """mem(x) at every position for these decisions, and the breakdown of the peak (with the costs of
+    their choice of streamed tables: ProblemCosts.variant)."""
+    costs = costs.variant(decisions)
     activation = {i: decisions.layers[i].activation for i in costs.blocks}
     staging = max(costs.option_of(i, c).staging_bytes
                   for i, c in enumerate(decisions.layers))

@@ -6,14 +6,19 @@ constraints -> objective -> solve -> read back. Variables live in dicts keyed by
 carry structural names (`opt[L3,k4,replicated,cpu]`, `end[load[L3,fwd]]`). Times are integer
 ticks (costs.TimeScale: the only place where seconds become integers).
 
-Decisions (Booleans): act[i,a] the activation policy a of block i; opt[L,(k,d,r,c,p)] the chunk
-count k, routes (delivery d, reduction r), delivery copy c and placement p of the optimizer state
-(host or device) of layer L; device_state[L] = sum of opt[L,.] with p on the device, where the
-placement is a decision (Problem.device_state_optional); route[g,d,r] the routes of layer group g;
-order[o] the update order across the step boundary. A layer's state on the device changes its
-options' copies and updates (costs.py), the forward's start (the device's AdamW: `_device_delay`),
-device memory and host memory (`memory_constraints`). Ops that exist only under some decisions
-(offloads, collectives, the two possible places of the epilogue's load) have a presence literal.
+Decisions (Booleans): act[i,a] the activation policy a of block i; opt[L,(k,d,r,c,p,v)] the chunk
+count k, routes (delivery d, reduction r), delivery copy c, placement p of the optimizer state
+(host or device) and, for the prologue and epilogue, whether the vocabulary table streams (v) of
+layer L; device_state[L] = sum of opt[L,.] with p on the device, where the placement is a decision
+(Problem.device_state_optional); vocab_streamed[T] = sum of opt[L,.] with v, per table T where
+that is a decision (Problem.vocab_choices: one per layer, one for a tied table's two); route[g,d,r]
+the routes of layer group g; order[o] the update order across the step boundary. A layer's state
+on the device changes its options' copies and updates (costs.py), the forward's start (the
+device's AdamW: `_device_delay`), device memory and host memory (`memory_constraints`); a streamed
+table its layer's options, the epilogue's compute (the logits recomputed) and device memory
+(footprint.vocab_memory_deltas). Ops that exist only under some decisions (offloads,
+collectives, the two possible places of the epilogue's load, a streamed head's second load) have a
+presence literal.
 Update ownership is not a variable: chunk c of the layer at update position p belongs to rank
 (p + c) mod W, which gives every rank the same share (note [lockstep] in oracles/timeline.py).
 
@@ -43,10 +48,11 @@ from ortools.sat.python import cp_model
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, Decisions, LayerChoice,
+    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, RESIDENT, STREAMED,
+    Decisions, LayerChoice,
 )
 from slidedp.scheduler.plan import input_offloaded
-from slidedp.scheduler.problem.footprint import terms
+from slidedp.scheduler.problem.footprint import terms, vocab_memory_deltas
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.oracles.timeline import simulate
@@ -64,6 +70,7 @@ class Vars:
     opt: dict = field(default_factory=dict)  # (layer, TransferOption.key) -> bool
     route: dict = field(default_factory=dict)  # (group, delivery, reduction) -> bool
     on_device: dict = field(default_factory=dict)  # layer -> bool, or 0 / 1 where the problem fixes it
+    vocab: dict = field(default_factory=dict)  # layer -> bool: its table streams (one for a tied table's two)
     device_delay: object = None  # int: the device's AdamW's delay of the forward (None: no device state)
     order: dict = field(default_factory=dict)  # update order -> bool
     any_offload: object = None  # bool: some block offloads (forward loads then share the link)
@@ -114,7 +121,8 @@ class Data:
 
 
 def _data(costs: ProblemCosts, window: int) -> Data:
-    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
+    program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1,
+                          costs.head_reload or costs.head_reload_optional)
     acts, orders = costs.options.activations, costs.options.update_orders
     sharded = any(d == "sharded" for d, _ in costs.routes)
     gpu = any(r == "gpu" for _, r in costs.routes)
@@ -146,7 +154,7 @@ def _max_duration(costs: ProblemCosts, op: Op) -> int:
     if op.kind == "reload":
         return max(costs.blocks[op.layer].reload.values())
     if op.kind == "epi":
-        return costs.epilogue
+        return max(costs.epilogue, costs.epilogue_streamed)
     if op.layer == 0:
         return costs.prologue_fwd + costs.device_update(costs.problem.device_capable) if op.kind == "fwd" \
             else costs.prologue_bwd
@@ -189,11 +197,17 @@ def _decision_variables(m: cp_model.CpModel, costs: ProblemCosts, acts, orders) 
     for i, opts in enumerate(costs.layer_options):
         for o in opts:
             where = "device" if o.on_device else "host"
-            v.opt[(i, o.key)] = m.new_bool_var(f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction},{o.host_copy},{where}]")
+            table = ",streamed" if o.vocab_streamed else ""
+            v.opt[(i, o.key)] = m.new_bool_var(
+                f"opt[L{i},k{o.chunks},{o.delivery},{o.reduction},{o.host_copy},{where}{table}]")
         if i in costs.problem.device_state_optional:
             v.on_device[i] = m.new_bool_var(f"device_state[L{i}]")
         else:
             v.on_device[i] = int(i in costs.problem.device_state)
+    for group in costs.vocab_groups:  # a tied table's two layers share one
+        lit = m.new_bool_var(f"vocab_streamed[{','.join(f'L{i}' for i in group)}]")
+        for i in group:
+            v.vocab[i] = lit
     for g in GROUPS:
         for d, r in costs.routes:
             v.route[(g, d, r)] = m.new_bool_var(f"route[{g},{d},{r}]")
@@ -231,6 +245,8 @@ def _one_choice_each(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> None:
         m.add_exactly_one(v.opt[(i, o.key)] for o in opts)
         if i in costs.problem.device_state_optional:  # the placement its option carries
             m.add(v.on_device[i] == sum(v.opt[(i, o.key)] for o in opts if o.on_device))
+        if i in v.vocab:  # whether its table streams (never with its state on the device: no such option)
+            m.add(v.vocab[i] == sum(v.opt[(i, o.key)] for o in opts if o.vocab_streamed))
     for g in GROUPS:
         m.add_exactly_one(v.route[(g, d, r)] for d, r in costs.routes)
     if v.order:
@@ -323,6 +339,8 @@ def _presence(m: cp_model.CpModel, data: Data, v: Vars, op: Op):
     two atoms -> their AND."""
     c = data.costs
     lits = []
+    if op.layer == c.epilogue_id and op.key.endswith(",head]") and c.epilogue_id in v.vocab:
+        lits.append(v.vocab[c.epilogue_id])  # the head's second load: only where its table streams
     for atom in op.when:
         kind = atom[0]
         if kind == "offload":
@@ -357,8 +375,8 @@ def _duration(data: Data, v: Vars, op: Op, duplex: bool = False):
         if i == 0:
             return c.prologue_fwd + (v.device_delay if v.device_delay is not None else 0)
         return c.blocks[i].fwd
-    if op.kind == "epi":
-        return c.epilogue
+    if op.kind == "epi":  # a streamed head recomputes its logits
+        return c.epilogue + ((c.epilogue_streamed - c.epilogue) * v.vocab[i] if i in v.vocab else 0)
     if op.kind == "bwd":
         return c.prologue_bwd if i == 0 else sum(c.blocks[i].bwd[a] * v.act[(i, a)] for a in data.activations)
     if op.kind == "load":
@@ -457,14 +475,16 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
         staging >= sum_o opt[L,o] staging_o                        for every layer L
         kept_i = kept_(i-1) + m saved_i act[i,keep]                 (blocks 1..i keep, prefix sum)
         unstash_i = act[i,recompute_offload] AND (act[i-1,recompute] + act[i-1,recompute_offload])
-        base(x) + staging + sum_L state_L device_state[L] + kept_(j(x))
+        base(x) + staging + sum_L state_L device_state[L] + kept_(j(x)) + sum_T delta_T(x) streamed[T]
             + sum_i (offload and recompute terms(x) act[i,.]) - sum_i (unstashed terms(x) unstash_i) <= cap
         left = G sum_i,a m host_i,a act[i,a] + sum_L,o copy_L,o opt[L,o]
                                        (one host's G ranks' offloaded activations and kept copies)
         left <= G host_offload_bytes,  fixed + left <= host_budget_bytes        (where given)
 
     where blocks 1..j(x) hold kept activations at x (j = i at block i's forward and backward),
-    state_L the device bytes of layer L's optimizer state, host_i,a the bytes an offloaded policy a
+    state_L the device bytes of layer L's optimizer state, delta_T(x) what streaming table T changes of
+    the base (footprint.vocab_memory_deltas: its resident parameters and gradient, its chunks' slots,
+    the head's working set), host_i,a the bytes an offloaded policy a
     of block i puts on the host per micro-batch, and fixed the host RAM of the placement (`host_bytes`)."""
     for i, opts in enumerate(costs.layer_options):
         m.add(v.staging >= sum(o.staging_bytes * v.opt[(i, o.key)] for o in opts))
@@ -489,8 +509,10 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
             m.add(lit >= v.act[(i, RECOMPUTE_OFFLOAD)] + sum(before) - 1)
     program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
     device_state = sum(b * v.on_device[i] for i, b in costs.device_state_layer_bytes.items())
-    for t in terms(costs, window, program.compute_keys):
+    deltas = vocab_memory_deltas(costs, window, program.compute_keys) if costs.vocab_groups else {}
+    for x, t in enumerate(terms(costs, window, program.compute_keys)):
         expr = t.base_bytes + v.staging + device_state
+        expr += sum(delta[x] * v.vocab[group[0]] for group, delta in deltas.items() if delta[x])
         expr += prefix[t.keep_upto]
         for policies, pairs in (((OFFLOAD,), t.offload), (RECOMPUTED, t.recompute)):
             expr += sum(b * v.act[(i, p)] for p in policies for i, b in pairs if (i, p) in v.act)
@@ -558,9 +580,12 @@ def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
 def _decision_values(costs: ProblemCosts, v: Vars, d: Decisions):
     """(literal, value) of every decision variable for decisions `d` (hints, pinning)."""
     out = [(lit, d.layers[i].activation == a) for (i, a), lit in v.act.items()]
-    chosen = {i: (x.chunks, x.delivery, x.reduction, x.host_copy, x.on_device) for i, x in enumerate(d.layers)}
+    chosen = {i: (x.chunks, x.delivery, x.reduction, x.host_copy, x.on_device, x.activation == STREAMED)
+              for i, x in enumerate(d.layers)}
     out += [(lit, chosen[i] == key) for (i, key), lit in v.opt.items()]
     out += [(lit, d.layers[i].on_device) for i, lit in v.on_device.items() if not isinstance(lit, int)]
+    out += [(lit, d.layers[group[0]].activation == STREAMED) for group in costs.vocab_groups
+            for lit in (v.vocab[group[0]],)]
     first = {"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}
     out += [(lit, (d.layers[first[g]].delivery, d.layers[first[g]].reduction) == (dl, r))
             for (g, dl, r), lit in v.route.items()]
@@ -572,7 +597,10 @@ def _read_back(solver: cp_model.CpSolver, costs: ProblemCosts, v: Vars, window: 
     layers = []
     for i, opts in enumerate(costs.layer_options):
         key = next(o.key for o in opts if solver.boolean_value(v.opt[(i, o.key)]))
-        act = costs.edge_activation(i) if i not in costs.blocks else next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
+        if i in costs.blocks:
+            act = next(a for a in acts if solver.boolean_value(v.act[(i, a)]))
+        else:
+            act = STREAMED if key[5] else RESIDENT
         layers.append(LayerChoice(key[0], act, key[1], key[2], key[3], key[4]))
     order = next((o for o in orders if solver.boolean_value(v.order[o])), orders[0]) if v.order else orders[0]
     return Decisions(window, order, tuple(layers))
@@ -638,11 +666,19 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
     for (kind, g), lit in v.route_kind.items():
         first = d.layers[{"prologue": 0, "blocks": 1, "epilogue": costs.epilogue_id}[g]]
         values.append((lit, first.delivery == "sharded" if kind == "sharded" else first.reduction == "gpu"))
-    values += [(lit, cf.present[key]) for key, lit in v.both.items()]
+    values += [(lit, cf.present.get(key, False)) for key, lit in v.both.items()]
     U = closed_form.lane_update_ticks(costs, d)
     values.append((v.head_extra, U[costs.epilogue_id] if d.update_order == HEAD_FIRST else 0))
     values += [(var, cf.update_start[i]) for i, var in v.update_start.items()]
-    values += [(v.start[k], cf.start[k]) for k in v.start] + [(v.end[k], cf.end[k]) for k in v.end]
+    # an op of the model that d's program lacks (a resident head's second load): absent, at the end
+    # of the lane's op before it
+    at = {}
+    for lane in GPU_LANES:
+        previous = 0
+        for op in data.ops[lane]:
+            previous = at[op.key] = cf.end.get(op.key, previous)
+    values += [(v.start[k], cf.start.get(k, at[k])) for k in v.start] + [(v.end[k], cf.end.get(k, at[k]))
+                                                                           for k in v.end]
     kept = 0
     for i in sorted(costs.blocks):
         if d.layers[i].activation == KEEP:
@@ -761,10 +797,12 @@ def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 3
     relaxation with its cuts (linearization level 2) proves it in hundredths of a second on Qwen3-14B
     (one H200, 118 GiB of host RAM), where level 1 stopped 1-5% short after 30 deterministic seconds."""
     m, v = _memory_model(costs, window, symmetric=on_device is None)
+    keys = build_lanes(costs.n_blocks, window, False).compute_keys
+    deltas = vocab_memory_deltas(costs, window, keys) if costs.vocab_groups else {}
     upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + sum(
         costs.device_state_layer_bytes.values()) + sum(
-        t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute)
-        for t in terms(costs, window, build_lanes(costs.n_blocks, window, False).compute_keys))
+        t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute) for t in terms(costs, window, keys)) + sum(
+        max(0, b) for delta in deltas.values() for b in delta)
     peak = m.new_int_var(0, upper, "peak")
     memory_constraints(m, costs, window, v, peak, host=host)
     if on_device is not None:

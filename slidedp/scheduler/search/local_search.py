@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, Decisions
+from slidedp.scheduler.decisions import KEEP, KEPT, OFFLOAD, ON_LOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, STREAMED, Decisions
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.problem.lanes import build_lanes
@@ -58,7 +58,7 @@ def moves(costs: ProblemCosts, d: Decisions):
         for mult in costs.options.chunk_multiples:
             if mult * W != current.chunks or any(d.layers[i].chunks != current.chunks for i in ids):
                 yield d.replace_layers(ids, chunks=mult * W)
-    copyable = [i for i in sorted(costs.copyable) if not d.layers[i].on_device]
+    copyable = [i for i in sorted(costs.variant(d).copyable) if not d.layers[i].on_device]  # as d streams its tables
     if copyable:  # every delivery copy kept, or made on load; one more block's made on load, one fewer
         for copy in costs.options.host_copies:
             if any(d.layers[i].host_copy != copy for i in copyable):
@@ -98,8 +98,9 @@ def device_state_moves(costs: ProblemCosts, d: Decisions):
     """Where the placement of the optimizer state is a decision: one more layer's on the device (the
     first of the blocks, then the epilogue, on the host), one fewer (the last on the device), the
     prologue's moved (delivery copies of layers moved to the device: kept, the only way there); d's
-    streamed updates and early order laid out again for the host layers (`relaid`)."""
-    optional = costs.problem.device_state_optional
+    streamed updates and early order laid out again for the host layers (`relaid`). A layer whose table
+    streams keeps its state on the host."""
+    optional = {i for i in costs.problem.device_state_optional if d.layers[i].activation != STREAMED}
     prologue = costs.problem.graph.prologue.id
     rest = [i for i in sorted(optional) if i != prologue]
     on, off = [i for i in rest if d.layers[i].on_device], [i for i in rest if not d.layers[i].on_device]
