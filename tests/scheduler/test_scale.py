@@ -14,13 +14,14 @@ GiB = 2**30
 
 def test_an_80_block_model_on_8_ranks_plans_in_bounded_time():
     """Planning time is a benchmark figure, not a unit-test target: the bound only catches a search
-    that stops scaling (about 10 s alone on 2 cores; 20 s seen on a loaded machine)."""
+    that stops scaling (about 35 s alone on 2 cores since the vocabulary choice is solved in the model,
+    every choice's heuristics seeding it; 10 s before)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(preset_config("llama3-70b"))
     t0 = time.perf_counter()
     plan = slidedp.plan(model, "40GiB", batch_size=1, seq_len=4096, world_size=8, hardware="h100-sxm")
     elapsed = time.perf_counter() - t0
-    assert elapsed < 60, f"planning took {elapsed:.1f} s"
+    assert elapsed < 120, f"planning took {elapsed:.1f} s"
     assert sum(d.kind == "block" for d in plan.decisions) == 80 and plan.workload.world_size == 8
     assert plan.solver["status"] in ("OPTIMAL", "FEASIBLE") and 0 <= plan.solver["relative_gap"] < 1
     if plan.streamed_updates:  # better than CP-SAT's own plan; bounded by the analytical bound only
