@@ -325,14 +325,20 @@ def _candidates(candidates, tick: float) -> dict[str, float]:
     return best
 
 
+def _made_by(sol: Solution, how_cp_sat: str = "") -> str:
+    """Credit for the decisions of the model: CP-SAT where its decisions won, else the heuristic
+    whose decisions it did not better (ties credit the heuristic)."""
+    core = sol.chosen_by.split(" + ")[0]
+    return "CP-SAT" + how_cp_sat if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"
+
+
 def _searches(sol: Solution, costs: ProblemCosts) -> dict[str, str]:
     """Which search made which decisions of the plan (a decision not made by CP-SAT is not credited to
     it): the delivery copies and the placement of the optimizer state where they are decisions of the
     model (ProblemCosts.copyable, Problem.device_state_optional)."""
     options, problem = costs.options, costs.problem
-    core = sol.chosen_by.split(" + ")[0]
     decisions = "window, chunks, activations, routes, update owners" + (", delivery copies" if costs.copyable else "")
-    made = "CP-SAT" if core == "cp-sat" else f"{core} (a heuristic; CP-SAT found nothing better)"
+    made = _made_by(sol)
     searches = {decisions: made}
     if problem.device_state_optional:
         searches["optimizer state on the device"] = made + (
@@ -457,9 +463,7 @@ def _vocab_searched(tried: dict | None, costs: ProblemCosts, sol: Solution) -> d
     plan holds where the CP-SAT model chose (a decision not made by CP-SAT is not credited to it)."""
     label = _vocab_label(costs.problem, costs.vocab_set(sol.decisions) if costs.variants else costs.problem.vocab_streamed)
     if tried is None:
-        core = sol.chosen_by.split(" + ")[0]
-        how = ("CP-SAT (a Boolean per table, one for a tied table)" if core == "cp-sat"
-               else f"{core} (a heuristic; CP-SAT found nothing better)")
+        how = _made_by(sol, " (a Boolean per table, one for a tied table)")
     elif len(tried) < 2:
         how = "fixed by SolverOptions.vocab_streamed" if costs.options.vocab_streamed is not None else \
             "the only choice (no table that can stream)"
