@@ -166,12 +166,86 @@ def table_block_memory() -> str:
     return markdown_table(["seq", "charged GiB", "measured peak GiB", "measured / charged"], rows)
 
 
-HEADLINES = [  # (title, study, record, table); record None: the study's CURRENT one
+# the card each hardware preset describes: a plan for one preset run on another card predicts nothing
+PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
+
+
+def prediction_rows() -> list[dict]:
+    """Every slidedp point of single_gpu_throughput whose step time was predicted before its run
+    (`predicted_utc` before `measure_start_utc`) on the card its plan's preset describes, with whether
+    the preset's coefficients were fitted on its configuration (benchmarks/common/fit_set.py)."""
+    import re
+
+    from benchmarks.common.fit_set import used_in_fitting
+
+    rows = []
+    for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*.json")):
+        records = json.loads(path.read_text())
+        for r in records if isinstance(records, list) else ():
+            preset = re.search(r"hardware: (\S+)", r.get("plan_summary") or "")
+            if (r.get("error") is not None or "predicted_utc" not in r or not r.get("median_step_s")
+                    or not r["predicted_utc"] < r.get("measure_start_utc", "")):
+                continue
+            preset = preset.group(1) if preset else None
+            if PRESET_CARD.get(preset, "?") not in r.get("device_name", ""):
+                continue
+            rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
+                             error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))
+    return rows
+
+
+def table_predictions() -> str:
+    rows = prediction_rows()
+    table = [[r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
+              "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
+              r["preset"], r["git_commit"], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
+              f"{r['error_pct']:+.1f}%", "fitted" if r["fitted"] else "held out", f"`{r['record']}`"]
+             for r in rows]
+    held = [r for r in rows if not r["fitted"]]
+    within = sum(abs(r["error_pct"]) <= 10 for r in held)
+    share = f"{within} of {len(held)} held-out points within 10% (goal: 80%)" if held else "no held-out point"
+    return markdown_table(["shape", "tokens/step", "budget GiB", "clip", "card", "preset", "commit",
+                           "predicted s", "measured median s", "error", "preset fitted on it", "record"],
+                          table) + "\n\n" + share + "."
+
+
+BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables
+
+
+def steady_median_s(record: dict) -> float:
+    """The median of timed steps 2..N-1 (the harness's steady rule), also for records of older trees that
+    do not compute it."""
+    import statistics
+
+    return statistics.median(record["step_times_s"][1:-1])
+
+
+def table_no_regression() -> str:
+    """Per no-regression record (both trees in one call on one card): each point's median step today
+    against the tree before the capacity work, and today's speed as a multiple of it (goal >= 0.97)."""
+    rows = []
+    for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*-no-regression-*.json")):
+        records = json.loads(path.read_text())
+        for before in (r for r in records if r["git_commit"] == BEFORE_CAPACITY):
+            for today in (r for r in records if r["git_commit"] != BEFORE_CAPACITY
+                          and (r["tokens_per_step"], r["budget_bytes"]) == (before["tokens_per_step"], before["budget_bytes"])):
+                ratio = steady_median_s(before) / steady_median_s(today)
+                rows.append([f"{today['tokens_per_step']:,}", num(today["budget_bytes"] / 2**30, ".0f"), today["device_name"],
+                             f"{steady_median_s(before):.3f}", f"{steady_median_s(today):.3f} ({today['git_commit']})",
+                             f"{ratio:.3f}x", "met" if ratio >= 0.97 else "not met", f"`{path.name}`"])
+    return markdown_table(["tokens/step", "budget GiB", "card", f"before ({BEFORE_CAPACITY}) s", "today s",
+                           "today's speed / before", "within 3%", "record"], rows)
+
+
+HEADLINES = [  # (title, study, record, table); record None: the study's CURRENT one, "*" every record
     ("Single GPU: every system in one run", "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
      table_small_budgets),
+    ("Single GPU: step times predicted before the run", "single_gpu_throughput", "*", table_predictions),
+    ("Single GPU: no regression where the old layout fit", "single_gpu_throughput", "*-no-regression-*",
+     table_no_regression),
     ("Multi-GPU scaling", "multi_gpu_scaling", None, table_multi_gpu),
     ("CPU AdamW", "cpu_adamw", None, table_cpu_adamw),
     ("One block's rate", "block_rate", None, table_block_rate),
@@ -209,7 +283,10 @@ def tables_section() -> str:
                      f"`{newest[0].name}`" if newest else "–", len(newest)])
     lines.append(markdown_table(["study", "measures", "newest record", "records"], rows))
     for title, study, record, fn in HEADLINES:
-        lines += ["", f"## {title}", "", f"From `{study}/results/{record or CURRENT[study]}`.", "", fn()]
+        source = (f"From every record in `{study}/results/` whose prediction was fixed before its run "
+                  f"(`predicted_utc`)" if record == "*" else f"From `{study}/results/{record or CURRENT[study]}`"
+                  + (" (every record so named)" if record and "*" in record else ""))
+        lines += ["", f"## {title}", "", source + ".", "", fn()]
     return "\n".join(lines)
 
 
