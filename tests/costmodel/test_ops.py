@@ -61,9 +61,6 @@ def test_compute_update_and_offload_times():
     assert ops.cpu_update_time_s(6e9 / 4, hw, lanes=4, contended=False) == pytest.approx(1.0)
     # no bf16 delivery copy written (made on load): 26 of the 30 bytes per parameter
     assert ops.cpu_update_time_s(6e9, hw, contended=False, copy_written=False) == pytest.approx(26 / 30)
-    # ... but its loads read the fp32 master from the same DRAM: two bf16 loads add 2 x 2 B, the bytes saved
-    assert ops.cpu_update_time_s(6e9, hw, contended=False, copy_written=False,
-                                 load_dram_bytes_per_param=4) == pytest.approx(1.0)
     assert ops.offload_time_s(GiB, 2, 50e9, hw.transfer_efficiency) == pytest.approx(2 * GiB / 50e9)
     # the W-copy sum of the CPU reduction: numel * (W * elem + 4) bytes at host_dram / lanes
     assert ops.cpu_reduce_time_s(1e9, 2, 4, hw, lanes=4) == pytest.approx(1e9 * 12 * 4 / 200e9)

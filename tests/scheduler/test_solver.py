@@ -531,21 +531,3 @@ def test_a_streamed_tied_table_is_priced_for_both_uses():
     added = PRESETS["h100-sxm"].host_dram_bytes_per_s
     assert alone[both].update_piece - alone[frozenset()].update_piece == \
         pytest.approx(streamed.scale.ticks(table * (elem + 8) / added), abs=1)
-
-
-def test_a_copy_made_on_load_saves_host_ram_only():
-    """Making a block's delivery copy on load saves the update's copy write but its two loads read the
-    fp32 master (2 B more each) from the same host DRAM: its CPU update costs what the kept copy's does
-    and its loads move twice the bytes, so without a binding host budget no block's copy is made on load
-    (the prologue and the epilogue, loaded once a step, save 2 B per parameter of DRAM traffic)."""
-    graph = synthetic_graph(4, vocab=4096, hidden=1024)
-    problem = Problem(graph, PRESETS["h100-sxm"], 1, copies_on_load=True)
-    costs = ProblemCosts(problem, SolverOptions(chunk_multiples=(1,), host_copies=("kept", "on_load")))
-    block = graph.blocks[0].id
-    kept, on_load = (costs.option_of(block, LayerChoice(1, "recompute", host_copy=c)) for c in ("kept", "on_load"))
-    assert on_load.update_piece == pytest.approx(kept.update_piece, abs=1)
-    assert on_load.fwd_piece > 1.5 * kept.fwd_piece
-    sol = solve(costs, 64 * 2**30)
-    assert all(sol.decisions.layers[b.id].host_copy == "kept" for b in graph.blocks)
-    prologue = costs.option_of(0, LayerChoice(1, "resident", host_copy="on_load"))
-    assert prologue.update_piece < costs.option_of(0, LayerChoice(1, "resident")).update_piece

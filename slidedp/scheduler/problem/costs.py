@@ -256,10 +256,8 @@ class ProblemCosts:
                 owned = k // W
                 load_pieces = k if delivery == REPLICATED else owned
                 grad_pieces = k if reduction == CPU else owned
-                # a host's cores, its ranks' lanes; made on load, the update writes no bf16 copy and
-                # the loads read the fp32 master instead
-                update = ops.cpu_update_time_s(numel / k, hw, lanes=G, copy_written=copy == KEPT,
-                                               load_dram_bytes_per_param=self.on_load_dram_bytes_per_param(layer.id))
+                # a host's cores, its ranks' lanes; made on load, the update writes no bf16 copy
+                update = ops.cpu_update_time_s(numel / k, hw, lanes=G, copy_written=copy == KEPT)
                 if reduction == CPU:  # the prologue sums a streamed tied table's copies of both uses
                     summed = numel + (tied if layer.id == g.prologue.id else 0)
                     update += ops.cpu_reduce_time_s(summed / k, self.elem, W, hw, lanes=G)
@@ -322,14 +320,6 @@ class ProblemCosts:
         kept copy (copyable_layers)."""
         numel, moved = self.problem.graph.layers[layer_id].numel, self.moved_numel(layer_id)
         return numel * 4 + (moved - numel) * self.elem if host_copy == ON_LOAD else moved * self.elem
-
-    def on_load_dram_bytes_per_param(self, layer_id: int) -> float:
-        """Host DRAM bytes per parameter that making a layer's delivery copy on load adds to its loads in
-        a step: (4 - elem) per load; a block is loaded for the forward and again for the backward
-        (problem.lanes), the prologue once, the epilogue once and again where its table streams."""
-        loads = 1 + (layer_id not in (0, self.epilogue_id) or
-                     (layer_id == self.epilogue_id and self.epilogue_id in self.problem.vocab_streamed))
-        return loads * (4 - self.elem)
 
     def _copy_host_bytes(self, layer, chunks: int) -> int:
         """Host RAM of a copyable layer's kept delivery copy on the host holding most of it: the whole
