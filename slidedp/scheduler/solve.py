@@ -131,6 +131,10 @@ def _heuristics(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_dec
     return candidates
 
 
+# Rounds of `_after`'s descent, each followed by the streamed prefix chosen again for what it changed.
+POLISH_ROUNDS = 3
+
+
 def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     """The passes after the search from `best`: (decisions, simulation, chosen_by, whether early updates
     and whether streamed updates were taken, the streamed updates tried).
@@ -142,7 +146,8 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     the first host layers' updates off the CPU. The searches judge window, chunks, activations, routes
     and update order at the step boundary, and a time-limited CP-SAT may stop short: a descent from the
     final decisions by whole-group moves (the ones the plan's alternatives are compared with), crediting
-    what it changes."""
+    what it changes; where it changes something, the streamed prefix is chosen again for the new
+    decisions, and the descent runs again while either gains (POLISH_ROUNDS at most)."""
     chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
     early = early_order.search(costs, budget_bytes, decisions)
@@ -158,11 +163,20 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     if took_streamed:
         decisions, best_sim = streamed.decisions, streamed.simulation
         chosen_by += " + streamed updates"
-    polished = local_search.search(costs, budget_bytes, decisions, name="local search")
-    if polished.makespan < best_sim.makespan:
+    for _ in range(POLISH_ROUNDS):
+        polished = local_search.search(costs, budget_bytes, decisions, name="local search")
+        if polished.makespan >= best_sim.makespan:
+            break
         changed = local_search.changed(decisions, polished.decisions)
         decisions, best_sim = polished.decisions, polished.simulation
         chosen_by += f" + local search ({', '.join(changed)})"
+        # the descent changed what the streamed prefix was chosen for: choose it again
+        again = None if fixed or streamed is None else streamed_prefix.search(costs, budget_bytes, decisions)
+        if again is None or again.makespan >= best_sim.makespan:
+            break
+        decisions, best_sim = again.decisions, again.simulation
+        streamed_tried, took_streamed = again.tried, True
+        chosen_by += " + streamed updates"
     return decisions, best_sim, chosen_by, took_early, took_streamed, streamed_tried
 
 
