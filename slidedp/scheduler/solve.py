@@ -133,6 +133,8 @@ def _heuristics(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_dec
 
 # Rounds of `_after`'s descent, each followed by the streamed prefix chosen again for what it changed.
 POLISH_ROUNDS = 3
+# The distinct candidates, best first, that `_after` starts from: its passes can reorder them.
+AFTER_STARTS = 3
 
 
 def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
@@ -235,9 +237,14 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     best = fastest(candidates + solved)  # a tie credits the heuristic: CP-SAT found nothing better
     if best is None:  # a budget within the least-peak model's gap, and nothing found that fits it
         raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
-    # The passes after the search (`_after`) from the best decisions; where the tables that stream are a
-    # decision, also from the best of each other choice (the passes may favour another), keeping the fastest.
-    finals = [_after(costs, budget_bytes, best)]
+    # The passes after the search (`_after`) from the AFTER_STARTS best distinct decisions; where the tables
+    # that stream are a decision, also from the best of each other choice (the passes may favour another),
+    # keeping the fastest.
+    starts = [best]
+    for f in sorted(candidates + solved, key=lambda f: f.makespan):
+        if len(starts) < AFTER_STARTS and all(f.decisions != s.decisions for s in starts):
+            starts.append(f)
+    finals = [_after(costs, budget_bytes, f) for f in starts]
     for choice in costs.variants:
         own = fastest([f for f in candidates + solved if costs.vocab_set(f.decisions) == choice])
         if own is not None and costs.vocab_set(own.decisions) != costs.vocab_set(best.decisions):
