@@ -31,3 +31,25 @@ def test_user_allocator_settings_are_kept(settings, monkeypatch, name):
 def test_cpu_rank_leaves_the_allocator(settings):
     assert not allocator.expandable_segments(torch.device("cpu"))
     assert settings == []
+
+
+def test_the_allocator_is_set_before_the_device_state_is_allocated(monkeypatch):
+    """The engine's rank sets its allocator before its first device allocation: the optimizer state
+    that the plan keeps on the device is made before the rank is built (run/launch.py)."""
+    from slidedp.run import launch
+    from tests.engine.test_device_state import compiled, device_state_plan
+    from tests.models import make_model
+
+    events = []
+    monkeypatch.setattr(launch, "expandable_segments", lambda device: events.append("allocator"))
+    made = launch.DeviceState
+
+    def device_state(*args, **kwargs):
+        events.append("device state")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "DeviceState", device_state)
+    model = make_model("llama")
+    with compiled(model, device_state_plan(model, 2)):
+        pass
+    assert events[:2] == ["allocator", "device state"], events

@@ -5,7 +5,9 @@ fixed-size segments that the step's mix of slots, stashes and workspaces splits 
 back. Measured on the Qwen3-4B shape at 16,384 tokens with a 24 GiB plan (two H100 machines):
 20.8 GiB allocated, 25.3 GiB reserved with fixed segments (1.874 s a step), 23.3 GiB with
 expandable ones, segments mapped in pages that grow and shrink (1.904 s). So a rank turns them on,
-where PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) does not configure the allocator already.
+where PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) does not configure the allocator already, before
+its first allocation (run/launch.py: the device state is allocated before the rank is built); segments
+made before keep their fixed size.
 """
 
 from __future__ import annotations
