@@ -39,16 +39,33 @@ def _export(args) -> int:
     return 0
 
 
-def _model_from_spec(spec: str):
-    """A meta-device model from a local Hugging Face folder or a preset shape name."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _config_from_spec(spec: str):
+    """The transformers config of a local Hugging Face folder or a preset shape name."""
+    from transformers import AutoConfig
 
     from slidedp.train.shapes import preset_config
 
-    config = preset_config(spec) if not os.path.isdir(spec) else AutoConfig.from_pretrained(spec)
+    return preset_config(spec) if not os.path.isdir(spec) else AutoConfig.from_pretrained(spec)
+
+
+def _model_from_spec(spec: str):
+    """A meta-device model from a local Hugging Face folder or a preset shape name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(_config_from_spec(spec))
+
+
+def _block_shape(spec: str, seq_len: int):
+    """calibrate --model: the decoder block of a model (folder or preset) as the calibration's BlockShape."""
+    from slidedp.profiler.calibrate import BlockShape
+
+    c = _config_from_spec(spec)
+    heads = c.num_attention_heads
+    return BlockShape(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+                      num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, seq_len=seq_len)
 
 
 def _link_arg(value: str | None):
@@ -168,7 +185,11 @@ def _calibrate(args) -> int:
         return _calibrate_link(args)
     from slidedp.profiler.calibrate import calibrate
 
-    profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
+    if args.seq_len is not None and args.model is None:
+        raise SystemExit("slidedp calibrate: --seq-len goes with --model (the block whose rate is measured)")
+    shape = None if args.model is None else _block_shape(args.model, args.seq_len or 4096)
+    profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True),
+                        model_shape=shape)
     profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
     print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
           f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
@@ -272,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure the link between hosts instead: run on every host under torchrun --nnodes N "
                         "(N >= 2); writes link.json (or --out) for slidedp plan --link")
     p.add_argument("--link-bytes", default="256MiB", help="with --link: the all-gather's size (default 256MiB)")
+    p.add_argument("--model", help="measure the block efficiency on this model's decoder block (a local Hugging "
+                                   "Face folder or a preset shape; default a Qwen3-4B block), as a Qwen3 block "
+                                   "of its sizes")
+    p.add_argument("--seq-len", type=int, help="with --model: tokens per row of the measured block (default 4096)")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")

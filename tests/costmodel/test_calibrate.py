@@ -203,6 +203,17 @@ def test_cli_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     assert json.loads(out.read_text()) == hw.to_dict()
 
 
+def test_cli_calibrate_measures_the_block_of_a_given_model(tmp_path, capsys):
+    """--model: the block efficiency is measured on that model's decoder block (here a preset's)."""
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--quick", "--device", "cpu", "--model", "llama-tiny", "--seq-len", "64",
+                 "--out", str(out)]) == 0
+    assert "block fwd+bwd   Qwen3 hidden 64, 1x64 tokens" in capsys.readouterr().out
+    assert Hardware.load(out).block_efficiency > 0
+    with pytest.raises(SystemExit, match="--seq-len goes with --model"):
+        main(["calibrate", "--quick", "--device", "cpu", "--seq-len", "64", "--out", str(out)])
+
+
 def test_measure_gives_median_and_spread_and_warns_when_unstable(monkeypatch, caplog):
     """Median and IQR/median from adaptive repeats (at least 4 blocks); a spread over 10% is warned once."""
     import itertools
