@@ -182,12 +182,14 @@ def prediction_rows() -> list[dict]:
     for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*.json")):
         records = json.loads(path.read_text())
         for r in records if isinstance(records, list) else ():
-            preset = re.search(r"hardware: (\S+)", r.get("plan_summary") or "")
+            preset = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
             if (r.get("error") is not None or "predicted_utc" not in r or not r.get("median_step_s")
                     or not r["predicted_utc"] < r.get("measure_start_utc", "")):
                 continue
             preset = preset.group(1) if preset else None
-            if PRESET_CARD.get(preset, "?") not in r.get("device_name", ""):
+            # a profile of `slidedp calibrate` is named after the card it measured
+            card = preset.split(":", 1)[1] if preset and preset.startswith("calibrated:") else PRESET_CARD.get(preset, "?")
+            if card not in r.get("device_name", ""):
                 continue
             rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
                              error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))
