@@ -53,7 +53,7 @@ STUDIES = {
 CURRENT = {
     "single_gpu_throughput": "2026-12-03-every-system.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
-    "cpu_adamw": "2026-12-02-h200-host-16-threads.json",
+    "cpu_adamw": "2026-12-05-dev-host-like-for-like.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
