@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -174,19 +175,17 @@ def prediction_rows() -> list[dict]:
     """Every slidedp point of single_gpu_throughput whose step time was predicted before its run
     (`predicted_utc` before `measure_start_utc`) on the card its plan's preset describes, with whether
     the preset's coefficients were fitted on its configuration (benchmarks/common/fit_set.py)."""
-    import re
-
     from benchmarks.common.fit_set import used_in_fitting
 
     rows = []
     for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*.json")):
         records = json.loads(path.read_text())
         for r in records if isinstance(records, list) else ():
-            preset = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
             if (r.get("error") is not None or "predicted_utc" not in r or not r.get("median_step_s")
                     or not r["predicted_utc"] < r.get("measure_start_utc", "")):
                 continue
-            preset = preset.group(1) if preset else None
+            found = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
+            preset = found.group(1) if found else None
             # a profile of `slidedp calibrate` is named after the card it measured
             card = preset.split(":", 1)[1] if preset and preset.startswith("calibrated:") else PRESET_CARD.get(preset, "?")
             if card not in r.get("device_name", ""):
@@ -212,41 +211,44 @@ def table_predictions() -> str:
 
 
 BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables
-
-
-def steady_median_s(record: dict) -> float:
-    """The median of timed steps 2..N-1 (the harness's steady rule), also for records of older trees that
-    do not compute it."""
-    import statistics
-
-    return statistics.median(record["step_times_s"][1:-1])
+NO_REGRESSION = "*-no-regression-*.json"  # records of both trees, one call each
+PREDICTED_BEFORE = "every record of `{study}/results/` whose prediction was fixed before its run (`predicted_utc`)"
 
 
 def table_no_regression() -> str:
     """Per no-regression record (both trees in one call on one card): each point's median step today
-    against the tree before the capacity work, and today's speed as a multiple of it (goal >= 0.97)."""
+    against the tree before the capacity work (its steady median computed here by the harness's rule:
+    that tree's records do not hold it), and today's speed as a multiple of it (goal >= 0.97)."""
+    from benchmarks.common.steady import steady_fields
+
     rows = []
-    for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*-no-regression-*.json")):
-        records = json.loads(path.read_text())
-        for before in (r for r in records if r["git_commit"] == BEFORE_CAPACITY):
-            for today in (r for r in records if r["git_commit"] != BEFORE_CAPACITY
-                          and (r["tokens_per_step"], r["budget_bytes"]) == (before["tokens_per_step"], before["budget_bytes"])):
-                ratio = steady_median_s(before) / steady_median_s(today)
-                rows.append([f"{today['tokens_per_step']:,}", num(today["budget_bytes"] / 2**30, ".0f"), today["device_name"],
-                             f"{steady_median_s(before):.3f}", f"{steady_median_s(today):.3f} ({today['git_commit']})",
-                             f"{ratio:.3f}x", "met" if ratio >= 0.97 else "not met", f"`{path.name}`"])
+    for path in sorted((HERE / "single_gpu_throughput" / "results").glob(NO_REGRESSION)):
+        median = {}
+        for r in json.loads(path.read_text()):
+            side = "before" if r["git_commit"] == BEFORE_CAPACITY else "today"
+            median.setdefault((r["tokens_per_step"], r["budget_bytes"]), {})[side] = (
+                steady_fields(r["step_times_s"], r["tokens_per_step"])["median_step_s"], r)
+        for (tokens, budget), sides in median.items():
+            if len(sides) < 2:
+                continue
+            (before_s, _), (today_s, today) = sides["before"], sides["today"]
+            ratio = before_s / today_s
+            rows.append([f"{tokens:,}", num(budget / 2**30, ".0f"), today["device_name"], f"{before_s:.3f}",
+                         f"{today_s:.3f} ({today['git_commit']})", f"{ratio:.3f}x",
+                         "met" if ratio >= 0.97 else "not met", f"`{path.name}`"])
     return markdown_table(["tokens/step", "budget GiB", "card", f"before ({BEFORE_CAPACITY}) s", "today s",
                            "today's speed / before", "within 3%", "record"], rows)
 
 
-HEADLINES = [  # (title, study, record, table); record None: the study's CURRENT one, "*" every record
+HEADLINES = [  # (title, study, records, table); records None: the study's CURRENT one
     ("Single GPU: every system in one run", "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
      table_small_budgets),
-    ("Single GPU: step times predicted before the run", "single_gpu_throughput", "*", table_predictions),
-    ("Single GPU: no regression where the old layout fit", "single_gpu_throughput", "*-no-regression-*",
+    ("Single GPU: step times predicted before the run", "single_gpu_throughput", PREDICTED_BEFORE,
+     table_predictions),
+    ("Single GPU: no regression where the old layout fit", "single_gpu_throughput", NO_REGRESSION,
      table_no_regression),
     ("Multi-GPU scaling", "multi_gpu_scaling", None, table_multi_gpu),
     ("CPU AdamW", "cpu_adamw", None, table_cpu_adamw),
@@ -285,10 +287,9 @@ def tables_section() -> str:
                      f"`{newest[0].name}`" if newest else "–", len(newest)])
     lines.append(markdown_table(["study", "measures", "newest record", "records"], rows))
     for title, study, record, fn in HEADLINES:
-        source = (f"From every record in `{study}/results/` whose prediction was fixed before its run "
-                  f"(`predicted_utc`)" if record == "*" else f"From `{study}/results/{record or CURRENT[study]}`"
-                  + (" (every record so named)" if record and "*" in record else ""))
-        lines += ["", f"## {title}", "", source + ".", "", fn()]
+        source = record.format(study=study) if record == PREDICTED_BEFORE else \
+            f"`{study}/results/{record or CURRENT[study]}`"
+        lines += ["", f"## {title}", "", f"From {source}.", "", fn()]
     return "\n".join(lines)
 
 

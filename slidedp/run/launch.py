@@ -140,13 +140,13 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     bf16 = request.precision == "bf16"
     if dev.type == "cuda" and rank is None and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
-    if in_engine_process(world_size) or rank is not None:
+    in_process = in_engine_process(world_size)
+    if in_process or rank is not None:
         expandable_segments(dev)  # before this process's first CUDA allocation (the device state's)
     # the ranks that share this process's host state: all of them, or (several hosts) this host's
     local = comm.local_world_size if comm is not None else world_size
     leader = comm is None or comm.leader
     flag_ints = StepFlags.ints_needed(local, len(graph.layers))
-    in_process = in_engine_process(world_size)
     # the device state of an engine's own rank keeps its moments and gradient there alone
     lean = plan.device_state if in_process else ()
     # several hosts: this host's share of every layer streamed from the host
