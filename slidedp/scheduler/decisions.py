@@ -218,10 +218,24 @@ class Decisions:
         blocks = tuple(range(1, last))
         return (0, last) + blocks if self.update_order == HEAD_FIRST else (0,) + blocks + (last,)
 
+    def with_streamed_gradients(self, n_layers: int) -> "Decisions":
+        """These decisions with every host layer's gradient streamed into its update (grads_streamed): no
+        streamed updates, every layer whose state is on the host updated as it lands."""
+        on_device = self.device_state
+        return replace(self, streamed=(), early_order=tuple(i for i in landing_order(n_layers) if i not in on_device),
+                       grads_streamed=True)
+
     def replace_layers(self, ids, **changes) -> "Decisions":
         ids = set(ids)
         return replace(self, layers=tuple(replace(c, **changes) if i in ids else c
                                           for i, c in enumerate(self.layers)))
+
+
+def landing_order(n_layers: int) -> tuple[int, ...]:
+    """Layer ids in the order their gradients reach the host within a pass: the blocks last to first,
+    the prologue, the epilogue (the executor sends the resident layers' gradients after the prologue's
+    backward, the head's tied use included)."""
+    return tuple(range(n_layers - 2, -1, -1)) + (n_layers - 1,)
 
 
 @dataclass(frozen=True)

@@ -109,11 +109,11 @@ def _heuristics(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_dec
     bound), the placement seed of the optimizer state (search/device_placement.py), and a local search
     from each of the two best distinct ones; where the placement is a decision, then one from the
     least-memory decisions with the best placement so far (offloads that a descent from the others
-    rarely reaches). They fit as the CP-SAT model counts host RAM (no gradient that may stream into the
-    update)."""
+    rarely reaches). Where the gradients may stream into the update, a candidate that keeps them but
+    does not fit the host is taken with them streamed (Decisions.with_streamed_gradients), if that fits."""
     found = [baselines.strategy(name)(costs, budget_bytes) for name in baselines.BASELINES]
     found.append(device_placement.search(costs, budget_bytes, min_decisions, min_budget))
-    candidates = [f for f in found if f and costs.fits(f.decisions, f.simulation.peak_bytes, budget_bytes, grads=False)]
+    candidates = [f for f in (_fitting(costs, f, budget_bytes) for f in found if f) if f]
     if min_budget <= budget_bytes:
         candidates.append(Found("least-memory", min_decisions, simulate(costs, min_decisions, all_ranks=False)))
     starts: list[Decisions] = []
@@ -131,6 +131,18 @@ def _heuristics(costs: ProblemCosts, budget_bytes: int, min_budget: int, min_dec
     return candidates
 
 
+def _fitting(costs: ProblemCosts, f: Found, budget_bytes: int) -> Found | None:
+    """`f` if it fits; else, where only the gradients it keeps in host RAM are too many, `f` with them
+    streamed into the update (if that is allowed and fits); else None."""
+    if costs.fits(f.decisions, f.simulation.peak_bytes, budget_bytes):
+        return f
+    if f.decisions.grads_streamed or not costs.may_stream_gradients(f.decisions):
+        return None
+    d = f.decisions.with_streamed_gradients(costs.n_layers)
+    sim = simulate(costs, d, all_ranks=False)
+    return Found(f"{f.by} (gradients streamed)", d, sim) if costs.fits(d, sim.peak_bytes, budget_bytes) else None
+
+
 # Rounds of `_after`'s descent, each followed by the streamed prefix chosen again for what it changed.
 POLISH_ROUNDS = 3
 # The distinct candidates, best first, that `_after` starts from: its passes can reorder them.
@@ -141,10 +153,9 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     """The passes after the search from `best`: (decisions, simulation, chosen_by, whether early updates
     and whether streamed updates were taken, the streamed updates tried).
 
-    Early updates (if allowed) take the chosen decisions' CPU work into the backward; the search
-    models the step boundary, so its bound is not one for them: the analytical one is. Where the
-    gradients may stream into the update, CP-SAT's host budget counts none of them: the decisions that
-    keep them must also fit with them, else they stream. Streamed updates (if allowed): the device takes
+    Early updates (if allowed, where the gradients do not stream) take the chosen decisions' CPU work
+    into the backward; the search does not model them, so its bound is not one for them: the
+    analytical one is. Streamed updates (if allowed): the device takes
     the first host layers' updates off the CPU. The searches judge window, chunks, activations, routes
     and update order at the step boundary, and a time-limited CP-SAT may stop short: a descent from the
     final decisions by whole-group moves (the ones the plan's alternatives are compared with), crediting
@@ -153,8 +164,7 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     chosen_by, decisions, best_sim = best.by, best.decisions, best.simulation
     assert best_sim.peak_bytes <= budget_bytes, (chosen_by, best_sim.peak_bytes, budget_bytes)
     early = early_order.search(costs, budget_bytes, decisions)
-    kept_fits = costs.fits(decisions, best_sim.peak_bytes, budget_bytes)
-    took_early = early is not None and (early.makespan < best_sim.makespan or not kept_fits)
+    took_early = early is not None and early.makespan < best_sim.makespan
     if took_early:
         decisions, best_sim = early.decisions, early.simulation
         chosen_by += f" + {early.by}"
@@ -211,7 +221,7 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
 
     # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
     # started from the best candidate of its window. Skipped when the incumbent meets the bound.
-    lower = cpsat.lower_bound(costs)
+    lower = cpsat.lower_bound(costs, early=costs.problem.grads_streamable)  # streamed gradients: no boundary
     feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
     small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
     if incumbent is not None and incumbent.makespan <= lower:
@@ -377,10 +387,12 @@ def _searches(sol: Solution, costs: ProblemCosts) -> dict[str, str]:
             "fixed by SolverOptions.device_state_sharded" if options.device_state_sharded
             else "the default with several ranks (SolverOptions.device_state_sharded=False keeps a full copy "
                  "on every rank)")
-    if sol.decisions.grads_streamed:
-        searches["gradients streamed into the update"] = ("simulation against the step boundary and early updates "
-                                                          "(search/early_order.py)")
-    elif sol.decisions.early_order:
+    if problem.grads_streamable:
+        streamed = "gradients streamed into the update" if sol.decisions.grads_streamed else \
+            "gradients kept to the step boundary"
+        # streamed updates (a sweep, or fixed by the options) need the gradients kept
+        searches[streamed] = "with the streamed updates" if sol.decisions.streamed else made
+    if sol.decisions.early_order and not sol.decisions.grads_streamed:
         searches["early updates"] = "simulation of the update order (search/early_order.py)"
     if sol.decisions.streamed:
         searches["streamed updates"] = ("fixed by SolverOptions.streamed_layers" if options.streamed_layers is not None

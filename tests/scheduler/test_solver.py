@@ -1,5 +1,6 @@
 """The CP-SAT solver against brute force over the simulator, the baselines, budgets, determinism."""
 
+import itertools
 import json
 from dataclasses import replace
 
@@ -10,13 +11,14 @@ import slidedp
 from slidedp.costmodel.hardware import PRESETS
 from slidedp.ir.build import build_layer_graph
 from slidedp.scheduler.search import baselines, cpsat
+from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import LayerChoice, Problem, SolverOptions
+from slidedp.scheduler.decisions import Decisions, LayerChoice, Problem, SolverOptions, landing_order
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
-from slidedp.scheduler.solve import solve, solve_plan
+from slidedp.scheduler.solve import _searches, solve, solve_plan
 from tests.models import make_model
 from tests.scheduler.graphs import synthetic_graph
 
@@ -119,6 +121,22 @@ CASES = {
         device_state="optional", copies_on_load=True, host_budget="binding",
         options=dict(activations=("recompute", "keep", "offload"), chunk_multiples=(1,), windows=(1, 2),
                      update_orders=("forward",))),
+    # the gradients kept to the step boundary or streamed into the update (Decisions.grads_streamed)
+    "gradients streamed or kept, one rank": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0)), world_size=1, hardware="h200-sxm",
+        grads_streamable=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
+                     update_orders=("forward", "head_first"))),
+    "gradients streamed or kept, 2 ranks, either reduction": dict(
+        graph=lambda: synthetic_graph(2, block_scale=(1.0, 3.0)), world_size=2, hardware="h100-sxm",
+        grads_streamable=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1, 2), windows=(1, 2),
+                     deliveries=("replicated", "sharded"), reductions=("cpu", "gpu"), update_orders=("forward",))),
+    "gradients streamed or kept, optimizer state placed under a host budget": dict(
+        graph=lambda: synthetic_graph(3, block_scale=(1.0, 0.5, 2.0)), world_size=1, hardware="h200-sxm",
+        device_state="optional", copies_on_load=True, host_budget="binding", grads_streamable=True,
+        options=dict(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                     update_orders=("forward",))),
 }
 
 
@@ -132,7 +150,8 @@ def make_costs(case) -> ProblemCosts:
                       hosts=c.get("hosts", 1), link_bytes_per_s=c.get("link_bytes_per_s", 0.0),
                       vocab_streamed=vocab, copies_on_load=c.get("copies_on_load", False),
                       host_offload_bytes=c.get("host_offload_bytes"), device_state_optional=placed,
-                      device_state_sharded=c.get("device_state_sharded", False), vocab_choices=choices)
+                      device_state_sharded=c.get("device_state_sharded", False), vocab_choices=choices,
+                      grads_streamable=c.get("grads_streamable", False))
     options = SolverOptions(**c["options"])
     problem = replace(problem, vocab_chunk_numel=options.vocab_chunk_numel)
     if c.get("host_budget") == "binding":  # halfway between the fixed host RAM of no state and all on the device
@@ -531,3 +550,46 @@ def test_a_streamed_tied_table_is_priced_for_both_uses():
     added = PRESETS["h100-sxm"].host_dram_bytes_per_s
     assert alone[both].update_piece - alone[frozenset()].update_piece == \
         pytest.approx(streamed.scale.ticks(table * (elem + 8) / added), abs=1)
+
+
+def test_streamed_gradients_are_a_decision_of_the_cp_sat_model():
+    """Where the gradients may stream into the update, CP-SAT alone (no hint) chooses them streamed where
+    that is the fastest step (brute force over both), its objective is their simulated step, the plan
+    credits CP-SAT for that decision, and the closed form (the hints' timing) gives the simulator's step
+    for every such decision."""
+    costs = make_costs("gradients streamed or kept, 2 ranks, either reduction")
+    budget = binding_budget(costs)
+    best, best_d = brute_force(costs, budget)
+    kept = min(simulate(costs, d).makespan for d in all_decisions(costs)
+               if not d.grads_streamed and costs.fits(d, peak(costs, d), budget))
+    assert best_d.grads_streamed and best < kept
+    results = [cpsat.solve_window(costs, w, budget, None, 30.0) for w in costs.windows()]
+    found = min((r for r in results if r.objective is not None), key=lambda r: r.objective)
+    assert found.objective == best and found.decisions.grads_streamed
+    assert found.decisions.early_order == tuple(i for i in landing_order(costs.n_layers))
+    sol = solve(costs, budget)
+    assert sol.decisions.grads_streamed and sol.chosen_by == "cp-sat"
+    assert _searches(sol, costs)["gradients streamed into the update"] == "CP-SAT"
+    for d in itertools.islice((d for d in all_decisions(costs) if d.grads_streamed), 0, None, 17):
+        assert closed_form.evaluate(costs, d).makespan == simulate(costs, d, all_ranks=False).makespan
+
+
+def test_kept_gradients_count_against_the_host_budget_in_the_model():
+    """With a host budget that the kept gradients overflow, the model streams them (the least host RAM of
+    the leanest layout counts none), and without the choice the same budget plans nothing."""
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
+    options = SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                            update_orders=("forward",))
+    problem = Problem(graph, PRESETS["h200-sxm"], 1, micro_batches=2, grads_streamable=True)
+    costs = ProblemCosts(problem, options)
+    fixed = costs.host_fixed.bytes(())
+    host_budget = fixed + costs.streamable_grad_bytes(Decisions(1, "forward", ())) // 2
+    tight = ProblemCosts(replace(problem, host_budget_bytes=host_budget), options)
+    sol = solve(tight, 40 * GiB)
+    assert sol.decisions.grads_streamed
+    assert tight.fits(sol.decisions, simulate(tight, sol.decisions).peak_bytes, 40 * GiB)
+    assert not tight.fits(replace(sol.decisions, grads_streamed=False, early_order=()),
+                          simulate(tight, sol.decisions).peak_bytes, 40 * GiB)
+    with pytest.raises(slidedp.InfeasibleBudgetError, match="host budget"):
+        solve(ProblemCosts(replace(problem, host_budget_bytes=host_budget, grads_streamable=False), options),
+              40 * GiB)

@@ -16,7 +16,8 @@ def all_decisions(costs: ProblemCosts):
     """Every Decisions the options allow: windows x orders x routes per group x chunks per layer
     x activation per block x delivery copy per copyable layer x placement of the optimizer state per
     layer where it is a decision (every set of layers on the device) x the tables that stream where
-    that is a decision (Problem.vocab_choices: every allowed set)."""
+    that is a decision (Problem.vocab_choices: every allowed set) x the gradients kept or, where they
+    may, streamed into the update (Decisions.grads_streamed)."""
     W = costs.problem.world_size
     blocks = sorted(costs.blocks)
     # (delivery copy, state on the device, table streamed) per layer, as its options have them
@@ -34,9 +35,12 @@ def all_decisions(costs: ProblemCosts):
                                 continue
                             act_of = ([STREAMED if copies[0][2] else RESIDENT] + list(acts)
                                       + [STREAMED if copies[-1][2] else RESIDENT])
-                            yield Decisions(window, order, tuple(
+                            d = Decisions(window, order, tuple(
                                 LayerChoice(mults[i] * W, act_of[i], route_of[i][0], route_of[i][1], *copies[i][:2])
                                 for i in range(costs.n_layers)))
+                            yield d
+                            if costs.may_stream_gradients(d):
+                                yield d.with_streamed_gradients(costs.n_layers)
 
 
 def brute_force(costs: ProblemCosts, budget_bytes: int) -> tuple[int, Decisions] | None:

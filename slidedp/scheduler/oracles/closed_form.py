@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import OFFLOADED, Decisions
 from slidedp.scheduler.problem.lanes import GPU_LANES, Op, build_lanes
-from slidedp.scheduler.oracles.timeline import condition
+from slidedp.scheduler.oracles.timeline import EARLY_ITERATIONS, condition
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,51 @@ def duration(costs: ProblemCosts, d: Decisions, op: Op, any_offload: bool) -> in
 
 def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
     costs = costs.variant(d)  # the costs of d's choice of streamed tables
+    if d.grads_streamed:
+        return _steady(costs, d)
+    R, cpu_end = update_starts(costs, d)
+
+    def after_update(layer: int, o, piece: int) -> int:
+        return R[layer] + o.load_schedule(piece)
+
+    start, end, present, free = _gpu_lanes(costs, d, after_update)
+    return ClosedForm(max(free, cpu_end), start, end, present, R, cpu_end)
+
+
+def _steady(costs: ProblemCosts, d: Decisions) -> ClosedForm:
+    """Decisions whose gradients stream into the update (note [early updates] in timeline.py; the CP-SAT
+    model's `_update_lanes` and `_chunkwise`): the host layers' updates in landing order, each once its
+    gradient has landed (the epilogue's also after the prologue's), at the backward's rate, after what
+    the step before left on the lane; a load waits for its chunks' updates of the step before. Laid
+    out again with the carry of the layout before until the carry repeats, as the simulator does."""
+    host = [i for i in d.early_order]
+    early = {i: costs.early_piece(costs.option_of(i, d.layers[i])) for i in host}
+    E = costs.epilogue_id
+    carry: tuple[dict, int] | None = None  # (R_L - makespan per layer, cpu_end - makespan) of the step before
+    for _ in range(EARLY_ITERATIONS):
+        def after_update(layer: int, o, piece: int) -> int | None:
+            if carry is None or layer not in carry[0]:
+                return None
+            return carry[0][layer] + o.load_schedule(piece, early[layer])
+
+        start, end, present, makespan = _gpu_lanes(costs, d, after_update)
+        R, t = {}, max(0, carry[1]) if carry is not None else 0
+        for i in host:
+            R[i] = max(t, end[f"grad[L{i}]"], end["grad[L0]"] if i == E else 0)
+            t = R[i] + costs.option_of(i, d.layers[i]).owned * early[i]
+        nxt = ({i: r - makespan for i, r in R.items()}, t - makespan)
+        if nxt == carry:
+            break
+        carry = nxt
+    return ClosedForm(makespan, start, end, present, R, t)
+
+
+def _gpu_lanes(costs: ProblemCosts, d: Decisions, after_update):
+    """Rank 0's GPU lanes op by op; a chunkwise load ends no earlier than after_update(layer, option,
+    piece time) (None: no bound). Returns start, end, present (by op key) and the lanes' last end."""
     prog = build_lanes(costs.n_blocks, d.window, costs.problem.world_size > 1, costs.head_reload)
     holds = condition(d)
     any_offload = any(c.activation in OFFLOADED for c in d.layers)
-    R, cpu_end = update_starts(costs, d)
     present = {op.key: holds(op) for lane in GPU_LANES for op in prog.lanes[lane]}
     start, end = {}, {}
     heads = dict.fromkeys(GPU_LANES, 0)
@@ -99,9 +140,9 @@ def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
                         break
                     e = t + duration(costs, d, op, any_offload)
                     if op.chunkwise:
-                        c = d.layers[op.layer]
-                        o = costs.option_of(op.layer, c)
-                        e = max(e, R[op.layer] + o.load_schedule(o.fwd_piece_duplex if any_offload else o.fwd_piece))
+                        o = costs.option_of(op.layer, d.layers[op.layer])
+                        bound = after_update(op.layer, o, o.fwd_piece_duplex if any_offload else o.fwd_piece)
+                        e = e if bound is None else max(e, bound)
                 else:
                     e = t
                 start[op.key], end[op.key] = t, e
@@ -111,5 +152,4 @@ def evaluate(costs: ProblemCosts, d: Decisions) -> ClosedForm:
                 progress = True
         if not progress:
             raise RuntimeError("the program deadlocks")
-    makespan = max(max(free.values()), cpu_end)
-    return ClosedForm(makespan, start, end, present, R, cpu_end)
+    return start, end, present, max(free.values())

@@ -43,11 +43,12 @@ work, so all ranks' timelines come out identical (the simulator computes each on
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import CPU, GPU, OFFLOAD, OFFLOADED, RECOMPUTED, REPLICATED, SHARDED, Decisions
+from slidedp.scheduler.decisions import (
+    CPU, GPU, OFFLOAD, OFFLOADED, RECOMPUTED, REPLICATED, SHARDED, Decisions, landing_order,
+)
 from slidedp.scheduler.oracles.critical_path import longest_chain
 from slidedp.scheduler.problem.footprint import Footprint, evaluate
 from slidedp.scheduler.problem.lanes import (
@@ -119,7 +120,7 @@ def check_decisions(costs: ProblemCosts, d: Decisions) -> None:
         raise ValueError(f"every block must share one delivery and reduction route, got {sorted(blocks)}")
     if d.grads_streamed:
         n, on_device = costs.n_layers, d.device_state
-        landing = tuple(i for i in tuple(range(n - 2, -1, -1)) + (n - 1,) if i not in on_device)
+        landing = tuple(i for i in landing_order(n) if i not in on_device)
         cpu_reduced = costs.problem.world_size > 1 and any(c.reduction == CPU for i, c in enumerate(d.layers)
                                                            if i not in on_device)
         if not costs.problem.grads_streamable or d.streamed or d.early_order != landing or cpu_reduced:
@@ -215,8 +216,6 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
             for c in range(opt[layer].chunks):
                 if costs.owner(p, c) == r:
                     mine.append(c)
-    hw = costs.problem.hardware
-    slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
     early = carry is not None
     streamed = set(d.streamed)
     down_pieces: dict[int, list[int]] = {r: [] for r in range(W)}  # each rank's streamed pieces down, in order
@@ -243,7 +242,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
             g = r if all_ranks else 0  # by note [lockstep] rank 0's copies land when every rank's do
             deps = ((g, f"grad[L{layer}]"),) + (((g, "grad[L0]"),) if layer == N + 1 else ()) if early else ()
             for c in owned[(layer, r)]:
-                ticks = math.ceil(opt[layer].update_piece * slower) if early else opt[layer].update_piece
+                ticks = costs.early_piece(opt[layer]) if early else opt[layer].update_piece
                 update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c, ticks, deps,
                                                key=f"update[L{layer}]")
     if early:

@@ -74,16 +74,18 @@ class TransferOption:
         """A rank's CPU lane time for the whole layer: owned * update_piece."""
         return self.owned * self.update_piece
 
-    def load_schedule(self, piece: int) -> int:
-        """C = max over the pieces i a rank loads of (j_i + 1) * update_piece + (pieces - i) * piece,
-        where piece i is the j_i-th chunk its owner updates (j = i // W when every rank loads every
-        chunk, j = i when a rank loads only the chunks it owns): the earliest end of the load
-        counted from the start of the layer's update, if the link were free (see cpsat.py)."""
+    def load_schedule(self, piece: int, update_piece: int | None = None) -> int:
+        """C = max over the pieces i a rank loads of (j_i + 1) * q + (pieces - i) * piece, where piece
+        i is the j_i-th chunk its owner updates (j = i // W when every rank loads every chunk, j = i
+        when a rank loads only the chunks it owns) and q one chunk's update (`update_piece`, default
+        this option's at the step boundary): the earliest end of the load counted from the start of
+        the layer's update, if the link were free (see cpsat.py)."""
+        q = self.update_piece if update_piece is None else update_piece
         world_size = self.chunks // self.owned
         best = 0
         for i in range(self.load_pieces):
             j = i // world_size if self.delivery == REPLICATED else i
-            best = max(best, (j + 1) * self.update_piece + (self.load_pieces - i) * piece)
+            best = max(best, (j + 1) * q + (self.load_pieces - i) * piece)
         return best
 
 
@@ -573,6 +575,22 @@ class ProblemCosts:
             raise ValueError(f"layer {layer_id}: no option chunks={c.chunks}, {c.delivery}, {c.reduction}, copy "
                              f"{c.host_copy}, state on the {'device' if c.on_device else 'host'} among "
                              f"{[o.key for o in self.layer_options[layer_id]]}") from None
+
+    def may_stream_gradients(self, d: Decisions) -> bool:
+        """Whether `d`'s gradients may stream into the update (Problem.grads_streamable): no streamed
+        updates and, with several ranks, every host layer reduced on the GPUs (the CPU reduction sums the
+        ranks' gradients into a host gradient)."""
+        p = self.problem
+        return (p.grads_streamable and not d.streamed
+                and (p.world_size == 1 or all(c.reduction == GPU for c in d.layers if not c.on_device)))
+
+    def early_piece(self, o: TransferOption) -> int:
+        """One chunk's update on a rank's CPU lane beside the backward (note [early updates] in
+        oracles/timeline.py): `o.update_piece` at hardware.cpu_adamw_backward_fraction of the CPU's
+        AdamW rate instead of cpu_adamw_contended_fraction (ticks)."""
+        hw = self.problem.hardware
+        slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
+        return math.ceil(o.update_piece * slower)
 
     def owner(self, update_position: int, chunk: int) -> int:
         """Rank whose CPU threads update a chunk: (position in update order + chunk) mod W."""

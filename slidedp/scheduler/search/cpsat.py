@@ -48,8 +48,8 @@ from ortools.sat.python import cp_model
 
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
-    FORWARD_ORDER, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, RESIDENT, STREAMED,
-    Decisions, LayerChoice,
+    FORWARD_ORDER, GPU, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, RESIDENT, STREAMED,
+    Decisions, LayerChoice, landing_order,
 )
 from slidedp.scheduler.plan import input_offloaded
 from slidedp.scheduler.problem.footprint import terms, vocab_memory_deltas
@@ -73,6 +73,8 @@ class Vars:
     vocab: dict = field(default_factory=dict)  # layer -> bool: its table streams (one for a tied table's two)
     device_delay: object = None  # int: the device's AdamW's delay of the forward (None: no device state)
     order: dict = field(default_factory=dict)  # update order -> bool
+    grads: object = 0  # bool: the host layers' gradients stream into their update (Decisions.grads_streamed), or 0
+    grads_kept: dict = field(default_factory=dict)  # layer -> bool: its gradient is kept in host RAM
     any_offload: object = None  # bool: some block offloads (forward loads then share the link)
     offloads: dict = field(default_factory=dict)  # block -> bool: it offloads (decisions.OFFLOADED; several allowed)
     unstash: dict = field(default_factory=dict)  # block -> bool: its input leaves the device (plan.input_offloaded)
@@ -134,7 +136,8 @@ def _data(costs: ProblemCosts, window: int) -> Data:
 
     ops = {lane: tuple(op for op in program.lanes[lane] if possible(op)) for lane in GPU_LANES}
     horizon = 1 + sum(_max_duration(costs, op) for lane in GPU_LANES for op in ops[lane])
-    horizon += sum(max(o.update_lane_ticks() for o in opts) for opts in costs.layer_options)
+    horizon += sum(max(max(o.update_lane_ticks(), o.owned * costs.early_piece(o)) for o in opts)
+                   for opts in costs.layer_options)
     return Data(costs, window, ops, acts, orders, horizon)
 
 
@@ -213,6 +216,8 @@ def _decision_variables(m: cp_model.CpModel, costs: ProblemCosts, acts, orders) 
             v.route[(g, d, r)] = m.new_bool_var(f"route[{g},{d},{r}]")
     for o in orders:
         v.order[o] = m.new_bool_var(f"order[{o}]")
+    if costs.problem.grads_streamable:
+        v.grads = m.new_bool_var("grads_streamed")
     v.staging = m.new_int_var(0, max(o.staging_bytes for opts in costs.layer_options for o in opts), "staging_max")
     return v
 
@@ -222,13 +227,15 @@ def _variables(m: cp_model.CpModel, data: Data) -> Vars:
     v = _decision_variables(m, c, data.activations, data.orders)
     if set(OFFLOADED) & set(data.activations):
         v.any_offload = m.new_bool_var("any_offload")
+    # with streamed gradients a layer's update may end in the next step (note [early updates])
+    cpu_horizon = 2 * data.horizon
     for i in range(c.n_layers):
-        v.update_start[i] = m.new_int_var(0, data.horizon, f"R[L{i}]")
+        v.update_start[i] = m.new_int_var(0, cpu_horizon, f"R[L{i}]")
     for lane in GPU_LANES:
         for op in data.ops[lane]:
             v.start[op.key] = m.new_int_var(0, data.horizon, f"start[{op.key}]")
             v.end[op.key] = m.new_int_var(0, data.horizon, f"end[{op.key}]")
-    v.cpu_end = m.new_int_var(0, data.horizon, "cpu_end")
+    v.cpu_end = m.new_int_var(0, cpu_horizon, "cpu_end")
     v.makespan = m.new_int_var(0, data.horizon, "makespan")
     return v
 
@@ -261,6 +268,24 @@ def _routes_per_group(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> None
             m.add(sum(v.opt[(i, o.key)] for o in opts if (o.delivery, o.reduction) == (d, r)) == v.route[(g, d, r)])
 
 
+def _streamed_gradients(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> None:
+    """What grads_streamed asks (Decisions.grads_streamed): with several ranks every host layer reduced
+    on the GPUs (grads_streamed -> not opt[L,o] for each option o of the CPU reduction with the state on
+    the host); the gradients it keeps in host RAM otherwise: grad_kept[L] >= 1 - grads_streamed -
+    device_state[L] for each layer whose gradient may stream (costs.streamable_grads)."""
+    if isinstance(v.grads, int):
+        return
+    if costs.problem.world_size > 1:
+        for i, opts in enumerate(costs.layer_options):
+            for o in opts:
+                if o.reduction != GPU and not o.on_device:
+                    m.add_implication(v.grads, v.opt[(i, o.key)].Not())
+    for i in costs.streamable_grads:
+        if not _is(v.on_device[i], 1):
+            v.grads_kept[i] = m.new_bool_var(f"grad_kept[L{i}]")
+            m.add(v.grads_kept[i] + v.grads + v.on_device[i] >= 1)
+
+
 def _offloads(m: cp_model.CpModel, v: Vars, i: int):
     """The literal of block i offloading: offloads[i] = sum_{a offloaded} act[i,a] (at most one holds;
     the one literal itself where the options allow one offloaded policy)."""
@@ -287,29 +312,71 @@ def _option_sum(v: Vars, layer: int, opts, value) -> cp_model.LinearExpr:
     return sum(value(o) * v.opt[(layer, o.key)] for o in opts)
 
 
+def _not(lit):
+    """The negation of a literal or of a constant 0 / 1."""
+    return 1 - lit if isinstance(lit, int) else lit.Not()
+
+
+def _is(x, value: int) -> bool:
+    """Whether `x` (a literal, or a constant 0 / 1) is the constant `value`."""
+    return isinstance(x, int) and x == value
+
+
+def _lits(*lits) -> list:
+    """The literals among `lits`, for only_enforce_if (a constant must be 1: it is dropped)."""
+    assert all(x == 1 for x in lits if isinstance(x, int)), lits
+    return [x for x in lits if not isinstance(x, int)]
+
+
 def _update_lanes(m: cp_model.CpModel, data: Data, v: Vars) -> None:
-    """CPU lanes, in update order from t = 0 (note [step boundary]), each the same by symmetry:
-    U_L = sum_o opt[L,o] owned_o q_o;  R_P = 0;  R_next = R_L + U_L;  cpu_end = sum_L U_L.
-    The epilogue comes second (order[head_first]) or last (order[forward]):
-    R_B1 = U_P + HE with HE = U_E if head_first else 0;  R_E = U_P (head first), R_BN + U_BN (forward)."""
+    """CPU lanes, each the same by symmetry (U_L = sum_o opt[L,o] owned_o q_o, one rank's share).
+
+    At the step boundary (not grads_streamed; note [step boundary]), in update order from t = 0:
+    R_P = 0;  R_next = R_L + U_L;  cpu_end = sum_L U_L. The epilogue comes second (order[head_first])
+    or last (order[forward]): R_B1 = U_P + HE with HE = U_E if head_first else 0;  R_E = U_P (head
+    first), R_BN + U_BN (forward).
+
+    With the gradients streamed into the update (grads_streamed; note [early updates]): in landing
+    order (blocks N..1, the prologue, the epilogue), each host layer once its gradient has landed, at
+    the backward's rate q'_o (costs.early_piece), after what the step before left on the lane:
+    R_L >= end[grad[L]] (the epilogue also >= end[grad[L0]]);  R_next >= R_L + U'_L;
+    R_first >= cpu_end - makespan;  cpu_end >= R_last + U'_last (U'_L = sum_o opt[L,o] owned_o q'_o)."""
     c = data.costs
     E = c.epilogue_id
     U = {i: _option_sum(v, i, opts, lambda o: o.update_lane_ticks()) for i, opts in enumerate(c.layer_options)}
     head = v.order.get(HEAD_FIRST)
     forward = v.order.get(FORWARD_ORDER)
     blocks = list(range(1, E))
-    m.add(v.update_start[0] == 0)
     he = v.head_extra = m.new_int_var(0, data.horizon, "HE")
     if head is not None:
         m.add(he == U[E]).only_enforce_if(head)
-        m.add(v.update_start[E] == U[0]).only_enforce_if(head)
     if forward is not None:
         m.add(he == 0).only_enforce_if(forward)
-        m.add(v.update_start[E] == v.update_start[blocks[-1]] + U[blocks[-1]]).only_enforce_if(forward)
-    m.add(v.update_start[blocks[0]] == U[0] + he)
+    at_boundary = _lits(_not(v.grads))
+    m.add(v.update_start[0] == 0).only_enforce_if(at_boundary)
+    if head is not None:
+        m.add(v.update_start[E] == U[0]).only_enforce_if([head] + at_boundary)
+    if forward is not None:
+        m.add(v.update_start[E] == v.update_start[blocks[-1]] + U[blocks[-1]]).only_enforce_if([forward] + at_boundary)
+    m.add(v.update_start[blocks[0]] == U[0] + he).only_enforce_if(at_boundary)
     for a, b in zip(blocks, blocks[1:]):
-        m.add(v.update_start[b] == v.update_start[a] + U[a])
-    m.add(v.cpu_end == sum(U.values()))
+        m.add(v.update_start[b] == v.update_start[a] + U[a]).only_enforce_if(at_boundary)
+    m.add(v.cpu_end == sum(U.values())).only_enforce_if(at_boundary)
+    if isinstance(v.grads, int):
+        return
+    early = {i: _option_sum(v, i, opts, lambda o: o.owned * c.early_piece(o)) for i, opts in enumerate(c.layer_options)}
+    landing = landing_order(c.n_layers)
+    for i in landing:
+        host = _not(v.on_device[i])
+        if _is(host, 0):
+            continue
+        m.add(v.update_start[i] >= v.end[f"grad[L{i}]"]).only_enforce_if(_lits(v.grads, host))
+        if i == E:
+            m.add(v.update_start[i] >= v.end["grad[L0]"]).only_enforce_if(_lits(v.grads, host))
+    for a, b in zip(landing, landing[1:]):
+        m.add(v.update_start[b] >= v.update_start[a] + early[a]).only_enforce_if(v.grads)
+    m.add(v.update_start[landing[0]] >= v.cpu_end - v.makespan).only_enforce_if(v.grads)
+    m.add(v.cpu_end >= v.update_start[landing[-1]] + early[landing[-1]]).only_enforce_if(v.grads)
 
 
 def _device_delay(m: cp_model.CpModel, data: Data, v: Vars) -> None:
@@ -395,11 +462,29 @@ def _duration(data: Data, v: Vars, op: Op, duplex: bool = False):
     raise ValueError(op.kind)
 
 
-def _load_schedule(data: Data, v: Vars, op: Op, duplex: bool = False):
-    """C of a chunkwise load: sum_o opt[L,o] C_o(p_o), p_o the (duplex) forward piece time."""
-    opts = data.costs.layer_options[op.layer]
-    return _option_sum(v, op.layer, opts,
-                       lambda o: o.load_schedule(o.fwd_piece_duplex if duplex else o.fwd_piece))
+def _load_schedule(data: Data, v: Vars, op: Op, duplex: bool = False, early: bool = False):
+    """C of a chunkwise load: sum_o opt[L,o] C_o(p_o), p_o the (duplex) forward piece time; `early`: with
+    the update's pieces at the backward's rate (costs.early_piece), over the options with the state on
+    the host (a layer whose state is on the device waits for no CPU)."""
+    c = data.costs
+    opts = c.layer_options[op.layer]
+    if early:
+        opts = [o for o in opts if not o.on_device]
+    return _option_sum(v, op.layer, opts, lambda o: o.load_schedule(
+        o.fwd_piece_duplex if duplex else o.fwd_piece, c.early_piece(o) if early else None))
+
+
+def _chunkwise(m: cp_model.CpModel, data: Data, v: Vars, op: Op, e, own: list, duplex: bool = False) -> None:
+    """A chunkwise load's end after its chunks' updates: e >= R_L + C at the step boundary; with the
+    gradients streamed, e >= R_L - makespan + C' where the layer is on the host (its update ran in the
+    step before: note [early updates])."""
+    at_boundary = _lits(_not(v.grads))
+    m.add(e >= v.update_start[op.layer] + _load_schedule(data, v, op, duplex)).only_enforce_if(own + at_boundary)
+    host = _not(v.on_device[op.layer])
+    if isinstance(v.grads, int) or _is(host, 0):
+        return
+    m.add(e >= v.update_start[op.layer] - v.makespan + _load_schedule(data, v, op, duplex, early=True)
+          ).only_enforce_if(own + _lits(v.grads, host))
 
 
 def _program_order(m: cp_model.CpModel, data: Data, v: Vars) -> None:
@@ -441,11 +526,11 @@ def _program_order(m: cp_model.CpModel, data: Data, v: Vars) -> None:
                 m.add(e >= s)
                 m.add(e >= s + dur).only_enforce_if(own)
             if op.chunkwise:
-                m.add(e >= v.update_start[op.layer] + _load_schedule(data, v, op)).only_enforce_if(own)
+                _chunkwise(m, data, v, op, e, own)
             if op.kind == "load" and op.phase == "fwd" and v.any_offload is not None:
                 both = own + [v.any_offload]
                 m.add(e >= s + _duration(data, v, op, duplex=True)).only_enforce_if(both)
-                m.add(e >= v.update_start[op.layer] + _load_schedule(data, v, op, duplex=True)).only_enforce_if(both)
+                _chunkwise(m, data, v, op, e, both, duplex=True)
             if intervals_wanted:
                 intervals.append(_busy_interval(m, data, op, e, dur, lit))
             previous = e
@@ -526,13 +611,14 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
 
 
 def host_left(costs: ProblemCosts, v: Vars) -> cp_model.LinearExpr:
-    """One host's offloaded activations and kept delivery copies (costs.host_left_bytes without the
-    gradients that may stream)."""
+    """One host's offloaded activations, kept delivery copies and kept gradients that could stream
+    (costs.host_left_bytes)."""
     G, m_batches = costs.problem.ranks_per_host, costs.problem.micro_batches
     left = [(G * m_batches * b.host_bytes[a], v.act[(i, a)]) for i, b in costs.blocks.items() for a in OFFLOADED
             if (i, a) in v.act]
     left += [(o.copy_host_bytes, v.opt[(i, o.key)]) for i, opts in enumerate(costs.layer_options) for o in opts
              if o.copy_host_bytes]
+    left += [(costs.streamable_grads[i], lit) for i, lit in v.grads_kept.items()]
     return sum(b * lit for b, lit in left)
 
 
@@ -566,12 +652,16 @@ def host_bytes(m: cp_model.CpModel, costs: ProblemCosts, v: Vars) -> cp_model.Li
 
 
 def _makespan(m: cp_model.CpModel, data: Data, v: Vars) -> None:
-    """makespan >= end of every GPU lane's last op, makespan >= cpu_end (note [step boundary] in
-    oracles/timeline.py), makespan >= lower_bound (valid for any decisions; it helps the search's bound)."""
+    """makespan >= end of every GPU lane's last op; at the step boundary makespan >= cpu_end (note [step
+    boundary] in oracles/timeline.py; with the gradients streamed, updates may end in the next step);
+    makespan >= lower_bound (valid for such decisions; it helps the search's bound)."""
     for lane in GPU_LANES:
         m.add(v.makespan >= v.lane_end[lane])
-    m.add(v.makespan >= v.cpu_end)
-    m.add(v.makespan >= lower_bound(data.costs))
+    at_boundary = _lits(_not(v.grads))
+    m.add(v.makespan >= v.cpu_end).only_enforce_if(at_boundary)
+    m.add(v.makespan >= lower_bound(data.costs)).only_enforce_if(at_boundary)
+    if not isinstance(v.grads, int):
+        m.add(v.makespan >= lower_bound(data.costs, early=True))
 
 
 # -- hints and read back ------------------------------------------------------------------------------
@@ -590,6 +680,9 @@ def _decision_values(costs: ProblemCosts, v: Vars, d: Decisions):
     out += [(lit, (d.layers[first[g]].delivery, d.layers[first[g]].reduction) == (dl, r))
             for (g, dl, r), lit in v.route.items()]
     out += [(lit, d.update_order == o) for o, lit in v.order.items()]
+    if not isinstance(v.grads, int):
+        out.append((v.grads, d.grads_streamed))
+    out += [(lit, not d.grads_streamed and not d.layers[i].on_device) for i, lit in v.grads_kept.items()]
     return out
 
 
@@ -603,7 +696,10 @@ def _read_back(solver: cp_model.CpSolver, costs: ProblemCosts, v: Vars, window: 
             act = STREAMED if key[5] else RESIDENT
         layers.append(LayerChoice(key[0], act, key[1], key[2], key[3], key[4]))
     order = next((o for o in orders if solver.boolean_value(v.order[o])), orders[0]) if v.order else orders[0]
-    return Decisions(window, order, tuple(layers))
+    d = Decisions(window, order, tuple(layers))
+    if not isinstance(v.grads, int) and solver.boolean_value(v.grads):
+        d = d.with_streamed_gradients(costs.n_layers)
+    return d
 
 
 # -- solve -----------------------------------------------------------------------------------------------
@@ -619,6 +715,10 @@ def _parameters(solver: cp_model.CpSolver, costs: ProblemCosts, deterministic_ti
     # models of a few thousand variables, counted in wall time and not in deterministic time.
     p.cp_model_presolve = presolve
     p.cp_model_probing_level = 0
+    if costs.problem.grads_streamable:
+        # the steady state of streamed gradients is cyclic (R_L - makespan): bounds alone propagate it
+        # poorly, the LP of the enforced linear constraints proves it at once
+        p.linearization_level = 2
 
 
 def build_model(costs: ProblemCosts, window: int, budget_bytes: int, upper_bound: int | None = None):
@@ -631,6 +731,7 @@ def build_model(costs: ProblemCosts, window: int, budget_bytes: int, upper_bound
     v = _variables(m, data)
     _one_choice_each(m, costs, v)
     _routes_per_group(m, costs, v)
+    _streamed_gradients(m, costs, v)
     _offload_flag(m, data, v)
     _update_lanes(m, data, v)
     _device_delay(m, data, v)
@@ -653,6 +754,19 @@ def _placement_values(costs: ProblemCosts, v: Vars, d: Decisions):
     return out
 
 
+def _update_starts(costs: ProblemCosts, d: Decisions, cf: closed_form.ClosedForm) -> list[int]:
+    """R_L of every layer (in layer order) under `d`: the closed form's; with the gradients streamed, a
+    layer whose state is on the device (not on the CPU lanes) where the lanes reach it in landing order."""
+    if not d.grads_streamed:
+        return [cf.update_start[i] for i in range(costs.n_layers)]
+    R, t = {}, max(0, cf.cpu_end - cf.makespan)
+    for i in landing_order(costs.n_layers):
+        R[i] = cf.update_start.get(i, t)
+        t = R[i] + (costs.option_of(i, d.layers[i]).owned * costs.early_piece(costs.option_of(i, d.layers[i]))
+                    if i in cf.update_start else 0)
+    return [R[i] for i in range(costs.n_layers)]
+
+
 def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars, d: Decisions) -> int:
     """Hint every variable with its value under decisions `d` (closed_form.py gives the times):
     the search starts from a complete, feasible solution. Returns its makespan."""
@@ -669,7 +783,7 @@ def _complete_hint(m: cp_model.CpModel, costs: ProblemCosts, data: Data, v: Vars
     values += [(lit, cf.present.get(key, False)) for key, lit in v.both.items()]
     U = closed_form.lane_update_ticks(costs, d)
     values.append((v.head_extra, U[costs.epilogue_id] if d.update_order == HEAD_FIRST else 0))
-    values += [(var, cf.update_start[i]) for i, var in v.update_start.items()]
+    values += [(var, R) for var, R in zip(v.update_start.values(), _update_starts(costs, d, cf))]
     # an op of the model that d's program lacks (a resident head's second load): absent, at the end
     # of the lane's op before it
     at = {}
@@ -756,6 +870,7 @@ def _memory_model(costs: ProblemCosts, window: int, symmetric: bool = True):
     v = _decision_variables(m, costs, costs.options.activations, costs.options.update_orders)
     _one_choice_each(m, costs, v)
     _routes_per_group(m, costs, v)
+    _streamed_gradients(m, costs, v)
     f, alike = costs.host_fixed, {}
     for i in sorted(costs.problem.device_state_optional) if symmetric else ():
         key = (tuple((o.key, o.staging_bytes, o.copy_host_bytes) for o in costs.layer_options[i]),

@@ -7,9 +7,9 @@ m layers as they land, then the rest in the order the next step loads them (the 
 state): m = all keeps the CPU busy through the backward but makes the next forward wait for the
 prologue's update; a smaller m lets the forward start sooner. The best m is found by simulation.
 
-Where the problem allows it (Problem.grads_streamable) the other way is compared: every layer's
-gradient streamed into its update as it lands (m = all, in place), which needs no spare state and
-keeps no gradient in host RAM.
+The other way (Problem.grads_streamable), every host layer's gradient streamed into its update as it
+lands (m = all, in place: no spare state, no gradient in host RAM), is a decision of the CP-SAT model
+(cpsat.py, Decisions.grads_streamed, Decisions.with_streamed_gradients).
 """
 
 from __future__ import annotations
@@ -18,14 +18,9 @@ from dataclasses import replace
 
 from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
-from slidedp.scheduler.decisions import GPU, Decisions
+from slidedp.scheduler.decisions import Decisions, landing_order  # noqa: F401 (landing_order: re-exported)
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
 from slidedp.scheduler.search.found import Found
-
-
-def landing_order(n_layers: int) -> tuple[int, ...]:
-    """Layer ids in the order their gradients reach the host within a pass."""
-    return tuple(range(n_layers - 2, -1, -1)) + (n_layers - 1,)
 
 
 def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[int, ...]:
@@ -46,23 +41,11 @@ def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
-    """`d` with its best early order, or with its gradients streamed into the update (every host
-    layer as it lands, in place: neither spare nor gradient in host RAM), whichever is faster and
-    fits; None: neither allowed (or no host layer)."""
-    n = costs.n_layers - len(d.device_state) - len(d.streamed)
-    found = [e for e in (_streamed_gradients(costs, d, n), _spare_early(costs, d, n)) if e is not None]
-    return min(found, key=lambda e: e[1].makespan) if found else None
-
-
-def _streamed_gradients(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
-    """`d` with every host layer's gradient streamed into its update (Problem.grads_streamable)."""
-    if not costs.problem.grads_streamable or n == 0 or d.streamed:
+    """`d` with its best early order (its updates write a spare), where it fits; None: not allowed, no
+    host layer, or `d` streams its gradients (a decision of the CP-SAT model, kept)."""
+    if d.grads_streamed:
         return None
-    host = set(range(costs.n_layers)) - d.device_state
-    if costs.problem.world_size > 1 and any(d.layers[i].reduction != GPU for i in host):
-        return None  # the CPUs sum the ranks' gradients into a host gradient
-    e = replace(d, early_order=early_order(costs, d, n), grads_streamed=True)
-    return e, simulate(costs, e, all_ranks=False)
+    return _spare_early(costs, d, costs.n_layers - len(d.device_state) - len(d.streamed))
 
 
 def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
@@ -70,7 +53,6 @@ def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, 
     gradient is not finite), where the spare state fits."""
     # the spare state shares the host RAM left beside the host state with d's offloaded activations
     # and the delivery copies and gradients it keeps
-    d = replace(d, grads_streamed=False)
     limit = costs.early_host_bytes(d)
     if limit is None or n == 0 or spare_bytes(costs, d) + costs.host_left_bytes(d) > limit:
         return None
@@ -99,6 +81,4 @@ def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, 
 def search(costs: ProblemCosts, budget_bytes: int, start: Decisions) -> Found | None:
     """`start` with its best early order, as a search strategy (None: not allowed, or no host layer)."""
     found = best_early(costs, start)
-    if found is None:
-        return None
-    return Found("gradients streamed into the update" if found[0].grads_streamed else "early updates", *found)
+    return None if found is None else Found("early updates", *found)

@@ -38,7 +38,8 @@ def moves(costs: ProblemCosts, d: Decisions):
     one policy to another; one more block kept or offloaded (the latest recomputed one); one fewer
     (the earliest); one more block's input offloaded (the earliest recomputed one); one fewer (the
     latest); where the placement of the optimizer state is a decision, one more layer's on the device
-    (the first on the host), one fewer (the last on the device), the prologue's moved. These include
+    (the first on the host), one fewer (the last on the device), the prologue's moved; where they may,
+    the gradients streamed into the update, or kept. These include
     every alternative the plan's explanation compares (explain.py)."""
     blocks = sorted(costs.blocks)
     groups = {"prologue": [0], "blocks": blocks, "epilogue": [costs.epilogue_id]}
@@ -92,6 +93,10 @@ def moves(costs: ProblemCosts, d: Decisions):
         if fewer:
             yield d.replace_layers(fewer, activation=RECOMPUTE)
     yield from device_state_moves(costs, d)
+    if d.grads_streamed:  # the gradients kept to the step boundary, or streamed into the update
+        yield replace(d, early_order=(), grads_streamed=False)
+    elif costs.may_stream_gradients(d):
+        yield d.with_streamed_gradients(costs.n_layers)
 
 
 def device_state_moves(costs: ProblemCosts, d: Decisions):
@@ -161,8 +166,9 @@ def search(costs: ProblemCosts, budget_bytes: int, start: Decisions, *, name: st
 
 def changed(before: Decisions, after: Decisions) -> list[str]:
     """The decision families that differ between two decisions, in words."""
-    out = [name for name, attr in (("window", "window"), ("update order", "update_order")) if
-           getattr(before, attr) != getattr(after, attr)]
+    out = [name for name, attr in (("window", "window"), ("update order", "update_order"),
+                                   ("gradients streamed", "grads_streamed"))
+           if getattr(before, attr) != getattr(after, attr)]
     for name, attr in (("chunks", "chunks"), ("activations", "activation"), ("delivery", "delivery"),
                        ("reduction", "reduction"), ("delivery copies", "host_copy"),
                        ("optimizer state on the device", "on_device")):

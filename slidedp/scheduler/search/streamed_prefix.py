@@ -61,7 +61,7 @@ def _best_streamed_at(costs: ProblemCosts, d: Decisions, budget_bytes: int
 
     def at(k: int) -> float:
         if k not in tried:
-            e = replace(base, streamed=hosts[:k])
+            e = d if k == 0 and d.grads_streamed else replace(base, streamed=hosts[:k])  # none: d as decided
             found = best_early(costs, e) if early else None
             e, sim = found if found is not None else (e, simulate(costs, e, all_ranks=False))
             tried[k] = (e, sim) if costs.fits(e, sim.peak_bytes, budget_bytes) else None
