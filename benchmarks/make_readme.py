@@ -54,7 +54,7 @@ STUDIES = {
 CURRENT = {
     "single_gpu_throughput": "2026-12-03-every-system.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
-    "cpu_adamw": "2026-12-05-dev-host-like-for-like.json",
+    "cpu_adamw": "2026-12-05-h100-host-16-cores.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
@@ -83,7 +83,7 @@ def table_fair_baseline() -> str:
     return render_table(load("single_gpu_throughput", FAIR_BASELINE))
 
 
-SMALL_BUDGETS = "2026-12-05-small-budgets.json"
+SMALL_BUDGETS = "*-small-budgets*.json"
 # SlideFormer on the same machine kind, Qwen3-4B shape, no clipping: tokens/s and peak device GiB at each
 # tokens per step (docs/design.md §6.2; measured by others, not run by this script)
 SLIDEFORMER = {4096: (2191, 5.3), 16384: (8278, 6.7), 65536: (15649, 13.6)}
@@ -91,15 +91,18 @@ SLIDEFORMER = {4096: (2191, 5.3), 16384: (8278, 6.7), 65536: (15649, 13.6)}
 
 def table_small_budgets() -> str:
     rows = []
-    for r in load("single_gpu_throughput", SMALL_BUDGETS):
-        theirs, their_gib = SLIDEFORMER[r["tokens_per_step"]]
-        rows.append([f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"), num(r["tokens_per_s"], ",.0f"),
-                     f"{theirs:,} ({their_gib} GiB)", num(r["tokens_per_s"] / theirs, ".2f") + "x",
-                     gib(r["peak_device_bytes"]), gib(r["peak_device_reserved_bytes"]),
-                     f"{r['median_step_s']:.3f} / {r['predicted_step_s']:.3f}", gib(r["peak_host_bytes"])])
-    return markdown_table(["tokens/step", "slidedp budget GiB", "slidedp tokens/s", "SlideFormer tokens/s (docs/design.md §6.2, not run here)",
-                           "ratio", "peak allocated GiB", "peak reserved GiB", "step s median / predicted",
-                           "peak host GiB"], rows)
+    for path in sorted((HERE / "single_gpu_throughput" / "results").glob(SMALL_BUDGETS)):
+        for r in json.loads(path.read_text()):
+            theirs, their_gib = SLIDEFORMER[r["tokens_per_step"]]
+            rows.append([f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"), r["device_name"],
+                         num(r["tokens_per_s"], ",.0f"), f"{theirs:,} ({their_gib} GiB)",
+                         num(r["tokens_per_s"] / theirs, ".2f") + "x", gib(r["peak_device_bytes"]),
+                         gib(r["peak_device_reserved_bytes"]), f"{r['median_step_s']:.3f} / {r['predicted_step_s']:.3f}",
+                         gib(r["peak_host_bytes"]), f"`{path.name}`"])
+    return markdown_table(["tokens/step", "slidedp budget GiB", "card", "slidedp tokens/s",
+                           "SlideFormer tokens/s (docs/design.md §6.2, H200, not run here)", "ratio",
+                           "peak allocated GiB", "peak reserved GiB", "step s median / predicted", "peak host GiB",
+                           "record"], rows)
 
 
 def table_multi_gpu() -> str:

@@ -154,6 +154,12 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
         return run_child(cmd, result, args.timeout_s, fallback)
 
 
+def _point(record: dict) -> tuple:
+    """What a record measured: a rerun of the same point replaces it in a --merge, another commit's or
+    budget's is kept beside it (two trees compared in one file)."""
+    return record["system"], record["tokens_per_step"], record.get("git_commit"), record.get("budget_bytes")
+
+
 def drive(args) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     # A SIGTERM to the driver becomes an exception, so that the running child is killed with it.
@@ -167,7 +173,7 @@ def drive(args) -> int:
         for system in args.systems:
             record = run_point(system, tokens, args, command)
             record.update({k: v for k, v in extra.items() if k not in record})
-            records = [r for r in records if (r["system"], r["tokens_per_step"]) != (system, tokens)] + [record]
+            records = [r for r in records if _point(r) != _point(record)] + [record]
             write_records(out, records)
             summary = record["error"] or (f"{record['tokens_per_s']:.0f} tokens/s, "
                                           f"{record['measured_step_s']:.3f} s/step, losses {record.get('losses')}")

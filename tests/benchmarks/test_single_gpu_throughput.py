@@ -202,3 +202,13 @@ def test_failures_become_records(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["error"].startswith("timeout") and r["tokens_per_s"] is None
     assert all(k in r for k in bench.REQUIRED_KEYS)
+
+
+def test_a_merge_keeps_another_commits_point_and_replaces_a_rerun():
+    """Two trees measured into one file (--merge) keep both points; a rerun of the same point replaces it."""
+    bench = load_script()
+    old = {"system": "slidedp", "tokens_per_step": 16384, "git_commit": "5e69562", "budget_bytes": 24 * 2**30}
+    new = {**old, "git_commit": "a07f4e6"}
+    assert bench._point(old) != bench._point(new)
+    assert bench._point(new) == bench._point(dict(new, tokens_per_s=1.0))
+    assert bench._point(new) != bench._point(dict(new, budget_bytes=40 * 2**30))
