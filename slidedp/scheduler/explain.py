@@ -258,7 +258,22 @@ def alternatives(costs: ProblemCosts, d: Decisions, sim: Simulation, budget_byte
         add("delivery copies", chosen, _runner_up(costs, budget_bytes, cands),
             f"A kept copy takes {costs.elem} B per parameter of host RAM; made on load, the layer's loads read "
             "the fp32 master (4 B per parameter over PCIe, twice the bytes) and the device casts each chunk.")
+
+    # The gradients, where they may stream into the update (a Boolean of the CP-SAT model).
+    if d.grads_streamed:
+        add("gradients", "streamed into the update", _runner_up(costs, budget_bytes, [
+            ("kept to the step boundary", replace(d, grads_streamed=False, early_order=()))]), _GRADIENTS_WHY)
+    elif costs.may_stream_gradients(d):
+        add("gradients", "kept to the step boundary" if not d.early_order else "kept, early updates",
+            _runner_up(costs, budget_bytes, [("streamed into the update", d.with_streamed_gradients(costs.n_layers))]),
+            _GRADIENTS_WHY)
     return tuple(out)
+
+
+_GRADIENTS_WHY = ("Streamed, each host layer's gradient updates it in place as it lands, during the backward (at the "
+                  "CPU's rate beside the copies both ways), so the host keeps no gradient (4 B per parameter) and "
+                  "no spare; kept, the CPU updates after the step boundary, and the next forward waits for the first "
+                  "layers' updates.")
 
 
 def device_state_label(graph, on_device) -> str:

@@ -18,6 +18,7 @@ from slidedp.scheduler.decisions import Decisions, LayerChoice, Problem, SolverO
 from slidedp.scheduler.problem.footprint import evaluate
 from slidedp.scheduler.problem.lanes import build_lanes
 from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.explain import alternatives
 from slidedp.scheduler.solve import _searches, solve, solve_plan
 from tests.models import make_model
 from tests.scheduler.graphs import synthetic_graph
@@ -570,6 +571,10 @@ def test_streamed_gradients_are_a_decision_of_the_cp_sat_model():
     sol = solve(costs, budget)
     assert sol.decisions.grads_streamed and sol.chosen_by == "cp-sat"
     assert _searches(sol, costs)["gradients streamed into the update"] == "CP-SAT"
+    (why,) = [a for a in alternatives(costs, sol.decisions, simulate(costs, sol.decisions, all_ranks=False), budget)
+              if a.decision == "gradients"]
+    assert why.chosen == "streamed into the update" and why.runner_up == "kept to the step boundary"
+    assert why.runner_up_step_s >= why.chosen_step_s == pytest.approx(best * costs.scale.tick_s)
     for d in itertools.islice((d for d in all_decisions(costs) if d.grads_streamed), 0, None, 17):
         assert closed_form.evaluate(costs, d).makespan == simulate(costs, d, all_ranks=False).makespan
 

@@ -88,7 +88,7 @@ def _steady(costs: ProblemCosts, d: Decisions) -> ClosedForm:
     gradient has landed (the epilogue's also after the prologue's), at the backward's rate, after what
     the step before left on the lane; a load waits for its chunks' updates of the step before. Laid
     out again with the carry of the layout before until the carry repeats, as the simulator does."""
-    host = [i for i in d.early_order]
+    host = list(d.early_order)
     early = {i: costs.early_piece(costs.option_of(i, d.layers[i])) for i in host}
     E = costs.epilogue_id
     carry: tuple[dict, int] | None = None  # (R_L - makespan per layer, cpu_end - makespan) of the step before
