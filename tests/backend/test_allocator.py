@@ -11,6 +11,8 @@ from slidedp.backend.runtime import allocator
 def settings(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # the name torch >= 2.9 uses
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append)
     for name in allocator.USER_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     return calls

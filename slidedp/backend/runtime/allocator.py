@@ -32,5 +32,7 @@ def expandable_segments(device: torch.device) -> bool:
         log.info("slidedp: CUDA allocator as %s=%s sets it (slidedp turns on expandable_segments otherwise)",
                  user, os.environ[user])
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    # torch >= 2.9 names the setting per accelerator; the CUDA name before it (deprecated since)
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setting("expandable_segments:True")
     return True
