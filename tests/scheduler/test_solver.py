@@ -626,3 +626,28 @@ def test_random_small_problems_with_streamable_gradients_agree_with_brute_force(
         assert min(r.objective for r in results if r.objective is not None) == best
         streamed += best_d.grads_streamed
     assert 0 < streamed < 40
+
+
+def test_a_decision_with_early_updates_fits_only_with_its_spare_state():
+    """Early updates write a spare master and moments: a decision with them fits the host only where its
+    spare state fits beside what else it keeps (ProblemCosts.fits), so no later pass (a descent keeping
+    more delivery copies, say) can leave a plan above its host budget. Planned over a sweep of host
+    budgets with early updates and streamed updates allowed, every plan keeps within its budget."""
+    graph = synthetic_graph(3, block_scale=(1.0, 0.5, 2.0))
+    hw = PRESETS["h200-sxm"]
+    options = SolverOptions(activations=("recompute", "keep"), chunk_multiples=(1,), windows=(1, 2),
+                            update_orders=("forward",))
+    base = Problem(graph, hw, 1, micro_batches=1, early_host_bytes=1 << 62, copies_on_load=True)
+    costs = ProblemCosts(base, options)
+    d = baselines.uniform(costs, window=2, activation="recompute")
+    early = replace(d, early_order=tuple(landing_order(costs.n_layers)))
+    spare = costs.spare_bytes(early)
+    assert spare > 0 and costs.spare_bytes(d) == 0
+    fixed = costs.host_fixed.bytes(())
+    tight = ProblemCosts(replace(base, host_budget_bytes=fixed + costs.host_left_bytes(d) + spare - 1), options)
+    assert tight.fits(d, 0, 1) and not tight.fits(early, 0, 1)
+    for extra in (0.1, 0.3, 0.5, 0.8):
+        host_budget = int(fixed + extra * spare)
+        plan = solve_plan(graph, budget_bytes=40 * GiB, hardware=hw, options=options, early_host_bytes=1 << 62,
+                          streamed_updates=True, host_budget_bytes=host_budget)
+        assert plan.peak_host_bytes <= host_budget

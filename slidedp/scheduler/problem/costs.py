@@ -553,13 +553,27 @@ class ProblemCosts:
             return p.early_host_bytes
         return min(p.early_host_bytes, p.host_budget_bytes - self.host_fixed.bytes(d.device_state))
 
+    def spare_bytes(self, d: Decisions) -> int:
+        """Host bytes of the spare fp32 master and moments that d's early updates write (every layer of
+        its early order, page-aligned as the host state lays them out: costmodel.memory.host_spare_bytes);
+        none where the gradients stream into the update."""
+        if d.grads_streamed:
+            return 0
+        numel = {layer.id: layer.numel for layer in self.problem.graph.layers}
+        return sum(mem.host_spare_bytes(numel[i]) for i in d.early_order)
+
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int, grads: bool = True) -> bool:
         """The device peak within the budget; the fixed host part of d's placement, the offloaded
-        activations, the kept delivery copies and (`grads`) gradients within host memory (`host_room`)."""
+        activations, the kept delivery copies and (`grads`) gradients within host memory (`host_room`),
+        and with them the spare state of d's early updates within what those may take (`early_host_bytes`)."""
         if self.variants:  # the costs of d's streamed tables
             return self.variant(d).fits(d, peak_bytes, budget_bytes, grads)
-        room = self.host_room(d)
-        return peak_bytes <= budget_bytes and (room is None or self.host_left_bytes(d, grads) <= room)
+        room, left = self.host_room(d), self.host_left_bytes(d, grads)
+        if peak_bytes > budget_bytes or (room is not None and left > room):
+            return False
+        spare = self.spare_bytes(d)
+        limit = self.early_host_bytes(d) if spare else None
+        return not spare or (limit is not None and spare + left <= limit)
 
     def windows(self) -> tuple[int, ...]:
         """Window sizes worth trying: the options, capped at the number of blocks."""

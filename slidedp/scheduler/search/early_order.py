@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import Decisions, landing_order  # noqa: F401 (landing_order: re-exported)
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
@@ -30,14 +29,6 @@ def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[i
     host = set(range(costs.n_layers)) - d.device_state - set(d.streamed)
     first = [i for i in landing_order(costs.n_layers) if i in host][:landed_first]
     return tuple(first) + tuple(i for i in d.order(costs.n_layers) if i in host and i not in first)
-
-
-def spare_bytes(costs: ProblemCosts, d: Decisions) -> int:
-    """Host bytes of the spare fp32 master and moments of every host layer the CPU updates
-    (page-aligned, as the host state lays them out: costmodel.memory.host_spare_bytes)."""
-    g = costs.problem.graph
-    skip = d.device_state | set(d.streamed)
-    return sum(mem.host_spare_bytes(layer.numel) for layer in g.layers if layer.id not in skip)
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
@@ -54,7 +45,8 @@ def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, 
     # the spare state shares the host RAM left beside the host state with d's offloaded activations
     # and the delivery copies and gradients it keeps
     limit = costs.early_host_bytes(d)
-    if limit is None or n == 0 or spare_bytes(costs, d) + costs.host_left_bytes(d) > limit:
+    every = replace(d, early_order=early_order(costs, d, n))  # every early order writes the spare of all of them
+    if limit is None or n == 0 or costs.spare_bytes(every) + costs.host_left_bytes(d) > limit:
         return None
     tried: dict[int, tuple[Decisions, Simulation]] = {}
 
