@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +13,7 @@ from slidedp.train.shapes import preset_config
 GiB = 2**30
 
 
+@pytest.mark.slow  # over a minute on 2 cores; the 14B-on-4-ranks plan below is the default run's scale check
 def test_an_80_block_model_on_8_ranks_plans_in_bounded_time():
     """Planning time is a benchmark figure, not a unit-test target: the bound only catches a search
     that stops scaling (about 35 s alone on 2 cores since the vocabulary choice is solved in the model,
