@@ -39,6 +39,7 @@ from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import slidedp  # noqa: E402
+from slidedp.report import to_chrome_trace  # noqa: E402
 
 
 def rusage() -> dict:
@@ -224,7 +225,7 @@ def main() -> None:
             print(json.dumps(point["gpu_lanes"], indent=1), flush=True)
             os.system(f"gzip -f {trace}")
             # the plan's predicted timeline of the same step, to open beside it in Perfetto
-            engine.plan.to_chrome_trace(out_dir / f"predicted_{args.blocks}b_{tokens}.json")
+            to_chrome_trace(engine.plan, out_dir / f"predicted_{args.blocks}b_{tokens}.json")
         engine.close()
         del engine
         torch.cuda.empty_cache()
