@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-grad-norm", type=grad_norm, default=MAX_GRAD_NORM,
                    help="global gradient-norm clipping (default 1.0); 'none': no clipping")
+    p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
+                   help="slidedp without clipping: a step with a non-finite gradient is skipped (default), or the "
+                        "run stops on it, which lets the plan stream every gradient into its update")
     p.add_argument("--precision", choices=["bf16", "fp32"], help="slidedp (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--baseline-micro-rows", type=int, default=1,
                    help="GPU-resident and FSDP2: rows (sequences) per micro-batch")

@@ -201,7 +201,8 @@ class Point:
         kwargs = dict(batch_size=rows, seq_len=self.seq, device=self.dev.type, precision=precision,
                       micro_batches=self.rows // self.world_size // rows, world_size=self.world_size,
                       optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                      max_grad_norm=a.max_grad_norm, hardware=self.slidedp_hardware())
+                      max_grad_norm=a.max_grad_norm, hardware=self.slidedp_hardware(),
+                      nonfinite=getattr(a, "nonfinite", "skip"))
         plan = self.slidedp_plan(model, budget, compile_blocks, kwargs)
         engine = slidedp.compile(model, budget, plan=plan, compile_blocks=compile_blocks, weights=weights, **kwargs)
         self.engine = engine
@@ -446,7 +447,8 @@ def base_record(system: str, tokens: int, args) -> dict:
         "peak_host_bytes": None, "measured_step_s": None, "predicted_step_s": None, "budget_bytes": None,
         "date": now.date().isoformat(), "time_utc": now.isoformat(timespec="seconds"), "command": args.command,
         "shape": args.shape, "device": args.device, "seed": args.seed, "steps": args.steps,
-        "baseline_micro_rows": args.baseline_micro_rows, "max_grad_norm": args.max_grad_norm, "error": None,
+        "baseline_micro_rows": args.baseline_micro_rows, "max_grad_norm": args.max_grad_norm,
+        "nonfinite": getattr(args, "nonfinite", "skip"), "error": None,
     }
 
 

@@ -273,7 +273,7 @@ def point_args(spec: Spec, args, command: str, result: Path) -> dict:
         shape=args.shape, seq=args.seq, device=args.device, budget=args.budget, steps=args.steps, seed=args.seed,
         precision=args.precision, hardware=args.hardware, plans_dir=args.plans_dir, reuse_plans=args.reuse_plans,
         cap_baselines=args.cap_baselines, baseline_micro_rows=args.baseline_micro_rows, no_warmup=args.no_warmup,
-        max_grad_norm=args.max_grad_norm,
+        max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite,
         plan=None, command=command, result_file=str(result), rank=0, init_method=None,
     )
 
@@ -635,7 +635,7 @@ def solve_plans(args) -> int:
                                 compile_blocks=args.device == "cuda", solver_options=route_options(spec.route),
                                 optimizer=slidedp.AdamW(lr=_model.LR, betas=_model.BETAS, eps=_model.EPS,
                                                         weight_decay=_model.WEIGHT_DECAY),
-                                max_grad_norm=args.max_grad_norm)
+                                max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite)
         except Exception as exc:  # noqa: BLE001 - one plan that cannot be made does not stop the others
             failed += 1
             print(f"{path.name}: {type(exc).__name__}: {exc}", flush=True)

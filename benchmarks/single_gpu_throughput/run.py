@@ -142,7 +142,7 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
                "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
                "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm),
-               "--deepspeed-checkpoint", args.deepspeed_checkpoint]
+               "--nonfinite", args.nonfinite, "--deepspeed-checkpoint", args.deepspeed_checkpoint]
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
@@ -353,7 +353,7 @@ def solve_plans(args) -> int:
                             micro_batches=tokens // seq // rows, hardware=args.hardware or "h200-sxm",
                             optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                             max_grad_norm=args.max_grad_norm, compile_blocks=compile_blocks,
-                            host_memory=args.host_ram)
+                            host_memory=args.host_ram, nonfinite=args.nonfinite)
         path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)
