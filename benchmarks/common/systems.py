@@ -213,7 +213,8 @@ class Point:
             predicted_step_s=float(engine.plan.predicted_step_time_s),
             predicted_peak_device_bytes=int(engine.plan.peak_device_bytes),
             plan_summary=engine.plan.summary(), plan_reused=plan if isinstance(plan, (str, Path)) else None,
-            device_state_layers=list(engine.plan.device_state),
+            device_state_layers=list(engine.plan.device_state), nonfinite=engine.nonfinite,
+            streamed_gradients=bool(engine.plan.streamed_gradients),
             optimizer="slidedp CPU AdamW (numba), fp32 master, bf16 weights out; layers of plan.device_state: "
                       "fused AdamW on the GPU",
         )

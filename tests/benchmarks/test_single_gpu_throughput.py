@@ -91,6 +91,16 @@ def same_training(records: list[dict]) -> None:
     assert max(second) - min(second) <= 1e-4 * abs(second[0]), second
 
 
+def test_nonfinite_stop_reaches_the_engine(tmp_path):
+    """--nonfinite stop without clipping: the engine runs with it (a non-finite gradient would stop the run), and
+    the record says whether its plan streamed the gradients; the default skips."""
+    records, _ = run_smoke(tmp_path / "stop.json", "slidedp", extra=["--max-grad-norm", "none", "--nonfinite", "stop"])
+    r = records[0]
+    assert r["error"] is None and r["nonfinite"] == "stop" and r["max_grad_norm"] is None
+    assert isinstance(r["streamed_gradients"], bool)
+    assert ("a non-finite gradient stops training" in r["plan_summary"]) == r["streamed_gradients"]
+
+
 def test_systems_train_the_same_model_on_the_same_batches(smoke):
     same_training(smoke[1])
 
