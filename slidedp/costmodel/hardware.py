@@ -62,6 +62,10 @@ class Hardware:
     # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/search/early_order.py), which run
     # beside the backward's gradient and weight copies both ways; 0: cpu_adamw_contended_fraction.
     cpu_adamw_backward_fraction: float = 0.0
+    # Fraction of the duplex copy rate (H2D and D2H at once) left while the CPU AdamW runs on the host's
+    # cores: both draw on host DRAM. Applied to the streamed updates' round trips, which run at the step
+    # boundary beside the CPU's round of updates (scheduler/problem/costs.py); 0: not known, 1.
+    duplex_contended_fraction: float = 0.0
     # Rate of the attention kernels (causal scaled-dot-product attention, forward and backward) on
     # the FLOPs slidedp.ir counts for them [FLOP/s]; the rest of a block runs at the block's rate.
     # 0: not measured, attention runs at the block's rate (which then covers it).
@@ -163,10 +167,10 @@ _POSITIVE_RATES = ("matmul_flops_per_s", "block_efficiency", "h2d_bytes_per_s", 
 # 0 means "none" (no GPU peer-to-peer) or "not known" (the field's comment says which figure stands in)
 _ZERO_MEANS_UNKNOWN = ("gpu_p2p_bytes_per_s", "host_block_fwd_s", "host_block_bwd_s", "head_efficiency",
                        "compiled_block_efficiency", "gpu_memory_bytes_per_s", "cpu_adamw_backward_fraction",
-                       "attention_flops_per_s")
+                       "attention_flops_per_s", "duplex_contended_fraction")
 # fractions of a rate left under contention (the efficiencies may exceed 1: calibrate measures them
 # against one matmul's rate)
-_FRACTIONS = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction")
+_FRACTIONS = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "duplex_contended_fraction")
 
 
 GiB = 2**30
@@ -193,6 +197,7 @@ PRESETS: dict[str, Hardware] = {
         gpu_memory_bytes_per_s=3.0e12,  # [B/s] estimate: about 60% of the vendor's 4.8 TB/s
         attention_flops_per_s=540e12,  # [FLOP/s] causal SDPA fwd + bwd, benchmarks/block_rate.py
         cpu_adamw_backward_fraction=0.56,  # [fraction] fitted to two measured runs with early updates
+        duplex_contended_fraction=0.76,  # [fraction] copies both ways under the CPU AdamW: 73 of 96 GB/s, measured
     ),
     # h100-sxm, a100-sxm, rtx4090: from vendor figures and a typical host of the class (docs/design.md §6.3).
     "h100-sxm": Hardware(

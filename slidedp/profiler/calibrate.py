@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
+import time
 import timeit
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -483,6 +485,27 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     return seconds, overlapped
 
 
+def measure_duplex_contended_s(state: AdamwState, threads: int, buffers: CopyBuffers, *, repeats: int) -> float:
+    """Seconds of the duplex copy (as `measure_duplex_s`, CUDA) while the CPU AdamW runs, on `threads`
+    threads, over and over on a thread of its own: the copies' share of host DRAM beside the optimizer."""
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            state.step(threads)
+
+    worker = threading.Thread(target=hammer, name="slidedp-calibrate-adamw", daemon=True)
+    torch_threads = torch.get_num_threads()
+    worker.start()
+    try:
+        time.sleep(0.1)  # the AdamW under way
+        return measure_duplex_s(buffers, repeats=repeats)
+    finally:
+        stop.set()
+        worker.join()
+        torch.set_num_threads(torch_threads)
+
+
 def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeats: int) -> float:
     """Device memory bandwidth of the device's AdamW as slidedp runs it (backend/state/device_state.py's
     `adamw_piece_` on a bf16 gradient with clipping), as ops.DEVICE_ADAMW_BYTES_PER_PARAM bytes per
@@ -646,8 +669,11 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         say(f"AdamW + copies  {best_threads} threads while H2D and D2H run: {state.numel / contended_s / 1e9:.3g} "
             f"G params/s, fraction {contended:.3f}"
             + ("" if overlapped else " (note: the copies ended before the AdamW did; fraction may be high)"))
+        copies_contended = min(1.0, duplex_s / measure_duplex_contended_s(state, best_threads, buffers, repeats=reps))
+        say(f"copies + AdamW  H2D and D2H at once while {best_threads} threads run the CPU AdamW: "
+            f"{copies_contended * duplex / 1e9:.4g} GB/s total, fraction {copies_contended:.3f}, duplex_contended_fraction")
     else:
-        contended = 1.0
+        contended = copies_contended = 1.0
         say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
     del buffers, state
 
@@ -682,5 +708,5 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
         compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
-        attention_flops_per_s=attention,
+        attention_flops_per_s=attention, duplex_contended_fraction=copies_contended,
     )

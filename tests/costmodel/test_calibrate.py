@@ -4,6 +4,7 @@ profile's JSON round trip, the command, and planning with a calibrated profile."
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -155,6 +156,7 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
     assert 1e7 <= hw.matmul_flops_per_s <= 1e14 and 1e6 <= hw.matmul_flops_per_s * hw.block_efficiency <= 1e14
     assert hw.gpu_memory_bytes > 2**28 and hw.gpu_p2p_bytes_per_s == 0.0
     assert hw.cpu_adamw_contended_fraction == 1.0 and hw.gpus_per_root_complex == 1
+    assert hw.duplex_contended_fraction == 1.0  # no DMA beside the CPU's AdamW on the CPU device
     assert hw.gpu_memory_bytes_per_s == 0.0  # the CPU device: optimizer state never planned "on the device"
     sizes = [b for b, _ in hw.transfer_efficiency]
     assert sizes == sorted(set(sizes)) and sizes[0] == 64 * 2**10
@@ -177,6 +179,20 @@ def test_device_adamw_bandwidth_runs_the_device_state_update():
     kernel sequence as backend/state/device_state.py, its bytes over its time."""
     rate = cal.measure_device_adamw_bytes_per_s(torch.device("cpu"), 1 << 20, repeats=2)
     assert 1e7 <= rate <= 1e13
+
+
+def test_copies_are_timed_while_the_cpu_adamw_runs(monkeypatch):
+    """The measurement behind duplex_contended_fraction: the duplex copy is timed while the AdamW steps
+    run on a thread of their own, which has stopped when it returns."""
+    state = cal.AdamwState(1 << 16)
+    steps, timed_during = [], []
+    monkeypatch.setattr(state, "step", lambda threads: steps.append(threads) or time.sleep(0.001))
+    monkeypatch.setattr(cal, "measure_duplex_s", lambda buffers, repeats: timed_during.append(len(steps)) or 0.5)
+    assert cal.measure_duplex_contended_s(state, 3, buffers=None, repeats=2) == 0.5
+    assert timed_during[0] > 0 and set(steps) == {3}  # AdamW was under way when the copies were timed
+    n = len(steps)
+    time.sleep(0.01)
+    assert len(steps) == n  # and stopped after
 
 
 def test_profile_round_trips_and_plans(quick_cpu, tmp_path):
@@ -270,7 +286,8 @@ def test_quick_cuda_calibration(tmp_path):
     assert hw.matmul_flops_per_s > 1e12 and 0 < hw.block_efficiency <= 1.5
     assert 1e9 <= hw.h2d_bytes_per_s <= 1e12 and 1e9 <= hw.d2h_bytes_per_s <= 1e12
     assert hw.duplex_bytes_per_s >= 0.5 * min(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s)
-    assert 0 < hw.cpu_adamw_contended_fraction <= 1
+    assert 0 < hw.cpu_adamw_contended_fraction <= 1 and 0 < hw.duplex_contended_fraction <= 1
+    assert "duplex_contended_fraction" in "\n".join(lines)
     assert hw.gpu_p2p_bytes_per_s >= 0
     assert 1e11 <= hw.gpu_memory_bytes_per_s <= 2e13
     assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)

@@ -300,3 +300,22 @@ def test_streamed_updates_get_room_from_a_narrower_window():
     assert e.window == 1 and e.streamed and sim.makespan < plain.makespan
     assert costs.fits(e, sim.peak_bytes, budget)
     assert best_streamed(costs, d, 1 << 50)[0].window == 2  # with room, the window stays
+
+
+def test_streamed_update_copies_run_at_the_rate_left_beside_the_cpu_adamw():
+    """The streamed updates' round trips run at the step boundary beside the CPU's AdamW: their copies
+    take 1 / duplex_contended_fraction as long; the loads and gradient copies keep their rates."""
+    graph = synthetic_graph(4, block_scale=(1.0, 0.5, 2.0, 1.0))
+    idle = replace(PRESETS["h200-sxm"], duplex_contended_fraction=1.0)
+    half = replace(idle, duplex_contended_fraction=0.5)
+    a, b = (ProblemCosts(Problem(graph, hw, 1, 1, streamed_updates=True), SolverOptions()) for hw in (idle, half))
+    assert a.scale == b.scale
+    for key, chunks in a.streamed_pieces.items():
+        for pieces_a, pieces_b in zip(chunks, b.streamed_pieces[key]):
+            for (up_a, down_a), (up_b, down_b) in zip(pieces_a, pieces_b):
+                assert up_b == pytest.approx(2 * up_a, abs=2) and down_b > 1.8 * down_a
+    assert a.layer_options == b.layer_options
+    # not known (0): as if idle
+    unknown = ProblemCosts(Problem(graph, replace(idle, duplex_contended_fraction=0.0), 1, 1, streamed_updates=True),
+                           SolverOptions())
+    assert unknown.streamed_pieces == a.streamed_pieces

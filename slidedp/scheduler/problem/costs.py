@@ -104,11 +104,13 @@ class BlockTicks:
 
 @dataclass(frozen=True)
 class _Rates:
-    """Copy rates (bytes/s per rank) the costs share: H2D alone, H2D and D2H both directions busy."""
+    """Copy rates (bytes/s per rank) the costs share: H2D alone, H2D and D2H both directions busy, and
+    both directions busy while the CPU AdamW runs (Hardware.duplex_contended_fraction)."""
 
     h2d_alone: float
     h2d_duplex: float
     d2h_duplex: float
+    contended: float  # fraction of the duplex rates left beside the CPU's AdamW
 
 
 class ProblemCosts:
@@ -125,7 +127,8 @@ class ProblemCosts:
         hw, G = problem.hardware, problem.ranks_per_host  # the ranks sharing one host's links
         rates = _Rates(h2d_alone=ops.h2d_bytes_per_s(hw, G, duplex=False),
                        h2d_duplex=ops.h2d_bytes_per_s(hw, G, duplex=True),
-                       d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True))
+                       d2h_duplex=ops.d2h_bytes_per_s(hw, G, duplex=True),
+                       contended=hw.duplex_contended_fraction or 1.0)
         self._choose_routes()
         self.copyable = copyable_layers(problem, self.options)
         # the gradients a plan keeps unless they stream into the update (Problem.grads_streamable), per layer
@@ -409,7 +412,8 @@ class ProblemCosts:
         curve = hw.transfer_efficiency
         # Streamed updates (decisions.streamed): per host layer and chunk count, per chunk (the owner's
         # part, backend.lowering.program.chunk_bounds) its pieces' (up, down) ticks; up: H2D, down: the device's
-        # AdamW of the piece, then D2H (both directions busy: duplex rates, the W ranks sharing links).
+        # AdamW of the piece, then D2H (both directions busy: duplex rates, the W ranks sharing links; at
+        # the step boundary, beside the CPU's round of updates: the rates left under its AdamW).
         self.streamed_pieces: dict[tuple[int, int], tuple[tuple[tuple[int, int], ...], ...]] = {}
         self.streamed_update_bytes = mem.streamed_update_bytes(self.elem)
         for layer in g.layers:
@@ -423,9 +427,9 @@ class ProblemCosts:
                     for a in range(lo, min(lo + size, layer.numel), mem.STREAMED_PIECE_NUMEL):
                         n = min(mem.STREAMED_PIECE_NUMEL, lo + size - a, layer.numel - a)
                         up, down = ops.streamed_update_bytes(n, self.elem)
-                        pieces.append((t(ops.transfer_time_s(up, rates.h2d_duplex, curve)),
+                        pieces.append((t(ops.transfer_time_s(up, rates.h2d_duplex * rates.contended, curve)),
                                        t(ops.device_update_time_s(n, hw)
-                                         + ops.transfer_time_s(down, rates.d2h_duplex, curve))))
+                                         + ops.transfer_time_s(down, rates.d2h_duplex * rates.contended, curve))))
                     chunks.append(tuple(pieces))
                 self.streamed_pieces[(layer.id, k)] = tuple(chunks)
         self.streamed_layers = frozenset(i for i, _ in self.streamed_pieces)
