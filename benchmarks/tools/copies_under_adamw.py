@@ -15,14 +15,13 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from slidedp.profiler.calibrate import AdamwState, CopyBuffers  # noqa: E402
+from slidedp.profiler.calibrate import AdamwState, CopyBuffers, beside_adamw  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -68,27 +67,24 @@ def main() -> int:
     for name, (fn, directions) in cases.items():
         fn()
         idle = timed(fn, args.repeats)
-        stop, steps = threading.Event(), [0]
+        steps, count = [0], state.step
 
-        def hammer():
-            while not stop.is_set():
-                state.step(args.threads)
-                steps[0] += 1
+        def step(threads: int) -> None:
+            count(threads)
+            steps[0] += 1
 
-        worker = threading.Thread(target=hammer)
-        worker.start()
-        time.sleep(0.2)
+        state.step = step  # count the AdamW steps that run beside the copies
         try:
-            t0, before = time.perf_counter(), steps[0]
-            busy = timed(fn, args.repeats)
-            wall, during = time.perf_counter() - t0, steps[0] - before
+            t0 = time.perf_counter()
+            busy, during, wall = beside_adamw(state, args.threads, lambda: (timed(fn, args.repeats), steps[0],
+                                                                            time.perf_counter()))
         finally:
-            stop.set()
-            worker.join()
+            state.step = count
+        wall -= t0
         rate_idle, rate_busy = directions * buffers.nbytes / idle, directions * buffers.nbytes / busy
         result[name] = {"idle_GBps": rate_idle / 1e9, "under_adamw_GBps": rate_busy / 1e9,
-                        "fraction": rate_busy / rate_idle, "adamw_steps_during": during,
-                        "adamw_params_per_s_during": during * args.numel / max(wall, 1e-9)}
+                        "fraction": rate_busy / rate_idle, "adamw_steps": during,
+                        "adamw_params_per_s": during * args.numel / max(wall, 1e-9)}
         print(f"{name:7s} idle {rate_idle / 1e9:6.1f} GB/s, under AdamW ({args.threads} threads) "
               f"{rate_busy / 1e9:6.1f} GB/s: {rate_busy / rate_idle:.3f}", flush=True)
     print(f"AdamW alone {args.numel / adamw_alone_s / 1e9:.2f} G params/s", flush=True)

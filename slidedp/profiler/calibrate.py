@@ -24,7 +24,7 @@ import threading
 import time
 import timeit
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from slidedp.optim import AdamW
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 
 # -- pure helpers: timings -> profile fields ------------------------------------------------------
 
@@ -485,9 +486,9 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     return seconds, overlapped
 
 
-def measure_duplex_contended_s(state: AdamwState, threads: int, buffers: CopyBuffers, *, repeats: int) -> float:
-    """Seconds of the duplex copy (as `measure_duplex_s`, CUDA) while the CPU AdamW runs, on `threads`
-    threads, over and over on a thread of its own: the copies' share of host DRAM beside the optimizer."""
+def beside_adamw(state: AdamwState, threads: int, fn: Callable[[], T]) -> T:
+    """`fn()` while the CPU AdamW runs on `threads` threads, over and over on a thread of its own (it
+    has stopped when this returns)."""
     stop = threading.Event()
 
     def hammer() -> None:
@@ -499,11 +500,17 @@ def measure_duplex_contended_s(state: AdamwState, threads: int, buffers: CopyBuf
     worker.start()
     try:
         time.sleep(0.1)  # the AdamW under way
-        return measure_duplex_s(buffers, repeats=repeats)
+        return fn()
     finally:
         stop.set()
         worker.join()
         torch.set_num_threads(torch_threads)
+
+
+def measure_duplex_contended_s(state: AdamwState, threads: int, buffers: CopyBuffers, *, repeats: int) -> float:
+    """Seconds of the duplex copy (as `measure_duplex_s`, CUDA) beside the CPU AdamW (`beside_adamw`): the
+    copies' share of host DRAM beside the optimizer."""
+    return beside_adamw(state, threads, lambda: measure_duplex_s(buffers, repeats=repeats))
 
 
 def measure_device_adamw_bytes_per_s(device: torch.device, numel: int, *, repeats: int) -> float:
