@@ -244,7 +244,9 @@ def table_no_regression() -> str:
 
 
 HEADLINES = [  # (title, study, records, table); records None: the study's CURRENT one
-    ("Single GPU: every system in one run", "single_gpu_throughput", None, table_single_gpu),
+    ("Single GPU: every system in one run (2026-12-03; the GPU-resident baseline there recomputed every "
+     "block, uncompiled: its ratios against it are withdrawn, the fair baseline is the next table)",
+     "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
