@@ -1,5 +1,5 @@
-"""A CUDA rank's allocator: expandable segments unless the environment configures the allocator
-(backend/runtime/allocator.py); a CPU rank leaves it alone."""
+"""A CUDA rank's allocator: expandable segments unless the environment configures the allocator, and
+a cap at the plan's budget (backend/runtime/allocator.py); a CPU rank leaves it alone."""
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def test_the_allocator_is_set_before_the_device_state_is_allocated(monkeypatch):
     from tests.models import make_model
 
     events = []
-    monkeypatch.setattr(launch, "expandable_segments", lambda device: events.append("allocator"))
+    monkeypatch.setattr(launch.allocator, "configure", lambda device, budget_bytes: events.append("allocator"))
     made = launch.DeviceState
 
     def device_state(*args, **kwargs):
@@ -55,3 +55,48 @@ def test_the_allocator_is_set_before_the_device_state_is_allocated(monkeypatch):
     with compiled(model, device_state_plan(model, 2)):
         pass
     assert events[:2] == ["allocator", "device state"], events
+
+
+class _Card:
+    total_memory = 80 * 2**30
+
+
+@pytest.fixture
+def fractions(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
+    return calls
+
+
+def test_the_reserve_is_capped_at_the_budget(fractions):
+    device = torch.device("cuda", 0)
+    assert allocator.cap_reserved(device, 40 * 2**30) == 0.5
+    assert fractions == [(0.5, device)]
+
+
+@pytest.mark.parametrize("budget_gib", [80, 96])
+def test_a_budget_of_the_whole_card_sets_no_cap(fractions, budget_gib):
+    assert allocator.cap_reserved(torch.device("cuda", 0), budget_gib * 2**30) is None
+    assert fractions == []
+
+
+def test_cpu_rank_sets_no_cap(fractions):
+    assert allocator.cap_reserved(torch.device("cpu"), 2**30) is None
+    assert fractions == []
+
+
+def test_every_rank_is_built_with_its_plans_cap(monkeypatch):
+    """build_rank, the path of the engine's rank, a worker process and a torchrun process alike,
+    configures the allocator with the plan's budget."""
+    from slidedp.backend.runtime import rank as rank_module
+    from tests.engine.test_device_state import compiled, device_state_plan
+    from tests.models import make_model
+
+    budgets = []
+    monkeypatch.setattr(rank_module.allocator, "configure", lambda device, budget_bytes: budgets.append(budget_bytes))
+    model = make_model("llama")
+    plan = device_state_plan(model, 1, budget=3 * 2**30)
+    with compiled(model, plan):
+        pass
+    assert budgets and set(budgets) == {plan.budget_bytes}
