@@ -21,7 +21,7 @@ from slidedp.scheduler.plan import Plan  # noqa: E402
 def __getattr__(name: str):
     # `compile` and `plan` bring in the solver (OR-Tools); worker processes, which only run a
     # plan, import slidedp without it.
-    if name in ("compile", "plan", "Engine"):
+    if name in ("compile", "plan", "predict", "Engine"):
         from slidedp import api
 
         return getattr(api, name)
@@ -31,5 +31,5 @@ def __getattr__(name: str):
 __all__ = [
     "AdamW", "Budget", "CompileOptions", "Engine", "Hardware", "HostLostError", "InfeasibleBudgetError",
     "NonFiniteGradientError", "Plan", "SlidedpError", "SolverOptions",
-    "UnsupportedModelError", "WorkerError", "compile", "plan", "__version__",
+    "UnsupportedModelError", "WorkerError", "compile", "plan", "predict", "__version__",
 ]

@@ -33,6 +33,7 @@ from slidedp.run.preflight import HOST_HEADROOM_BYTES, host_available_bytes
 from slidedp.run.weights import check_weights_source, tie_meta_model
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
+from slidedp.scheduler.replay import replay
 from slidedp.scheduler.solve import solve_plan
 
 
@@ -321,6 +322,22 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     request = check_request(model, budget, **_plans_precision(kw, given), planning_only=True,
                             host_memory=host_memory, hosts=hosts, link=link)
     return make_plan(request, trace(request, given), given, solver_options)
+
+
+def predict(model: nn.Module, plan, *, hardware=None) -> float:
+    """The step time [s] the cost model predicts for a saved plan's decisions on `model`, under
+    `hardware` (a preset name, a `slidedp calibrate` profile path or a Hardware; None: the hardware
+    the plan was solved for, which gives the plan's own prediction). Nothing is solved or allocated
+    (a meta-device model will do); the model must be the plan's (its fingerprint)."""
+    the_plan = _given_plan(plan)
+    if the_plan is None:
+        raise TypeError("predict needs a plan (a slidedp.Plan or a path)")
+    w = the_plan.workload
+    hw = None if hardware is None else resolve_hardware(hardware, "cpu")
+    tie_meta_model(model)
+    graph = build_layer_graph(model, batch_size=w.batch_size, seq_len=w.seq_len,
+                              compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
+    return replay(the_plan, graph, hw).step_s
 
 
 def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,
