@@ -31,14 +31,14 @@ FLOORS = (
 )
 # sub-stages inside a stage, bottom up
 SUB_FLOORS = {
-    "scheduler": (("plan", "decisions"), ("problem",), ("oracles",), ("search",), ("explain",), ("solve",)),
+    "scheduler": (("plan", "decisions"), ("problem",), ("oracles",), ("search",), ("explain",), ("solve", "replay")),
     "backend": (("kernels", "state"), ("lowering",), ("runtime",)),
 }
 
 # What other stages may import of a stage (its surface), by importer; "*": every other stage.
 SURFACES = {
     "scheduler": {"*": ("scheduler.plan",), "": ("scheduler.plan", "scheduler.decisions"),
-                  "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve")},
+                  "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve", "scheduler.replay")},
 }
 
 

@@ -8,4 +8,5 @@ search/       strategies, one result type (Found): CP-SAT, baselines, local sear
               early-update order and the streamed-update prefix
 explain.py    per-group predictions and each decision against its runner-up
 solve.py      the driver: smallest budget, heuristics, CP-SAT per window, the best, the Plan
+replay.py     a saved plan's decisions simulated again, under its hardware or another
 """
