@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
     sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.common.fit_set import prediction_rows  # noqa: E402
 from benchmarks.common.tables import gib, markdown_table, num, replace_section  # noqa: E402
 
 TABLES = ("<!-- tables:begin -->", "<!-- tables:end -->")
@@ -34,7 +34,7 @@ STUDIES = {
                          "(CPU offload and GPU-resident): scaling efficiency, host memory",
     "long_context": "one 262,144-token sequence of the Qwen3-4B shape within a device budget "
                     "(records of single_gpu_throughput's run.py and diagnose_step's)",
-    "predict_vs_measured": "the simulator's step time for the plans that ran against the measured one",
+    "predict_vs_measured": "today's cost model on the plans that ran (hindsight) beside the measured step and the prediction made before the run",
     "diagnose_step": "where a step's time goes: overlapped and isolated steps, per-operation predictions, "
                      "profiler tables",
     "cpu_adamw": "the host's AdamW (numba kernel) against torch's fused and foreach AdamW, like for like: same "
@@ -55,6 +55,7 @@ CURRENT = {
     "single_gpu_throughput": "2026-12-03-every-system.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
     "cpu_adamw": "2026-12-05-h100-host-16-cores.json",
+    "predict_vs_measured": "2026-12-06-today-on-the-plans-that-ran.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
@@ -170,47 +171,33 @@ def table_block_memory() -> str:
     return markdown_table(["seq", "charged GiB", "measured peak GiB", "measured / charged"], rows)
 
 
-# the card each hardware preset describes: a plan for one preset run on another card predicts nothing
-PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
-
-
-def prediction_rows() -> list[dict]:
-    """Every slidedp point of single_gpu_throughput whose step time was predicted before its run
-    (`predicted_utc` before `measure_start_utc`) on the card its plan's preset describes, with whether
-    the preset's coefficients were fitted on its configuration (benchmarks/common/fit_set.py)."""
-    from benchmarks.common.fit_set import used_in_fitting
-
-    rows = []
-    for path in sorted((HERE / "single_gpu_throughput" / "results").glob("*.json")):
-        records = json.loads(path.read_text())
-        for r in records if isinstance(records, list) else ():
-            if (r.get("error") is not None or "predicted_utc" not in r or not r.get("median_step_s")
-                    or not r["predicted_utc"] < r.get("measure_start_utc", "")):
-                continue
-            found = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
-            preset = found.group(1) if found else None
-            # a profile of `slidedp calibrate` is named after the card it measured
-            card = preset.split(":", 1)[1] if preset and preset.startswith("calibrated:") else PRESET_CARD.get(preset, "?")
-            if card not in r.get("device_name", ""):
-                continue
-            rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
-                             error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))
-    return rows
-
-
 def table_predictions() -> str:
-    rows = prediction_rows()
-    table = [[r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
-              "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
-              r["preset"], r["git_commit"], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
-              f"{r['error_pct']:+.1f}%", "fitted" if r["fitted"] else "held out", f"`{r['record']}`"]
-             for r in rows]
+    """The points predicted before their run; beside each, today's model on the plan it ran (the
+    current predict_vs_measured record: hindsight, not a prediction)."""
+    rows = prediction_rows(HERE / "single_gpu_throughput" / "results")
+    replays = load("predict_vs_measured")
+    today = {(r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]): r["today_s"]
+             for r in replays["rows"]}
+    table = []
+    for r in rows:
+        t = today.get((r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]))
+        r["today_s"] = t
+        table.append([r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
+                      "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
+                      r["preset"], r["git_commit"], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
+                      f"{r['error_pct']:+.1f}%", "–" if t is None else f"{t:.3f} ({100 * (r['median_step_s'] / t - 1):+.1f}%)",
+                      "fitted" if r["fitted"] else "held out", f"`{r['record']}`"])
     held = [r for r in rows if not r["fitted"]]
     within = sum(abs(r["error_pct"]) <= 10 for r in held)
     share = f"{within} of {len(held)} held-out points within 10% (goal: 80%)" if held else "no held-out point"
+    replayed = [r for r in held if r["today_s"] is not None]
+    hindsight = sum(abs(r["median_step_s"] / r["today_s"] - 1) <= 0.10 for r in replayed)
     return markdown_table(["shape", "tokens/step", "budget GiB", "clip", "card", "preset", "commit",
-                           "predicted s", "measured median s", "error", "preset fitted on it", "record"],
-                          table) + "\n\n" + share + "."
+                           "predicted s", "measured median s", "error",
+                           "today's model s (error), hindsight", "preset fitted on it", "record"],
+                          table) + "\n\n" + share + (
+        f". Today's model on the same plans (hindsight, `predict_vs_measured/results/{CURRENT['predict_vs_measured']}`, "
+        f"commit {replays['git_commit']}): {hindsight} of {len(replayed)}" if replayed else "") + "."
 
 
 BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables

@@ -10,6 +10,10 @@ Other shapes (Qwen3-8B, the Llama-3.2-3B shape) were never fitted on.
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 # preset -> the record fields that, all matching, mark a configuration used in fitting
 FITTED_ON: dict[str, tuple[dict, ...]] = {
     "h200-sxm": ({"shape": "4b"},),
@@ -22,3 +26,29 @@ def used_in_fitting(record: dict, hardware: str) -> bool:
     fitted on nothing but its own micro-benchmarks: every run is held out for it."""
     return any(all(record.get(k, "4b" if k == "shape" else None) == v for k, v in rule.items())
                for rule in FITTED_ON.get(hardware, ()))
+
+
+# the card each hardware preset describes: a plan for one preset run on another card predicts nothing
+PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
+
+
+def prediction_rows(results: Path) -> list[dict]:
+    """Every slidedp point of the records in `results` (single_gpu_throughput's) whose step time was
+    predicted before its run (`predicted_utc` before `measure_start_utc`) on the card its plan's preset
+    describes, with whether the preset's coefficients were fitted on its configuration."""
+    rows = []
+    for path in sorted(Path(results).glob("*.json")):
+        records = json.loads(path.read_text())
+        for r in records if isinstance(records, list) else ():
+            if (r.get("error") is not None or "predicted_utc" not in r or not r.get("median_step_s")
+                    or not r["predicted_utc"] < r.get("measure_start_utc", "")):
+                continue
+            found = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
+            preset = found.group(1) if found else None
+            # a profile of `slidedp calibrate` is named after the card it measured
+            card = preset.split(":", 1)[1] if preset and preset.startswith("calibrated:") else PRESET_CARD.get(preset, "?")
+            if card not in r.get("device_name", ""):
+                continue
+            rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
+                             error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))
+    return rows

@@ -1,13 +1,17 @@
-"""Prediction tables say which rows were used in fitting the preset and score the held-out ones."""
+"""Prediction tables say which rows were used in fitting the preset and score the held-out ones, before the
+run and with today's model on the same plans."""
 
 from benchmarks.common.fit_set import used_in_fitting
 from benchmarks.predict_vs_measured.run import render
 
 
-def _row(shape, error, fitted):
-    return {"shape": shape, "tokens_per_step": 4096, "activation": {"recompute": 36}, "measured_step_s": 1.0,
-            "steady_step_s": None, "predicted_step_s": 1.0 + error, "error": error, "measured_pass_s": None,
-            "predicted_pass_s": 0.9, "predicted_in_run_s": None, "used_in_fitting": fitted}
+def _row(shape, before_error, today_error, fitted):
+    """A point measured at 1.0 s, predicted before the run and replayed with today's model (None: its plan
+    was not found) with those relative errors (measured / predicted - 1)."""
+    return {"record": "r.json", "shape": shape, "tokens_per_step": 4096, "budget_bytes": 24 * 2**30,
+            "device_name": "NVIDIA H200", "preset": "h200-sxm", "ran_commit": "abc1234", "measured_median_s": 1.0,
+            "predicted_before_s": 1 / (1 + before_error),
+            "today_s": None if today_error is None else 1 / (1 + today_error), "fitted": fitted}
 
 
 def test_the_4b_shape_fitted_the_h200_preset_and_nothing_else():
@@ -18,6 +22,8 @@ def test_the_4b_shape_fitted_the_h200_preset_and_nothing_else():
 
 
 def test_held_out_rows_are_scored_apart():
-    text = render([_row("4b", 0.02, True), _row("8b", 0.175, False), _row("8b", -0.05, False)])
-    assert text.count("| yes |") == 1 and text.count("| no |") == 2
-    assert "within 10%: 1 of 2" in text
+    text = render([_row("4b", 0.02, 0.02, True), _row("8b", 0.175, 0.05, False), _row("8b", -0.05, -0.2, False),
+                   _row("8b", 0.01, None, False)])
+    assert text.count("| fitted |") == 1 and text.count("| held out |") == 3
+    assert "within 10%: 1 of 2 as predicted before the run; 1 of 2 with today's model" in text
+    assert "1 held-out point(s) without their plan" in text and "plan not found" in text
