@@ -197,7 +197,7 @@ def table_predictions() -> str:
                            "today's model s (error), hindsight", "preset fitted on it", "record"],
                           table) + "\n\n" + share + (
         f". Today's model on the same plans (hindsight, `predict_vs_measured/results/{CURRENT['predict_vs_measured']}`, "
-        f"commit {replays['git_commit']}): {hindsight} of {len(replayed)}" if replayed else "") + "."
+        f"commit {replays['git_commit'][:7]}): {hindsight} of {len(replayed)}" if replayed else "") + "."
 
 
 BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables
