@@ -6,8 +6,8 @@ the preset it was solved with, beside the measured median step and the predictio
         --out benchmarks/predict_vs_measured/results/DATE-today-on-the-plans-that-ran.json
 
 A record's plan is the file whose sha256 the record names (`plan_sha256`), looked for in the --plans
-folders and in plans/ beside this script (gzipped copies, `--save-plans` writes them there, so the
-record can be checked from the repository). Each plan is also replayed under the hardware it holds:
+folders and in ran/ beside this script (copies without the explanation's timelines, which the replay
+does not read; `--save-plans` writes them there, so the record can be checked from the repository). Each plan is also replayed under the hardware it holds:
 that must give the prediction the record made before its run (`own_s`), or the replay is not the
 model that made it. Points whose plan is not found are listed as such.
 
@@ -21,7 +21,6 @@ better on the same decisions.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import sys
@@ -38,25 +37,34 @@ from benchmarks.common.tables import markdown_table  # noqa: E402
 import slidedp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SAVED = HERE / "plans"
+SAVED = HERE / "ran"
+BULK = ("timeline", "memory_timeline", "groups", "alternatives", "critical_path")
 RESULTS = HERE.parent / "single_gpu_throughput" / "results"
 
 
-def plan_files(folders) -> dict[str, Path]:
-    """sha256 of the plan's JSON bytes -> the file (a .json, or a .json.gz of those bytes)."""
+def plan_files(folders) -> dict[str, dict]:
+    """sha256 of a plan's JSON bytes -> the plan (as a dict): the --plans folders' *.json files, and the
+    copies kept in ran/ (each under the sha256 of the file it was made from)."""
     found = {}
-    for folder in [*folders, SAVED]:
-        for path in sorted(Path(folder).rglob("*.json*")):
-            if path.suffix == ".json" or path.name.endswith(".json.gz"):
-                found.setdefault(hashlib.sha256(read_bytes(path)).hexdigest(), path)
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.json")):
+            data = path.read_bytes()
+            found.setdefault(hashlib.sha256(data).hexdigest(), json.loads(data))
+    for path in sorted(SAVED.glob("*.json")):
+        kept = json.loads(path.read_text())
+        found.setdefault(kept["plan_sha256"], kept["plan"])
     return found
 
 
-def read_bytes(path: Path) -> bytes:
-    return gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+def keep(sha256: str, plan: dict) -> None:
+    """A copy of a plan that ran in ran/, without what the replay does not read (the explanation's
+    timelines, groups and alternatives: about a fifth of the bytes), under the sha256 of its file."""
+    trimmed = {**plan, "explanation": {k: v for k, v in plan["explanation"].items() if k not in BULK}}
+    SAVED.mkdir(exist_ok=True)
+    (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed}) + "\n")
 
 
-def replay_rows(plans: dict[str, Path], save: bool = False) -> list[dict]:
+def replay_rows(plans: dict[str, dict], save: bool = False) -> list[dict]:
     models = {}
     rows = []
     for r in prediction_rows(RESULTS):
@@ -65,21 +73,19 @@ def replay_rows(plans: dict[str, Path], save: bool = False) -> list[dict]:
                "device_name": r["device_name"], "preset": r["preset"], "ran_commit": r["git_commit"],
                "plan_sha256": r.get("plan_sha256"), "measured_median_s": r["median_step_s"],
                "predicted_before_s": r["predicted_step_s"], "fitted": r["fitted"]}
-        path = plans.get(r.get("plan_sha256"))
-        if path is None:
-            rows.append({**row, "own_s": None, "today_s": None, "plan": None})
+        data = plans.get(r.get("plan_sha256"))
+        if data is None:
+            rows.append({**row, "own_s": None, "today_s": None})
             continue
-        data = read_bytes(path)
-        if save and not path.is_relative_to(SAVED):
-            SAVED.mkdir(exist_ok=True)
-            (SAVED / f"{row['plan_sha256'][:16]}.json.gz").write_bytes(gzip.compress(data, mtime=0))
-        plan = slidedp.Plan.from_dict(json.loads(data))
+        if save:
+            keep(r["plan_sha256"], data)
+        plan = slidedp.Plan.from_dict(data)
         if r["shape"] not in models:
             models[r["shape"]] = bench.empty_model(r["shape"], dtype=torch.bfloat16, device="cpu")
         model = models[r["shape"]]
         own = slidedp.predict(model, plan)
         today = slidedp.predict(model, plan, hardware=r["preset"])
-        rows.append({**row, "own_s": own, "today_s": today, "plan": path.name})
+        rows.append({**row, "own_s": own, "today_s": today})
         print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: measured {r['median_step_s']:.3f} s, "
               f"before the run {r['predicted_step_s']:.3f}, replayed {own:.3f}, today's model {today:.3f}",
               flush=True)
@@ -117,7 +123,7 @@ def render(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plans", nargs="*", default=[], help="folders holding the plans that ran (searched recursively)")
-    p.add_argument("--save-plans", action="store_true", help=f"keep a gzipped copy of every plan found in {SAVED}")
+    p.add_argument("--save-plans", action="store_true", help="keep a copy of every plan found in ran/")
     p.add_argument("--out", help="the record to write")
     add_allow_dirty(p)
     args = p.parse_args()
