@@ -3,7 +3,7 @@ was predicted before its run, its plan simulated again (`slidedp.predict`) under
 the preset it was solved with, beside the measured median step and the prediction made before the run.
 
     python benchmarks/predict_vs_measured/run.py --plans DIR [DIR ...] --save-plans \
-        --out benchmarks/predict_vs_measured/results/DATE-today-on-the-plans-that-ran.json
+        --out benchmarks/predict_vs_measured/results/DATE-todays-model-in-hindsight.json
 
 A record's plan is the file whose sha256 the record names (`plan_sha256`), looked for in the --plans
 folders and in ran/ beside this script (copies without the explanation's timelines, which the replay
