@@ -158,7 +158,16 @@ def _load_plan_warning(path) -> Plan:
 
 
 def _inspect(args) -> int:
-    print(_load_plan_warning(args.plan).summary())
+    plan = _load_plan_warning(args.plan)
+    print(plan.summary())
+    if args.hardware is not None:
+        if args.model is None:
+            raise ValueError("--hardware needs --model: the plan's model (a local Hugging Face folder or a preset shape)")
+        from slidedp import api
+
+        step_s = api.predict(_model_from_spec(args.model), plan, hardware=args.hardware)
+        print(f"\nunder {args.hardware}: {step_s * 1e3:.1f} ms a step for these decisions "
+              f"(the plan's own hardware: {plan.predicted_step_time_s * 1e3:.1f} ms)")
     return 0
 
 
@@ -277,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("inspect", help="print a plan's summary")
     p.add_argument("plan", help="plan JSON (from `slidedp plan` or Plan.save)")
+    p.add_argument("--hardware", default=None,
+                   help=hardware_help + ": also the step these decisions take under it (needs --model)")
+    p.add_argument("--model", default=None, help="with --hardware: the plan's model, " + model_help)
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("report", help="draw a plan: self-contained HTML report and/or Chrome trace JSON")

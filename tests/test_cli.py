@@ -70,6 +70,15 @@ def test_cli_plan_and_inspect(tmp_path, capsys):
     assert out.stat().st_size < 200_000  # the timeline is kept as rows, not one object per event
     assert main(["inspect", str(out)]) == 0
     assert "predicted step" in capsys.readouterr().out
+    # the same decisions under another profile: the cost model's step there, beside the plan's own
+    assert main(["inspect", str(out), "--model", "qwen3-0.6b", "--hardware", "h100-sxm"]) == 0
+    own = json.loads(out.read_text())["explanation"]["predicted"]["step_s"]
+    assert f"under h100-sxm: {own * 1e3:.1f} ms a step" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--model", "qwen3-0.6b", "--hardware", "rtx4090"]) == 0
+    slower = capsys.readouterr().out.split("under rtx4090: ")[1]
+    assert float(slower.split(" ms")[0]) > own * 1e3
+    assert main(["inspect", str(out), "--hardware", "h100-sxm"]) == 2
+    assert "--hardware needs --model" in capsys.readouterr().err
     assert main(["plan", "no-such-model", "--budget", "1GiB", "--batch-size", "1", "--seq-len", "8"]) == 2
     assert main(["plan", "qwen3-0.6b", "--budget", "20GiB", "--batch-size", "1", "--seq-len", "1024",
                  "--hardware", "h100-sxm", "--host-memory", "lots", "--out", str(out)]) == 2
