@@ -64,15 +64,22 @@ class _Card:
 @pytest.fixture
 def fractions(monkeypatch):
     calls = []
+    def fraction(f, device):  # torch refuses a device without its index
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        calls.append((f, device))
+
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
     return calls
 
 
-def test_the_reserve_is_capped_at_the_budget(fractions):
-    device = torch.device("cuda", 0)
+@pytest.mark.parametrize("device, index", [(torch.device("cuda", 1), 1), (torch.device("cuda"), 3)])
+def test_the_reserve_is_capped_at_the_budget(fractions, device, index):
+    """On the device's own index; a device named without one ("cuda") is the current device."""
     assert allocator.cap_reserved(device, 40 * 2**30) == 0.5
-    assert fractions == [(0.5, device)]
+    assert fractions == [(0.5, index)]
 
 
 @pytest.mark.parametrize("budget_gib", [80, 96])

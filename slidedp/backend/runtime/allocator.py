@@ -51,11 +51,12 @@ def cap_reserved(device: torch.device, budget_bytes: int) -> float | None:
     whole device or more)."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the current one
+    total = torch.cuda.get_device_properties(index).total_memory
     if budget_bytes >= total:
         return None
     fraction = budget_bytes / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     log.info("slidedp: CUDA allocator capped at the plan's budget, %.1f%% of the device", 100 * fraction)
     return fraction
 
