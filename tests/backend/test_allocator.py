@@ -107,3 +107,15 @@ def test_every_rank_is_built_with_its_plans_cap(monkeypatch):
     with compiled(model, plan):
         pass
     assert budgets and set(budgets) == {plan.budget_bytes}
+
+
+@pytest.mark.parametrize("setting, capped", [(None, False), ("0", False), ("1", True)])
+def test_the_cap_is_asked_for_in_the_environment(settings, fractions, monkeypatch, setting, capped):
+    """Off by default (not yet measured on a GPU); SLIDEDP_CAP_RESERVED=1 turns it on."""
+    if setting is None:
+        monkeypatch.delenv(allocator.CAP_SETTING, raising=False)
+    else:
+        monkeypatch.setenv(allocator.CAP_SETTING, setting)
+    allocator.configure(torch.device("cuda", 0), 40 * 2**30)
+    assert settings == ["expandable_segments:True"]
+    assert fractions == ([(0.5, 0)] if capped else [])

@@ -10,11 +10,13 @@ where PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) does not configure the all
 its first allocation (run/launch.py: the device state is allocated before the rank is built); segments
 made before keep their fixed size.
 
-The cap (torch.cuda.set_per_process_memory_fraction) makes the budget bound what the rank reserves,
-not only what it allocates: an allocation that would take the reserve past it first makes the
-allocator give back its cached, unused pages and try again, and fails only if the live tensors
-themselves need more. Without it a 40 GiB plan of the Llama-3.2-3B shape at 16,384 tokens
-(H100) allocated 38.8 GiB and reserved 41.7 GiB.
+The cap (torch.cuda.set_per_process_memory_fraction, with SLIDEDP_CAP_RESERVED=1 in the environment)
+makes the budget bound what the rank reserves, not only what it allocates: an allocation that would
+take the reserve past it first makes the allocator give back its cached, unused pages and try again,
+and fails only if the live tensors themselves need more. Without it a 40 GiB plan of the
+Llama-3.2-3B shape at 16,384 tokens (H100) allocated 38.8 GiB and reserved 41.7 GiB, and a 5.3 GiB
+plan of the Qwen3-4B shape allocated 4.1 GiB and reserved 6.3 GiB. It is off by default until a GPU
+run has measured what it costs a step and that those plans still fit under it.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ def cap_reserved(device: torch.device, budget_bytes: int) -> float | None:
     return fraction
 
 
+CAP_SETTING = "SLIDEDP_CAP_RESERVED"  # "1": cap the reserve at the plan's budget (the module docstring)
+
+
 def configure(device: torch.device, budget_bytes: int) -> None:
-    """A rank's allocator, before its first allocation: expandable segments and the budget's cap."""
+    """A rank's allocator, before its first allocation: expandable segments and, where the environment
+    asks for it (CAP_SETTING), the budget's cap."""
     expandable_segments(device)
-    cap_reserved(device, budget_bytes)
+    if os.environ.get(CAP_SETTING, "") == "1":
+        cap_reserved(device, budget_bytes)
