@@ -34,7 +34,8 @@ STUDIES = {
                          "(CPU offload and GPU-resident): scaling efficiency, host memory",
     "long_context": "one 262,144-token sequence of the Qwen3-4B shape within a device budget "
                     "(records of single_gpu_throughput's run.py and diagnose_step's)",
-    "predict_vs_measured": "today's cost model on the plans that ran (hindsight) beside the measured step and the prediction made before the run",
+    "predict_vs_measured": "today's cost model on the plans that ran (hindsight) beside the measured step and "
+                           "the prediction made before the run",
     "diagnose_step": "where a step's time goes: overlapped and isolated steps, per-operation predictions, "
                      "profiler tables",
     "cpu_adamw": "the host's AdamW (numba kernel) against torch's fused and foreach AdamW, like for like: same "
@@ -185,7 +186,8 @@ def table_predictions() -> str:
         table.append([r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
                       "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
                       r["preset"], r["git_commit"], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
-                      f"{r['error_pct']:+.1f}%", "–" if t is None else f"{t:.3f} ({100 * (r['median_step_s'] / t - 1):+.1f}%)",
+                      f"{r['error_pct']:+.1f}%",
+                      "–" if t is None else f"{t:.3f} ({100 * (r['median_step_s'] / t - 1):+.1f}%)",
                       "fitted" if r["fitted"] else "held out", f"`{r['record']}`"])
     held = [r for r in rows if not r["fitted"]]
     within = sum(abs(r["error_pct"]) <= 10 for r in held)

@@ -162,7 +162,8 @@ def _inspect(args) -> int:
     print(plan.summary())
     if args.hardware is not None:
         if args.model is None:
-            raise ValueError("--hardware needs --model: the plan's model (a local Hugging Face folder or a preset shape)")
+            raise ValueError("--hardware needs --model: the plan's model (a local Hugging Face folder or a preset "
+                             "shape)")
         from slidedp import api
 
         step_s = api.predict(_model_from_spec(args.model), plan, hardware=args.hardware)

@@ -7,15 +7,16 @@ the preset it was solved with, beside the measured median step and the predictio
 
 A record's plan is the file whose sha256 the record names (`plan_sha256`), looked for in the --plans
 folders and in ran/ beside this script (copies without the explanation's timelines, which the replay
-does not read; `--save-plans` writes them there, so the record can be checked from the repository). Each plan is also replayed under the hardware it holds:
-that must give the prediction the record made before its run (`own_s`), or the replay is not the
-model that made it. Points whose plan is not found are listed as such.
+does not read; `--save-plans` writes them there, so the record can be checked from the repository).
+Each plan is also replayed under the hardware it holds: that must give the prediction the record
+made before its run (`own_s`), or the replay is not the model that made it. Points whose plan is not
+found are listed as such.
 
 This is hindsight, not prediction: the cost model changed after these runs, and a change may have
 been motivated by one of them (benchmarks/LOG.md says what motivated each). The goal of predictions
 within 10% on 80% of held-out points counts only predictions fixed before the run
-(benchmarks/README.md); this table says whether today's model, unchanged since, would have done
-better on the same decisions.
+(benchmarks/README.md); this table says whether today's model would have done better on the
+same decisions.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def plan_files(folders) -> dict[str, dict]:
 
 def keep(sha256: str, plan: dict) -> None:
     """A copy of a plan that ran in ran/, without what the replay does not read (the explanation's
-    timelines, groups and alternatives: about a fifth of the bytes), under the sha256 of its file."""
+    timelines, groups and alternatives: four fifths of the bytes), under the sha256 of its file."""
     trimmed = {**plan, "explanation": {k: v for k, v in plan["explanation"].items() if k not in BULK}}
     SAVED.mkdir(exist_ok=True)
     (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed}) + "\n")
@@ -95,12 +96,12 @@ def replay_rows(plans: dict[str, dict], save: bool = False) -> list[dict]:
 def render(rows: list[dict]) -> str:
     """The table, a row a point, and the share of held-out points within 10%, before the run and with
     today's model on the same plans."""
-    def err(pred):
-        return None if pred is None else 100 * (row["measured_median_s"] / pred - 1)
+    def err(row, key):
+        return None if row[key] is None else 100 * (row["measured_median_s"] / row[key] - 1)
 
     table = []
     for row in rows:
-        before, today = err(row["predicted_before_s"]), err(row["today_s"])
+        before, today = err(row, "predicted_before_s"), err(row, "today_s")
         table.append([row["shape"], f"{row['tokens_per_step']:,}", f"{row['budget_bytes'] / 2**30:.1f}",
                       row["device_name"], row["preset"], row["ran_commit"], f"{row['measured_median_s']:.3f}",
                       f"{row['predicted_before_s']:.3f} ({before:+.1f}%)",

@@ -74,7 +74,8 @@ def test_the_cases_cover_every_kind_of_decision(plans):
 
 def test_another_profile_predicts_the_same_decisions_its_own_way(plans, tmp_path):
     model, plan = plans["early updates"]
-    slower = dataclasses.replace(PRESETS["h200-sxm"], cpu_adamw_params_per_s=PRESETS["h200-sxm"].cpu_adamw_params_per_s / 4)
+    h200 = PRESETS["h200-sxm"]
+    slower = dataclasses.replace(h200, cpu_adamw_params_per_s=h200.cpu_adamw_params_per_s / 4)
     assert slidedp.predict(model, plan, hardware=slower) > plan.predicted_step_time_s
     path = tmp_path / "plan.json"
     plan.save(path)
