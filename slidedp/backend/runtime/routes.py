@@ -272,6 +272,8 @@ class Routes:
     def gradient(self, layer_id: int, acc: torch.Tensor, local_sumsq: torch.Tensor | None) -> None:
         """This rank's fp32 gradient of the layer for this pass (`acc`, on the device, ready on the
         D2H stream) into the host gradient, by the layer's reduction route."""
+        if acc.is_cuda:  # every route reads it on the D2H stream: the compute stream must not reuse its
+            acc.record_stream(self.streams.d2h)  # memory (its next gradient's buffer) before those reads ran
         if self.device_state is not None and layer_id in self.device_state:
             self._device_gradient(layer_id, acc, local_sumsq)
             return
@@ -405,6 +407,8 @@ class Routes:
         """On the D2H stream, cast there when the host gradient is bf16."""
         if dst.dtype != src.dtype:
             with self.streams.on("d2h"):
+                if src.is_cuda:  # read by the cast on this stream, not only by the copy (Streams.copy)
+                    src.record_stream(self.streams.d2h)
                 src = src.to(dst.dtype)
         self.streams.copy("d2h", dst, src)
 
