@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
     sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.common.fit_set import prediction_rows  # noqa: E402
+from benchmarks.common.fit_set import prediction_rows, within_goal  # noqa: E402
 from benchmarks.common.tables import gib, markdown_table, num, replace_section  # noqa: E402
 
 TABLES = ("<!-- tables:begin -->", "<!-- tables:end -->")
@@ -190,10 +190,10 @@ def table_predictions() -> str:
                       "–" if t is None else f"{t:.3f} ({100 * (r['median_step_s'] / t - 1):+.1f}%)",
                       "fitted" if r["fitted"] else "held out", f"`{r['record']}`"])
     held = [r for r in rows if not r["fitted"]]
-    within = sum(abs(r["error_pct"]) <= 10 for r in held)
+    within = sum(within_goal(r["median_step_s"], r["predicted_step_s"]) for r in held)
     share = f"{within} of {len(held)} held-out points within 10% (goal: 80%)" if held else "no held-out point"
     replayed = [r for r in held if r["today_s"] is not None]
-    hindsight = sum(abs(r["median_step_s"] / r["today_s"] - 1) <= 0.10 for r in replayed)
+    hindsight = sum(within_goal(r["median_step_s"], r["today_s"]) for r in replayed)
     return markdown_table(["shape", "tokens/step", "budget GiB", "clip", "card", "preset", "commit",
                            "predicted s", "measured median s", "error",
                            "today's model s (error), hindsight", "preset fitted on it", "record"],

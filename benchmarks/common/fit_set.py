@@ -28,6 +28,14 @@ def used_in_fitting(record: dict, hardware: str) -> bool:
                for rule in FITTED_ON.get(hardware, ()))
 
 
+GOAL_ERROR = 0.10  # a held-out prediction counts as right within 10% of the measured step
+
+
+def within_goal(measured_s: float, predicted_s: float) -> bool:
+    """Whether a prediction is within GOAL_ERROR of the measured step (measured / predicted - 1)."""
+    return abs(measured_s / predicted_s - 1) <= GOAL_ERROR
+
+
 # the card each hardware preset describes: a plan for one preset run on another card predicts nothing
 PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
-from benchmarks.common.fit_set import prediction_rows  # noqa: E402
+from benchmarks.common.fit_set import prediction_rows, within_goal  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
@@ -111,7 +111,7 @@ def render(rows: list[dict]) -> str:
     replayed = [row for row in held if row["today_s"] is not None]
 
     def within(key):
-        return sum(abs(row["measured_median_s"] / row[key] - 1) <= 0.10 for row in replayed)
+        return sum(within_goal(row["measured_median_s"], row[key]) for row in replayed)
     share = (f"Held-out points within 10%: {within('predicted_before_s')} of {len(replayed)} as predicted before "
              f"the run; {within('today_s')} of {len(replayed)} with today's model on the same plans (hindsight)."
              + (f" {len(held) - len(replayed)} held-out point(s) without their plan." if len(replayed) < len(held)
