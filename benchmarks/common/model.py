@@ -23,6 +23,13 @@ SHAPES = {
     # the Qwen3 shapes are); held out from every fit of the cost model's coefficients
     "llama3b": dict(hidden=3072, intermediate=8192, blocks=28, heads=24, kv_heads=8, head_dim=128, vocab=128256,
                     seq=4096, family="llama"),
+    # Llama-3.1-8B: 8,030,261,248 parameters (untied, as the model is); held out from every fit
+    "llama8b": dict(hidden=4096, intermediate=14336, blocks=32, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+                    seq=4096, family="llama"),
+    # Qwen3-1.7B: 2,031,739,904 parameters with its head untied (the model ties it; untied here, as the
+    # other shapes are); held out from every fit
+    "1.7b": dict(hidden=2048, intermediate=6144, blocks=28, heads=16, kv_heads=8, head_dim=128, vocab=151936,
+                 seq=4096),
     # CPU smoke test
     "tiny": dict(hidden=64, intermediate=128, blocks=2, heads=4, kv_heads=2, head_dim=16, vocab=512, seq=32),
 }
