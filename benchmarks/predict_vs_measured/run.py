@@ -3,6 +3,7 @@ was predicted before its run, its plan simulated again (`slidedp.predict`) under
 the preset it was solved with, beside the measured median step and the prediction made before the run.
 
     python benchmarks/predict_vs_measured/run.py --plans DIR [DIR ...] --save-plans \
+        --profiles results/DATE-h100-calibrated-profile.json \
         --out benchmarks/predict_vs_measured/results/DATE-todays-model-in-hindsight.json
 
 A record's plan is the file whose sha256 the record names (`plan_sha256`), looked for in the --plans
@@ -10,7 +11,10 @@ folders and in ran/ beside this script (copies without the explanation's timelin
 does not read; `--save-plans` writes them there, so the record can be checked from the repository).
 Each plan is also replayed under the hardware it holds: that must give the prediction the record
 made before its run (`own_s`), or the replay is not the model that made it. Points whose plan is not
-found are listed as such.
+found are listed as such. With --profiles (the JSON of `slidedp calibrate` on a card), the points
+that ran on that card are also replayed under its calibrated profile: what the planner would have
+predicted for the same decisions had it been given the machine's micro-benchmarks instead of the
+preset (no coefficient of it was fitted to a step).
 
 This is hindsight, not prediction: the cost model changed after these runs, and a change may have
 been motivated by one of them (benchmarks/LOG.md says what motivated each). The goal of predictions
@@ -65,7 +69,11 @@ def keep(sha256: str, plan: dict) -> None:
     (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed}) + "\n")
 
 
-def replay_rows(plans: dict[str, dict], save: bool = False) -> list[dict]:
+def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list[dict]:
+    """A row per point predicted before its run: the measured median, the prediction, the plan replayed
+    under the hardware it holds (own_s), under today's preset (today_s) and under the calibrated profile
+    of the card it ran on, if one is given (calibrated_s)."""
+    by_card = {h.name.split(":", 1)[1]: h for h in map(slidedp.Hardware.load, profiles)}
     models = {}
     rows = []
     for r in prediction_rows(RESULTS):
@@ -76,7 +84,7 @@ def replay_rows(plans: dict[str, dict], save: bool = False) -> list[dict]:
                "predicted_before_s": r["predicted_step_s"], "fitted": r["fitted"]}
         data = plans.get(r.get("plan_sha256"))
         if data is None:
-            rows.append({**row, "own_s": None, "today_s": None})
+            rows.append({**row, "own_s": None, "today_s": None, "calibrated_s": None})
             continue
         if save:
             keep(r["plan_sha256"], data)
@@ -86,7 +94,9 @@ def replay_rows(plans: dict[str, dict], save: bool = False) -> list[dict]:
         model = models[r["shape"]]
         own = slidedp.predict(model, plan)
         today = slidedp.predict(model, plan, hardware=r["preset"])
-        rows.append({**row, "own_s": own, "today_s": today})
+        profile = by_card.get(r["device_name"])
+        calibrated = None if profile is None else slidedp.predict(model, plan, hardware=profile)
+        rows.append({**row, "own_s": own, "today_s": today, "calibrated_s": calibrated})
         print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: measured {r['median_step_s']:.3f} s, "
               f"before the run {r['predicted_step_s']:.3f}, replayed {own:.3f}, today's model {today:.3f}",
               flush=True)
@@ -99,6 +109,10 @@ def render(rows: list[dict]) -> str:
     def err(row, key):
         return None if row[key] is None else 100 * (row["measured_median_s"] / row[key] - 1)
 
+    def cell(row, key):
+        return "–" if row.get(key) is None else f"{row[key]:.3f} ({err(row, key):+.1f}%)"
+
+    calibrated = any(row.get("calibrated_s") is not None for row in rows)
     table = []
     for row in rows:
         before, today = err(row, "predicted_before_s"), err(row, "today_s")
@@ -106,18 +120,25 @@ def render(rows: list[dict]) -> str:
                       row["device_name"], row["preset"], row["ran_commit"], f"{row['measured_median_s']:.3f}",
                       f"{row['predicted_before_s']:.3f} ({before:+.1f}%)",
                       "plan not found" if today is None else f"{row['today_s']:.3f} ({today:+.1f}%)",
+                      *([cell(row, "calibrated_s")] if calibrated else []),
                       "fitted" if row["fitted"] else "held out", f"`{row['record']}`"])
     held = [row for row in rows if not row["fitted"]]
     replayed = [row for row in held if row["today_s"] is not None]
 
-    def within(key):
-        return sum(within_goal(row["measured_median_s"], row[key]) for row in replayed)
+    def within(key, among=replayed):
+        return sum(within_goal(row["measured_median_s"], row[key]) for row in among)
     share = (f"Held-out points within 10%: {within('predicted_before_s')} of {len(replayed)} as predicted before "
              f"the run; {within('today_s')} of {len(replayed)} with today's model on the same plans (hindsight)."
              + (f" {len(held) - len(replayed)} held-out point(s) without their plan." if len(replayed) < len(held)
                 else ""))
+    profiled = [row for row in replayed if row.get("calibrated_s") is not None]
+    if profiled:
+        share += (f" Of the {len(profiled)} that ran on a card with a calibrated profile: {within('predicted_before_s', profiled)} "
+                  f"within 10% before the run, {within('today_s', profiled)} with today's preset, "
+                  f"{within('calibrated_s', profiled)} under the card's calibrated profile (hindsight).")
     return markdown_table(["shape", "tokens/step", "budget GiB", "card", "preset", "ran at", "measured median s",
-                           "predicted before the run s (error)", "today's model s (error)", "preset fitted on it",
+                           "predicted before the run s (error)", "today's model s (error)",
+                           *(["the card's calibrated profile s (error)"] if calibrated else []), "preset fitted on it",
                            "record"], table) + "\n\n" + share
 
 
@@ -125,11 +146,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--plans", nargs="*", default=[], help="folders holding the plans that ran (searched recursively)")
     p.add_argument("--save-plans", action="store_true", help="keep a copy of every plan found in ran/")
+    p.add_argument("--profiles", nargs="*", default=[],
+                   help="`slidedp calibrate` profiles: each card's points are also replayed under its own")
     p.add_argument("--out", help="the record to write")
     add_allow_dirty(p)
     args = p.parse_args()
     stamp = commit_stamp(args.allow_dirty)
-    rows = replay_rows(plan_files(args.plans), save=args.save_plans)
+    rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles)
     bad = [row for row in rows if row["own_s"] is not None
            and abs(row["own_s"] / row["predicted_before_s"] - 1) > 1e-6]
     for row in bad:

@@ -154,10 +154,16 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
         return run_child(cmd, result, args.timeout_s, fallback)
 
 
+# The record fields that say which configuration a point measured (a missing shape is the default, 4b).
+POINT_FIELDS = ("system", "shape", "tokens_per_step", "seq_len", "budget_bytes", "max_grad_norm", "nonfinite",
+                "slidedp_micro_rows", "baseline_micro_rows", "device_name", "git_commit")
+
+
 def _point(record: dict) -> tuple:
-    """What a record measured: a rerun of the same point replaces it in a --merge, another commit's or
-    budget's is kept beside it (two trees compared in one file)."""
-    return record["system"], record["tokens_per_step"], record.get("git_commit"), record.get("budget_bytes")
+    """What a record measured: a rerun of the same configuration on the same card and commit replaces it
+    in a --merge; any other point (another shape, budget, clipping, micro-batching, card or commit) is
+    kept beside it."""
+    return tuple(record.get(k, "4b" if k == "shape" else None) for k in POINT_FIELDS)
 
 
 def drive(args) -> int:

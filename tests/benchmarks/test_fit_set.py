@@ -27,3 +27,13 @@ def test_held_out_rows_are_scored_apart():
     assert text.count("| fitted |") == 1 and text.count("| held out |") == 3
     assert "within 10%: 1 of 2 as predicted before the run; 1 of 2 with today's model" in text
     assert "1 held-out point(s) without their plan" in text and "plan not found" in text
+
+
+def test_a_calibrated_profile_is_scored_on_its_cards_points_only():
+    on_card = dict(_row("8b", 0.25, 0.2, False), calibrated_s=1 / 1.05)  # 25% before, 20% today, 5% calibrated
+    elsewhere = dict(_row("8b", 0.05, 0.05, False), calibrated_s=None)
+    text = render([on_card, elsewhere])
+    assert "the card's calibrated profile s (error)" in text and "0.952 (+5.0%)" in text
+    assert ("Of the 1 that ran on a card with a calibrated profile: 0 within 10% before the run, 0 with today's "
+            "preset, 1 under the card's calibrated profile") in text
+    assert "calibrated profile" not in render([elsewhere])
