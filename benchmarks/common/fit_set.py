@@ -39,6 +39,34 @@ def within_goal(measured_s: float, predicted_s: float) -> bool:
 # the card each hardware preset describes: a plan for one preset run on another card predicts nothing
 PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
 
+# The h200-sxm coefficients fitted to whole steps (or to kernels inside them), which no micro-benchmark of
+# `slidedp calibrate` gives: the CPU AdamW's share beside a step's compute and copies, the same during the
+# backward's early updates, the host's time to issue a block, the fused head's rate, and the rate of a
+# compiled block inside a step (calibrate times one alone, on an idle card).
+STEP_FITTED = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "host_block_fwd_s",
+               "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency")
+STEP_FITS_SUFFIX = " + h200-sxm step fits"
+
+
+def with_step_fits(calibrated, reference: str = "h200-sxm"):
+    """A card's `slidedp calibrate` profile with the STEP_FITTED coefficients of `reference` (fitted on
+    its Qwen3-4B runs): micro-benchmarks of the machine, step fits of the named calibration set."""
+    from dataclasses import replace
+
+    from slidedp.costmodel.hardware import PRESETS
+
+    ref = PRESETS[reference]
+    return replace(calibrated, name=calibrated.name + STEP_FITS_SUFFIX,
+                   **{field: getattr(ref, field) for field in STEP_FITTED})
+
+
+def card_of(preset: str | None) -> str:
+    """The card a plan's hardware describes: a preset's (PRESET_CARD), or the one a calibrated profile
+    measured (its name, "calibrated:CARD", with or without the step fits); "?" if neither."""
+    if preset and preset.startswith("calibrated:"):
+        return preset.split(":", 1)[1].removesuffix(STEP_FITS_SUFFIX)
+    return PRESET_CARD.get(preset, "?")
+
 
 def prediction_rows(results: Path) -> list[dict]:
     """Every slidedp point of the records in `results` (single_gpu_throughput's) whose step time was
@@ -53,9 +81,7 @@ def prediction_rows(results: Path) -> list[dict]:
                 continue
             found = re.search(r"hardware: (.+?)(?:\s{2,}|$)", r.get("plan_summary") or "", re.M)
             preset = found.group(1) if found else None
-            # a profile of `slidedp calibrate` is named after the card it measured
-            card = preset.split(":", 1)[1] if preset and preset.startswith("calibrated:") else PRESET_CARD.get(preset, "?")
-            if card not in r.get("device_name", ""):
+            if card_of(preset) not in r.get("device_name", ""):
                 continue
             rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
                              error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
-from benchmarks.common.fit_set import prediction_rows, within_goal  # noqa: E402
+from benchmarks.common.fit_set import card_of, prediction_rows, within_goal  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
@@ -71,9 +71,9 @@ def keep(sha256: str, plan: dict) -> None:
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
-    under the hardware it holds (own_s), under today's preset (today_s) and under the calibrated profile
-    of the card it ran on, if one is given (calibrated_s)."""
-    by_card = {h.name.split(":", 1)[1]: h for h in map(slidedp.Hardware.load, profiles)}
+    under the hardware it holds (own_s), under today's preset (today_s) and under each given profile of
+    the card it ran on (profile_s: {profile name: seconds})."""
+    profiles = [slidedp.Hardware.load(path) for path in profiles]
     models = {}
     rows = []
     for r in prediction_rows(RESULTS):
@@ -84,7 +84,7 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list
                "predicted_before_s": r["predicted_step_s"], "fitted": r["fitted"]}
         data = plans.get(r.get("plan_sha256"))
         if data is None:
-            rows.append({**row, "own_s": None, "today_s": None, "calibrated_s": None})
+            rows.append({**row, "own_s": None, "today_s": None, "profile_s": {}})
             continue
         if save:
             keep(r["plan_sha256"], data)
@@ -94,52 +94,52 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list
         model = models[r["shape"]]
         own = slidedp.predict(model, plan)
         today = slidedp.predict(model, plan, hardware=r["preset"])
-        profile = by_card.get(r["device_name"])
-        calibrated = None if profile is None else slidedp.predict(model, plan, hardware=profile)
-        rows.append({**row, "own_s": own, "today_s": today, "calibrated_s": calibrated})
+        on_card = {h.name: slidedp.predict(model, plan, hardware=h) for h in profiles
+                   if card_of(h.name) in r["device_name"]}
+        rows.append({**row, "own_s": own, "today_s": today, "profile_s": on_card})
         print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: measured {r['median_step_s']:.3f} s, "
-              f"before the run {r['predicted_step_s']:.3f}, replayed {own:.3f}, today's model {today:.3f}",
-              flush=True)
+              f"before the run {r['predicted_step_s']:.3f}, replayed {own:.3f}, today's model {today:.3f}"
+              + "".join(f", {name} {s:.3f}" for name, s in on_card.items()), flush=True)
     return rows
 
 
 def render(rows: list[dict]) -> str:
-    """The table, a row a point, and the share of held-out points within 10%, before the run and with
-    today's model on the same plans."""
-    def err(row, key):
-        return None if row[key] is None else 100 * (row["measured_median_s"] / row[key] - 1)
+    """The table, a row a point, and the share of held-out points within 10%: before the run, with
+    today's model on the same plans, and under each profile on the points of its card."""
+    def err(seconds, row):
+        return 100 * (row["measured_median_s"] / seconds - 1)
 
-    def cell(row, key):
-        return "–" if row.get(key) is None else f"{row[key]:.3f} ({err(row, key):+.1f}%)"
+    def cell(seconds, row):
+        return "–" if seconds is None else f"{seconds:.3f} ({err(seconds, row):+.1f}%)"
 
-    calibrated = any(row.get("calibrated_s") is not None for row in rows)
+    names = sorted({name for row in rows for name in row.get("profile_s", {})})
     table = []
     for row in rows:
-        before, today = err(row, "predicted_before_s"), err(row, "today_s")
         table.append([row["shape"], f"{row['tokens_per_step']:,}", f"{row['budget_bytes'] / 2**30:.1f}",
-                      row["device_name"], row["preset"], row["ran_commit"], f"{row['measured_median_s']:.3f}",
-                      f"{row['predicted_before_s']:.3f} ({before:+.1f}%)",
-                      "plan not found" if today is None else f"{row['today_s']:.3f} ({today:+.1f}%)",
-                      *([cell(row, "calibrated_s")] if calibrated else []),
+                      row["device_name"], row["preset"], (row["ran_commit"] or "?")[:7],
+                      f"{row['measured_median_s']:.3f}", cell(row["predicted_before_s"], row),
+                      "plan not found" if row["today_s"] is None else cell(row["today_s"], row),
+                      *(cell(row.get("profile_s", {}).get(name), row) for name in names),
                       "fitted" if row["fitted"] else "held out", f"`{row['record']}`"])
     held = [row for row in rows if not row["fitted"]]
     replayed = [row for row in held if row["today_s"] is not None]
 
-    def within(key, among=replayed):
-        return sum(within_goal(row["measured_median_s"], row[key]) for row in among)
-    share = (f"Held-out points within 10%: {within('predicted_before_s')} of {len(replayed)} as predicted before "
-             f"the run; {within('today_s')} of {len(replayed)} with today's model on the same plans (hindsight)."
+    def within(seconds_of, among):
+        return sum(within_goal(row["measured_median_s"], seconds_of(row)) for row in among)
+    share = (f"Held-out points within 10%: {within(lambda r: r['predicted_before_s'], replayed)} of {len(replayed)} "
+             f"as predicted before the run; {within(lambda r: r['today_s'], replayed)} of {len(replayed)} with "
+             "today's model on the same plans (hindsight)."
              + (f" {len(held) - len(replayed)} held-out point(s) without their plan." if len(replayed) < len(held)
                 else ""))
-    profiled = [row for row in replayed if row.get("calibrated_s") is not None]
-    if profiled:
-        share += (f" Of the {len(profiled)} that ran on a card with a calibrated profile: {within('predicted_before_s', profiled)} "
-                  f"within 10% before the run, {within('today_s', profiled)} with today's preset, "
-                  f"{within('calibrated_s', profiled)} under the card's calibrated profile (hindsight).")
+    for name in names:
+        on = [row for row in replayed if name in row.get("profile_s", {})]
+        share += (f" Under `{name}`, on the {len(on)} held-out points of its card: "
+                  f"{within(lambda r: r['profile_s'][name], on)} (before the run: "
+                  f"{within(lambda r: r['predicted_before_s'], on)}; hindsight).")
     return markdown_table(["shape", "tokens/step", "budget GiB", "card", "preset", "ran at", "measured median s",
                            "predicted before the run s (error)", "today's model s (error)",
-                           *(["the card's calibrated profile s (error)"] if calibrated else []), "preset fitted on it",
-                           "record"], table) + "\n\n" + share
+                           *(f"`{name}` s (error)" for name in names), "preset fitted on it", "record"],
+                          table) + "\n\n" + share
 
 
 def main() -> None:

@@ -29,11 +29,31 @@ def test_held_out_rows_are_scored_apart():
     assert "1 held-out point(s) without their plan" in text and "plan not found" in text
 
 
-def test_a_calibrated_profile_is_scored_on_its_cards_points_only():
-    on_card = dict(_row("8b", 0.25, 0.2, False), calibrated_s=1 / 1.05)  # 25% before, 20% today, 5% calibrated
-    elsewhere = dict(_row("8b", 0.05, 0.05, False), calibrated_s=None)
+def test_a_profile_is_scored_on_its_cards_points_only():
+    on_card = dict(_row("8b", 0.25, 0.2, False), profile_s={"calibrated:X": 1 / 1.05, "calibrated:X + fits": 1 / 1.2})
+    elsewhere = dict(_row("8b", 0.05, 0.05, False), profile_s={})
     text = render([on_card, elsewhere])
-    assert "the card's calibrated profile s (error)" in text and "0.952 (+5.0%)" in text
-    assert ("Of the 1 that ran on a card with a calibrated profile: 0 within 10% before the run, 0 with today's "
-            "preset, 1 under the card's calibrated profile") in text
-    assert "calibrated profile" not in render([elsewhere])
+    assert "`calibrated:X` s (error)" in text and "0.952 (+5.0%)" in text and "| – |" in text
+    assert "Under `calibrated:X`, on the 1 held-out points of its card: 1 (before the run: 0; hindsight)" in text
+    assert "Under `calibrated:X + fits`, on the 1 held-out points of its card: 0 (before the run: 0" in text
+    assert "Under" not in render([elsewhere])
+
+
+def test_the_h100_profile_is_its_calibration_with_the_h200_step_fits():
+    """The committed profile is exactly `slidedp calibrate`'s output on the H100 host with the h200-sxm
+    coefficients fitted to steps, and plans solved with it count as predictions for the H100."""
+    from pathlib import Path
+
+    from benchmarks.common.fit_set import STEP_FITTED, card_of, with_step_fits
+    from slidedp import Hardware
+    from slidedp.costmodel.hardware import PRESETS
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "predict_vs_measured" / "results"
+    calibrated = Hardware.load(results / "2026-12-06-h100-calibrated-profile.json")
+    profile = Hardware.load(results / "2026-12-06-h100-profile-with-h200-step-fits.json")
+    assert profile == with_step_fits(calibrated)
+    assert all(getattr(profile, f) == getattr(PRESETS["h200-sxm"], f) for f in STEP_FITTED)
+    assert profile.cpu_adamw_params_per_s == calibrated.cpu_adamw_params_per_s  # the machine's own
+    assert card_of(profile.name) == card_of(calibrated.name) == "NVIDIA H100 80GB HBM3"
+    assert card_of("h200-sxm") == "H200" and card_of(None) == "?"
+    assert not used_in_fitting({"shape": "4b"}, profile.name)
