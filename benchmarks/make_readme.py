@@ -53,10 +53,10 @@ STUDIES = {
 }
 # the record each headline table is made from
 CURRENT = {
-    "single_gpu_throughput": "2026-12-03-every-system.json",
+    "single_gpu_throughput": "2026-12-06-every-peer-h100.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
     "cpu_adamw": "2026-12-05-h100-host-16-cores.json",
-    "predict_vs_measured": "2026-12-06-todays-model-in-hindsight.json",
+    "predict_vs_measured": "2026-12-06-todays-model-and-h100-profiles.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
@@ -177,29 +177,40 @@ def table_predictions() -> str:
     current predict_vs_measured record: hindsight, not a prediction)."""
     rows = prediction_rows(HERE / "single_gpu_throughput" / "results")
     replays = load("predict_vs_measured")
-    today = {(r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]): r["today_s"]
-             for r in replays["rows"]}
-    table = []
+    def key(r):
+        return r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]
+    replayed = {key(r): r for r in replays["rows"]}
+    names = sorted({name for r in replays["rows"] for name in r.get("profile_s", {})})
+    table, unders, profile_notes = [], [], []
     for r in rows:
-        t = today.get((r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]))
-        r["today_s"] = t
+        again = replayed.get(key(r), {})
+        t = r["today_s"] = again.get("today_s")
+        under = [again.get("profile_s", {}).get(name) for name in names]
+        unders.append(under)
         table.append([r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
                       "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
-                      r["preset"], r["git_commit"], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
+                      r["preset"], (r["git_commit"] or "?")[:7], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
                       f"{r['error_pct']:+.1f}%",
-                      "–" if t is None else f"{t:.3f} ({100 * (r['median_step_s'] / t - 1):+.1f}%)",
+                      *("–" if s is None else f"{s:.3f} ({100 * (r['median_step_s'] / s - 1):+.1f}%)"
+                        for s in (t, *under)),
                       "fitted" if r["fitted"] else "held out", f"`{r['record']}`"])
     held = [r for r in rows if not r["fitted"]]
     within = sum(within_goal(r["median_step_s"], r["predicted_step_s"]) for r in held)
     share = f"{within} of {len(held)} held-out points within 10% (goal: 80%)" if held else "no held-out point"
     replayed = [r for r in held if r["today_s"] is not None]
     hindsight = sum(within_goal(r["median_step_s"], r["today_s"]) for r in replayed)
+    for i, name in enumerate(names):
+        on = [(r, u[i]) for r, u in zip(rows, unders) if not r["fitted"] and u[i] is not None]
+        profile_notes.append(f"; under `{name}`, on the held-out points of its card: "
+                             f"{sum(within_goal(r['median_step_s'], s) for r, s in on)} of {len(on)}")
     return markdown_table(["shape", "tokens/step", "budget GiB", "clip", "card", "preset", "commit",
                            "predicted s", "measured median s", "error",
-                           "today's model s (error), hindsight", "preset fitted on it", "record"],
+                           "today's model s (error), hindsight", *(f"`{n}` s (error), hindsight" for n in names),
+                           "preset fitted on it", "record"],
                           table) + "\n\n" + share + (
         f". Today's model on the same plans (hindsight, `predict_vs_measured/results/{CURRENT['predict_vs_measured']}`, "
-        f"commit {replays['git_commit'][:7]}): {hindsight} of {len(replayed)}" if replayed else "") + "."
+        f"commit {replays['git_commit'][:7]}): {hindsight} of {len(replayed)}" + "".join(profile_notes)
+        if replayed else "") + "."
 
 
 BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables
@@ -233,9 +244,8 @@ def table_no_regression() -> str:
 
 
 HEADLINES = [  # (title, study, records, table); records None: the study's CURRENT one
-    ("Single GPU: every system in one run (2026-12-03; the GPU-resident baseline there recomputed every "
-     "block, uncompiled: its ratios against it are withdrawn, the fair baseline is the next table)",
-     "single_gpu_throughput", None, table_single_gpu),
+    ("Single GPU: every system in one run, Qwen3-4B shape, 16,384 tokens, one H100 (FSDP2 timed out: "
+     "51 s for its first timed step)", "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,

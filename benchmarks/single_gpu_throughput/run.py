@@ -212,14 +212,16 @@ def render_table(records: list[dict]) -> str:
     rows = sorted(records, key=lambda r: (shape(r), r["tokens_per_step"], clip(r) is None, order.get(r["system"], 99),
                                           r["system"], r.get("budget_bytes") or 0))
     by_point = {(shape(r), r["tokens_per_step"], r["system"], clip(r)): r for r in records}
+    # the two baselines always, each DeepSpeed system where the records hold it
+    baselines = [*BASELINES, *(s for s in DEEPSPEED_NAMES if any(r["system"] == s for r in records))]
     head = ["shape"] * several + ["tokens/step", "system", "budget GiB", "tokens/s"] + [
-        f"vs {NAMES[b]}" for b in BASELINES] + [
+        f"vs {NAMES[b]}" for b in baselines] + [
         "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s median / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = r.get("tokens_per_s")
         ratios = []
-        for b in BASELINES:
+        for b in baselines:
             base = by_point.get((shape(r), r["tokens_per_step"], b, clip(r)), {}).get("tokens_per_s")
             ratios.append(f"{tps / base:.2f}x" if tps and base else "–")
         figure, mark = step_figure(r)
@@ -286,8 +288,9 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
     budgets = sorted({r["budget_bytes"] for r in records if r.get("budget_bytes")})
     shapes = sorted({r.get("shape", "4b") for r in records})
     params = sorted({r["params"] for r in records if r.get("params")})
-    title = "Every system in one run, Qwen3-4B shape, one H200" if shapes == ["4b"] else \
-        f"Every system in one run, Qwen3 shapes {', '.join(shapes)}, one H200"
+    cards = " or ".join(devices) or "one GPU"
+    title = f"Every system in one run, Qwen3-4B shape, {cards}" if shapes == ["4b"] else \
+        f"Every system in one run, shapes {', '.join(shapes)}, {cards}"
     lines = [f"## {title} ({', '.join(dates) or 'not run'})", ""]
     lines += [f"`{c}`" for c in commands]
     rel = None
