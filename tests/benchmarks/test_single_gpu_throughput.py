@@ -148,6 +148,23 @@ def test_readme_table_from_records(smoke, tmp_path):
     assert "| slidedp |" in proc.stdout and readme.read_text().count(bench.README_BEGIN) == 1
 
 
+def test_ratios_are_against_each_baselines_fastest_configuration():
+    """A baseline run with one micro-batch of every row and with several of one: the ratios are against
+    the faster, and each row names its micro-batching."""
+    bench = load_script()
+    records = [
+        {"system": "slidedp", "tokens_per_step": 16384, "tokens_per_s": 8000.0, "baseline_micro_rows": 1},
+        {"system": "fsdp2_cpu_offload", "tokens_per_step": 16384, "tokens_per_s": 300.0, "baseline_micro_rows": 1},
+        {"system": "fsdp2_cpu_offload", "tokens_per_step": 16384, "tokens_per_s": 2000.0, "baseline_micro_rows": 4},
+        {"system": "fsdp2_cpu_offload", "tokens_per_step": 16384, "tokens_per_s": None, "error": "timeout",
+         "baseline_micro_rows": 2},
+    ]
+    table = bench.render_table(records)
+    slidedp_row = next(line for line in table.splitlines() if "| slidedp |" in line)
+    assert "| 4.00x |" in slidedp_row and "26.67x" not in table
+    assert "FSDP2 + CPU offload (4-row micro-batches)" in table and "| FSDP2 + CPU offload | – |" in table
+
+
 def test_ratios_only_within_a_shape():
     bench = load_script()
     records = [
