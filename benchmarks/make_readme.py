@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
     sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.common.fit_set import prediction_rows, within_goal  # noqa: E402
+from benchmarks.common.fit_set import (prediction_rows, registered_before, registrations,  # noqa: E402
+                                       used_in_fitting, within_goal)
 from benchmarks.common.tables import gib, markdown_table, num, replace_section  # noqa: E402
 
 TABLES = ("<!-- tables:begin -->", "<!-- tables:end -->")
@@ -197,10 +198,16 @@ def table_predictions() -> str:
     held = [r for r in rows if not r["fitted"]]
     within = sum(within_goal(r["median_step_s"], r["predicted_step_s"]) for r in held)
     share = f"{within} of {len(held)} held-out points within 10% (goal: 80%)" if held else "no held-out point"
+    registered = registrations(HERE / "predict_vs_measured" / "results")
+    ahead = [r for r in held if registered_before(r, registered)]
+    if registered:
+        share += (f"; of those whose prediction was registered and committed before the run "
+                  f"(`predict_vs_measured/register.py`), {sum(within_goal(r['median_step_s'], r['predicted_step_s']) for r in ahead)} "
+                  f"of {len(ahead)}")
     replayed = [r for r in held if r["today_s"] is not None]
     hindsight = sum(within_goal(r["median_step_s"], r["today_s"]) for r in replayed)
     for i, name in enumerate(names):
-        on = [(r, u[i]) for r, u in zip(rows, unders) if not r["fitted"] and u[i] is not None]
+        on = [(r, u[i]) for r, u in zip(rows, unders) if u[i] is not None and not used_in_fitting(r, name)]
         profile_notes.append(f"; under `{name}`, on the held-out points of its card: "
                              f"{sum(within_goal(r['median_step_s'], s) for r, s in on)} of {len(on)}")
     return markdown_table(["shape", "tokens/step", "budget GiB", "clip", "card", "preset", "commit",

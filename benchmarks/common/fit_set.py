@@ -23,7 +23,10 @@ FITTED_ON: dict[str, tuple[dict, ...]] = {
 def used_in_fitting(record: dict, hardware: str) -> bool:
     """Whether `record` (a benchmark record: shape, tokens_per_step, ...) is of a configuration the
     coefficients of preset `hardware` were fitted on. A calibrated profile (not a preset name) was
-    fitted on nothing but its own micro-benchmarks: every run is held out for it."""
+    fitted on nothing but its own micro-benchmarks: every run is held out for it; one with the h200-sxm
+    step fits (with_step_fits) was fitted on what those were."""
+    if hardware and hardware.endswith(STEP_FITS_SUFFIX):
+        hardware = "h200-sxm"
     return any(all(record.get(k, "4b" if k == "shape" else None) == v for k, v in rule.items())
                for rule in FITTED_ON.get(hardware, ()))
 
@@ -86,3 +89,20 @@ def prediction_rows(results: Path) -> list[dict]:
             rows.append(dict(r, record=path.name, preset=preset, fitted=used_in_fitting(r, preset),
                              error_pct=100 * (r["median_step_s"] / r["predicted_step_s"] - 1)))
     return rows
+
+
+def registrations(folder: Path) -> dict[str, str]:
+    """plan sha256 -> when its prediction was registered (UTC), over the registration records in `folder`
+    (predict_vs_measured/results/*-registered-*.json, written by predict_vs_measured/register.py)."""
+    out = {}
+    for path in sorted(Path(folder).glob("*-registered-*.json")):
+        record = json.loads(path.read_text())
+        for point in record["points"]:
+            out[point["plan_sha256"]] = record["registered_utc"]
+    return out
+
+
+def registered_before(row: dict, registered: dict[str, str]) -> bool:
+    """Whether a measured point ran a plan whose prediction was registered (and committed) before its run."""
+    when = registered.get(row.get("plan_sha256") or "")
+    return when is not None and when < row.get("measure_start_utc", "")

@@ -7,8 +7,9 @@ the preset it was solved with, beside the measured median step and the predictio
         --out benchmarks/predict_vs_measured/results/DATE-todays-model-in-hindsight.json
 
 A record's plan is the file whose sha256 the record names (`plan_sha256`), looked for in the --plans
-folders and in ran/ beside this script (copies without the explanation's timelines, which the replay
-does not read; `--save-plans` writes them there, so the record can be checked from the repository).
+folders, in registered/ (register.py) and in ran/ beside this script (copies without the explanation's
+timelines, which the replay does not read; `--save-plans` writes them there, so the record can be
+checked from the repository).
 Each plan is also replayed under the hardware it holds: that must give the prediction the record
 made before its run (`own_s`), or the replay is not the model that made it. Points whose plan is not
 found are listed as such. With --profiles (the JSON of `slidedp calibrate` on a card), the points
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
-from benchmarks.common.fit_set import card_of, prediction_rows, within_goal  # noqa: E402
+from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
@@ -43,6 +44,7 @@ import slidedp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SAVED = HERE / "ran"
+REGISTERED = HERE / "registered"
 BULK = ("timeline", "memory_timeline", "groups", "alternatives", "critical_path")
 RESULTS = HERE.parent / "single_gpu_throughput" / "results"
 
@@ -58,6 +60,9 @@ def plan_files(folders) -> dict[str, dict]:
     for path in sorted(SAVED.glob("*.json")):
         kept = json.loads(path.read_text())
         found.setdefault(kept["plan_sha256"], kept["plan"])
+    for path in sorted(REGISTERED.glob("*.json")):  # registered plans (register.py), under their file's sha256
+        data = path.read_bytes()
+        found.setdefault(hashlib.sha256(data).hexdigest(), json.loads(data))
     return found
 
 
@@ -131,8 +136,8 @@ def render(rows: list[dict]) -> str:
              "today's model on the same plans (hindsight)."
              + (f" {len(held) - len(replayed)} held-out point(s) without their plan." if len(replayed) < len(held)
                 else ""))
-    for name in names:
-        on = [row for row in replayed if name in row.get("profile_s", {})]
+    for name in names:  # held out for the profile: its own fit set (a profile with step fits has one)
+        on = [row for row in rows if name in row.get("profile_s", {}) and not used_in_fitting(row, name)]
         share += (f" Under `{name}`, on the {len(on)} held-out points of its card: "
                   f"{within(lambda r: r['profile_s'][name], on)} (before the run: "
                   f"{within(lambda r: r['predicted_before_s'], on)}; hindsight).")

@@ -113,7 +113,8 @@ from benchmarks.common.child import run_child  # noqa: E402,F401 - part of this 
 from benchmarks.common.cli import add_model_args, add_record_args, checkpoint_choice  # noqa: E402
 from benchmarks.common.deepspeed_zero import NAMES as DEEPSPEED_NAMES, SYSTEMS as DEEPSPEED_SYSTEMS  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
-from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, empty_model, qwen3_config)  # noqa: E402,F401
+from benchmarks.common.model import (BETAS, EPS, LR, MAX_GRAD_NORM, SHAPES, WEIGHT_DECAY, empty_model,  # noqa: E402,F401
+                                     qwen3_config)
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
 from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
@@ -350,26 +351,34 @@ def update_readme(path: Path, section: str, begin: str = README_BEGIN, end: str 
 
 # -- offline planning ---------------------------------------------------------------------------------------
 
-def solve_plans(args) -> int:
-    """Solve slidedp's plan of every --tokens point on a meta-device model (no GPU, no weights), for
-    --hardware, and save them where the benchmark saves its plans, for `--plan` on a machine without
-    OR-Tools."""
+def solve_point(shape: str, tokens: int, budget: str, hardware, *, seq: int | None = None, precision: str = "bf16",
+                micro_rows: int = 1, max_grad_norm=MAX_GRAD_NORM, nonfinite: str = "skip", host_ram=None,
+                compile_blocks=None):
+    """slidedp's plan of one point on a meta-device model (no GPU, no weights), as the benchmark's
+    compile would solve it there."""
     import torch
 
     import slidedp
 
-    precision = args.precision or "bf16"
-    seq = args.seq or SHAPES[args.shape]["seq"]
-    model = empty_model(args.shape, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device="cpu")
+    seq = seq or SHAPES[shape]["seq"]
+    model = empty_model(shape, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device="cpu")
+    return slidedp.plan(model, budget, batch_size=micro_rows, seq_len=seq, precision=precision,
+                        micro_batches=tokens // seq // micro_rows, hardware=hardware,
+                        optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                        max_grad_norm=max_grad_norm, compile_blocks=compile_blocks, host_memory=host_ram,
+                        nonfinite=nonfinite)
+
+
+def solve_plans(args) -> int:
+    """Solve slidedp's plan of every --tokens point for --hardware and save them where the benchmark
+    saves its plans, for `--plan` on a machine without OR-Tools."""
     # the eager system alone: its plan counts eager blocks' saved activations
     compile_blocks = False if "slidedp" not in args.systems and "slidedp_eager" in args.systems else None
     for tokens in args.tokens:
-        rows = args.slidedp_micro_rows
-        plan = slidedp.plan(model, args.budget, batch_size=rows, seq_len=seq, precision=precision,
-                            micro_batches=tokens // seq // rows, hardware=args.hardware or "h200-sxm",
-                            optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                            max_grad_norm=args.max_grad_norm, compile_blocks=compile_blocks,
-                            host_memory=args.host_ram, nonfinite=args.nonfinite)
+        plan = solve_point(args.shape, tokens, args.budget, args.hardware or "h200-sxm", seq=args.seq,
+                           precision=args.precision or "bf16", micro_rows=args.slidedp_micro_rows,
+                           max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite, host_ram=args.host_ram,
+                           compile_blocks=compile_blocks)
         path = Path(args.plans_dir) / f"qwen3_{args.shape}_{tokens}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)

@@ -1,0 +1,90 @@
+"""Predictions registered before their run. Each held-out point of a coming GPU call is solved here (no
+GPU), its plan kept in registered/ (named by its sha256, without the explanation's timelines) and its
+predicted step in a dated record, committed before anything runs. On the GPU machine each point runs
+with its registered plan (the record holds each command); the single_gpu_throughput records then name
+the plan's sha256, which ties each measurement to its registered prediction (run.py here and
+benchmarks/README.md count them apart).
+
+    python benchmarks/predict_vs_measured/register.py --hardware PROFILE_OR_PRESET --host-ram 110GiB \
+        --out benchmarks/predict_vs_measured/results/DATE-registered-WHAT.json
+
+POINTS are held out: shapes the step-fitted coefficients never saw (benchmarks/common/fit_set.py), at
+token counts and budgets not measured before on the card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
+from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
+from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REGISTERED = HERE / "registered"
+BULK = ("timeline", "memory_timeline", "groups", "alternatives", "critical_path")
+REPO = HERE.parents[1]
+
+# (shape, tokens per step, budget): clipping at 1.0, one-row micro-batches, 12 timed steps
+POINTS = (
+    ("1.7b", 8192, "8GiB"),
+    ("1.7b", 32768, "16GiB"),
+    ("llama3b", 4096, "12GiB"),
+    ("llama3b", 32768, "24GiB"),
+    ("llama8b", 8192, "24GiB"),
+    ("llama8b", 16384, "40GiB"),
+    ("8b", 16384, "40GiB"),
+)
+
+
+def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTERED, steps: int = 12,
+             precision: str = "bf16") -> list[dict]:
+    """Solve each point, keep its plan in `folder` as registered/<sha256[:16]>.json, and return a row a
+    point: its prediction, its plan's sha256 and the command that runs it on a GPU machine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape, tokens, budget in points:
+        plan = solve_point(shape, tokens, budget, hardware, host_ram=host_ram, precision=precision)
+        data = plan.to_dict()
+        data["explanation"] = {k: v for k, v in data["explanation"].items() if k not in BULK}
+        text = json.dumps(data).encode()
+        sha = hashlib.sha256(text).hexdigest()
+        path = folder / f"{sha[:16]}.json"
+        path.write_bytes(text)
+        rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
+        command = (f"python benchmarks/single_gpu_throughput/run.py --shape {shape} --tokens {tokens} --budget {budget} "
+                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hardware))} --plan {rel} "
+                   f"--merge --out OUT.json")
+        rows.append({"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": 1.0,
+                     "plan_file": str(rel), "plan_sha256": sha, "predicted_step_s": plan.predicted_step_time_s,
+                     "hardware": plan.hardware["name"],
+                     "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]),
+                     "command": command})
+        print(f"{shape} {tokens} {budget}: predicted {plan.predicted_step_time_s:.3f} s -> {rel}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hardware", required=True, help="a preset name or a `slidedp calibrate` profile (JSON path)")
+    p.add_argument("--host-ram", help="host RAM of the machine that will run them (e.g. 110GiB)")
+    p.add_argument("--out", required=True, help="the registration record (results/DATE-registered-WHAT.json)")
+    add_allow_dirty(p)
+    args = p.parse_args(argv)
+    stamp = commit_stamp(args.allow_dirty)
+    rows = register(POINTS, args.hardware, args.host_ram)
+    record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
+              "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
