@@ -200,6 +200,12 @@ def _calibrate(args) -> int:
     shape = None if args.model is None else _block_shape(args.model, args.seq_len or 4096)
     profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True),
                         model_shape=shape)
+    if args.step_fits:
+        from slidedp.costmodel.hardware import STEP_FITTED, with_step_fits
+
+        profile = with_step_fits(profile, args.step_fits)
+        print(f"step fits       from {args.step_fits} (fitted on its steps, not measured here): "
+              + ", ".join(f"{f} {getattr(profile, f):.4g}" for f in STEP_FITTED))
     profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
     print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
           f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
@@ -310,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "Face folder or a preset shape; default a Qwen3-4B block), as a Qwen3 block "
                                    "of its sizes")
     p.add_argument("--seq-len", type=int, help="with --model: tokens per row of the measured block (default 4096)")
+    p.add_argument("--step-fits", choices=sorted(HARDWARE_PRESETS), metavar="PRESET",
+                   help="take the coefficients that only whole steps fit (the CPU AdamW's share in a step, the "
+                        "host's issue times, the head's and a compiled block's rate in a step) from this preset "
+                        "(h200-sxm: fitted on its measured steps) instead of leaving them unknown")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")

@@ -14,6 +14,8 @@ import json
 import re
 from pathlib import Path
 
+from slidedp.costmodel.hardware import STEP_FITTED, step_fits_suffix, with_step_fits  # noqa: F401 - re-exported
+
 # preset -> the record fields that, all matching, mark a configuration used in fitting
 FITTED_ON: dict[str, tuple[dict, ...]] = {
     "h200-sxm": ({"shape": "4b"},),
@@ -42,25 +44,7 @@ def within_goal(measured_s: float, predicted_s: float) -> bool:
 # the card each hardware preset describes: a plan for one preset run on another card predicts nothing
 PRESET_CARD = {"h200-sxm": "H200", "h100-sxm": "H100"}
 
-# The h200-sxm coefficients fitted to whole steps (or to kernels inside them), which no micro-benchmark of
-# `slidedp calibrate` gives: the CPU AdamW's share beside a step's compute and copies, the same during the
-# backward's early updates, the host's time to issue a block, the fused head's rate, and the rate of a
-# compiled block inside a step (calibrate times one alone, on an idle card).
-STEP_FITTED = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "host_block_fwd_s",
-               "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency")
-STEP_FITS_SUFFIX = " + h200-sxm step fits"
-
-
-def with_step_fits(calibrated, reference: str = "h200-sxm"):
-    """A card's `slidedp calibrate` profile with the STEP_FITTED coefficients of `reference` (fitted on
-    its Qwen3-4B runs): micro-benchmarks of the machine, step fits of the named calibration set."""
-    from dataclasses import replace
-
-    from slidedp.costmodel.hardware import PRESETS
-
-    ref = PRESETS[reference]
-    return replace(calibrated, name=calibrated.name + STEP_FITS_SUFFIX,
-                   **{field: getattr(ref, field) for field in STEP_FITTED})
+STEP_FITS_SUFFIX = step_fits_suffix("h200-sxm")  # a profile with_step_fits made (slidedp/costmodel/hardware.py)
 
 
 def card_of(preset: str | None) -> str:

@@ -232,6 +232,29 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+# Coefficients of a preset that only whole steps (or kernels inside them) fit, which no micro-benchmark of
+# `slidedp calibrate` gives: the CPU AdamW's share beside a step's compute and copies, the same during the
+# backward's early updates, the host's time to issue a block, the fused head's rate, and a compiled block's
+# rate inside a step (calibrate times one alone, on an idle card).
+STEP_FITTED = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "host_block_fwd_s",
+               "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency")
+
+
+def step_fits_suffix(reference: str) -> str:
+    """What with_step_fits appends to a profile's name."""
+    return f" + {reference} step fits"
+
+
+def with_step_fits(profile: Hardware, reference: str = "h200-sxm") -> Hardware:
+    """`profile` (a machine's `slidedp calibrate` measurements) with the STEP_FITTED coefficients of the
+    preset `reference`, fitted on that preset's measured steps; its name says so."""
+    if reference not in PRESETS:
+        raise ValueError(f"unknown preset {reference!r} for the step fits; known: {', '.join(sorted(PRESETS))}")
+    ref = PRESETS[reference]
+    return replace(profile, name=profile.name + step_fits_suffix(reference),
+                   **{field: getattr(ref, field) for field in STEP_FITTED})
+
+
 # Links between hosts: each host's aggregate rate into the network [bytes/s], at the share of the line
 # rate that NCCL's rings reach on such fabrics (LINK_EFFICIENCY; a nominal figure, not measured here).
 LINK_EFFICIENCY = 0.85

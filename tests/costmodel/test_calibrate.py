@@ -295,3 +295,34 @@ def test_quick_cuda_calibration(tmp_path):
     hw.save(path)
     assert Hardware.load(path) == hw
     print("\n".join(lines))
+
+
+# -- step fits -------------------------------------------------------------------------------------
+
+
+def test_step_fits_take_exactly_the_step_fitted_coefficients_of_the_preset():
+    from dataclasses import fields
+
+    from slidedp.costmodel.hardware import STEP_FITTED, with_step_fits
+
+    measured = PRESETS["rtx4090"]  # stands in for a calibrated profile
+    fitted = with_step_fits(measured, "h200-sxm")
+    assert fitted.name == "rtx4090 + h200-sxm step fits"
+    for f in fields(measured):
+        if f.name in STEP_FITTED:
+            assert getattr(fitted, f.name) == getattr(PRESETS["h200-sxm"], f.name), f.name
+        elif f.name != "name":
+            assert getattr(fitted, f.name) == getattr(measured, f.name), f.name  # the machine's own
+    with pytest.raises(ValueError, match="unknown preset 'tpu'"):
+        with_step_fits(measured, "tpu")
+
+
+def test_calibrate_cli_applies_the_step_fits_and_saves_them(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: PRESETS["rtx4090"])  # the measurements, stood in
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--device", "cpu", "--step-fits", "h200-sxm", "--out", str(out)]) == 0
+    saved = Hardware.load(out)
+    assert saved.name.endswith("+ h200-sxm step fits") and saved.compiled_block_efficiency == 0.652
+    assert "step fits       from h200-sxm" in capsys.readouterr().out
+    assert main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0  # without: the measurements alone
+    assert Hardware.load(out) == PRESETS["rtx4090"]
