@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
+from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
 from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REGISTERED = HERE / "registered"
-BULK = ("timeline", "memory_timeline", "groups", "alternatives", "critical_path")
 REPO = HERE.parents[1]
 
 # (shape, tokens per step, budget): clipping at 1.0, one-row micro-batches, 12 timed steps
@@ -52,9 +52,7 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
     rows = []
     for shape, tokens, budget in points:
         plan = solve_point(shape, tokens, budget, hardware, host_ram=host_ram, precision=precision)
-        data = plan.to_dict()
-        data["explanation"] = {k: v for k, v in data["explanation"].items() if k not in BULK}
-        text = json.dumps(data).encode()
+        text = json.dumps(trimmed(plan.to_dict())).encode()
         sha = hashlib.sha256(text).hexdigest()
         path = folder / f"{sha[:16]}.json"
         path.write_bytes(text)

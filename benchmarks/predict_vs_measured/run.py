@@ -12,10 +12,9 @@ timelines, which the replay does not read; `--save-plans` writes them there, so 
 checked from the repository).
 Each plan is also replayed under the hardware it holds: that must give the prediction the record
 made before its run (`own_s`), or the replay is not the model that made it. Points whose plan is not
-found are listed as such. With --profiles (the JSON of `slidedp calibrate` on a card), the points
-that ran on that card are also replayed under its calibrated profile: what the planner would have
-predicted for the same decisions had it been given the machine's micro-benchmarks instead of the
-preset (no coefficient of it was fitted to a step).
+found are listed as such. With --profiles (the JSON of `slidedp calibrate` on a card, with or without
+`--step-fits`), the points that ran on that card are also replayed under each: what the cost model
+says of the same decisions given that profile instead of the preset.
 
 This is hindsight, not prediction: the cost model changed after these runs, and a change may have
 been motivated by one of them (benchmarks/LOG.md says what motivated each). The goal of predictions
@@ -66,12 +65,16 @@ def plan_files(folders) -> dict[str, dict]:
     return found
 
 
+def trimmed(plan: dict) -> dict:
+    """A plan (as a dict) without what neither a replay nor a run reads: the explanation's timelines,
+    groups and alternatives (four fifths of the bytes)."""
+    return {**plan, "explanation": {k: v for k, v in plan["explanation"].items() if k not in BULK}}
+
+
 def keep(sha256: str, plan: dict) -> None:
-    """A copy of a plan that ran in ran/, without what the replay does not read (the explanation's
-    timelines, groups and alternatives: four fifths of the bytes), under the sha256 of its file."""
-    trimmed = {**plan, "explanation": {k: v for k, v in plan["explanation"].items() if k not in BULK}}
+    """A trimmed copy of a plan that ran in ran/, under the sha256 of its file."""
     SAVED.mkdir(exist_ok=True)
-    (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed}) + "\n")
+    (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed(plan)}) + "\n")
 
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list[dict]:
