@@ -190,7 +190,8 @@ def table_predictions() -> str:
         unders.append(under)
         table.append([r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
                       "none" if r.get("max_grad_norm") is None else num(r["max_grad_norm"], ".1f"), r["device_name"],
-                      r["preset"], (r["git_commit"] or "?")[:7], f"{r['predicted_step_s']:.3f}", f"{r['median_step_s']:.3f}",
+                      r["preset"], (r["git_commit"] or "?")[:7], f"{r['predicted_step_s']:.3f}",
+                      f"{r['median_step_s']:.3f}",
                       f"{r['error_pct']:+.1f}%",
                       *("–" if s is None else f"{s:.3f} ({100 * (r['median_step_s'] / s - 1):+.1f}%)"
                         for s in (t, *under)),
@@ -201,9 +202,9 @@ def table_predictions() -> str:
     registered = registrations(HERE / "predict_vs_measured" / "results")
     ahead = [r for r in held if registered_before(r, registered)]
     if registered:
+        right = sum(within_goal(r["median_step_s"], r["predicted_step_s"]) for r in ahead)
         share += (f"; of those whose prediction was registered and committed before the run "
-                  f"(`predict_vs_measured/register.py`), {sum(within_goal(r['median_step_s'], r['predicted_step_s']) for r in ahead)} "
-                  f"of {len(ahead)}")
+                  f"(`predict_vs_measured/register.py`), {right} of {len(ahead)}")
     replayed = [r for r in held if r["today_s"] is not None]
     hindsight = sum(within_goal(r["median_step_s"], r["today_s"]) for r in replayed)
     for i, name in enumerate(names):

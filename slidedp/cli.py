@@ -316,10 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "Face folder or a preset shape; default a Qwen3-4B block), as a Qwen3 block "
                                    "of its sizes")
     p.add_argument("--seq-len", type=int, help="with --model: tokens per row of the measured block (default 4096)")
-    p.add_argument("--step-fits", choices=sorted(HARDWARE_PRESETS), metavar="PRESET",
+    p.add_argument("--step-fits", choices=["h200-sxm"],  # the one preset fitted on measured steps
                    help="take the coefficients that only whole steps fit (the CPU AdamW's share in a step, the "
                         "host's issue times, the head's and a compiled block's rate in a step) from this preset "
-                        "(h200-sxm: fitted on its measured steps) instead of leaving them unknown")
+                        "instead of leaving them unknown")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")

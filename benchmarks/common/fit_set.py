@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from slidedp.costmodel.hardware import STEP_FITTED, step_fits_suffix, with_step_fits  # noqa: F401 - re-exported
+from slidedp.costmodel.hardware import step_fits_suffix
 
 # preset -> the record fields that, all matching, mark a configuration used in fitting
 FITTED_ON: dict[str, tuple[dict, ...]] = {

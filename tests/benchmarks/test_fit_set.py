@@ -44,9 +44,9 @@ def test_the_h100_profile_is_its_calibration_with_the_h200_step_fits():
     coefficients fitted to steps, and plans solved with it count as predictions for the H100."""
     from pathlib import Path
 
-    from benchmarks.common.fit_set import STEP_FITTED, card_of, with_step_fits
+    from benchmarks.common.fit_set import card_of
     from slidedp import Hardware
-    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.costmodel.hardware import PRESETS, STEP_FITTED, with_step_fits
 
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "predict_vs_measured" / "results"
     calibrated = Hardware.load(results / "2026-12-06-h100-calibrated-profile.json")
