@@ -102,6 +102,7 @@ import signal
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -176,8 +177,16 @@ def drive(args) -> int:
     if args.merge and out.exists():
         records = json.loads(out.read_text())
     extra = {**commit_stamp(args.allow_dirty), **host_description()}
+    deadline = None if args.time_left_s is None else time.monotonic() + args.time_left_s
+    timeout_s = args.timeout_s
     for tokens in args.tokens:
         for system in args.systems:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left < MIN_POINT_S:
+                    print(f"=== {system}, {tokens} tokens/step: not run, {left:.0f} s left", file=sys.stderr, flush=True)
+                    continue
+                args.timeout_s = min(timeout_s, left - 5)
             record = run_point(system, tokens, args, command)
             record.update({k: v for k, v in extra.items() if k not in record})
             records = [r for r in records if _point(r) != _point(record)] + [record]
@@ -386,6 +395,26 @@ def solve_plans(args) -> int:
     return 0
 
 
+MIN_POINT_S = 60.0  # with --time-left-s: a point needs at least this long (a child's start and a model's build)
+
+
+def run_registered(args) -> int:
+    """Every point of the registration record `args.registered`, in its order: the point's own command
+    (its shape, tokens, budget, hardware and registered plan) into --out, on --device, with what is
+    left of --time-left-s."""
+    record = json.loads(Path(args.registered).read_text())
+    start = time.monotonic()
+    for point in record["points"]:
+        argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
+        argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
+        if args.time_left_s is not None:
+            argv += ["--time-left-s", str(args.time_left_s - (time.monotonic() - start))]
+        if args.allow_dirty:
+            argv.append("--allow-dirty")
+        main(argv)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -409,6 +438,11 @@ def main(argv=None) -> int:
     p.add_argument("--solve-plans", action="store_true", help="only solve and save slidedp's plans (no GPU)")
     p.add_argument("--host-ram", help="with --solve-plans: host RAM available on the machine that will run them "
                                       "(e.g. 125GiB, the H200 host's), bounding activation offload as there")
+    p.add_argument("--registered", metavar="JSON", help="run every point of a registration record "
+                   "(predict_vs_measured/register.py) with its registered plan, in order, into --out")
+    p.add_argument("--time-left-s", type=float, help="seconds this run may take: a point starts only with "
+                   f"{MIN_POINT_S:.0f} s left and its timeout is cut to what is left (a point not run is said, "
+                   "not recorded)")
     # worker side (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -429,6 +463,8 @@ def main(argv=None) -> int:
         return 0
     if args.solve_plans:
         return solve_plans(args)
+    if args.registered:
+        return run_registered(args)
     if args.worker:
         args.tokens = args.tokens[0]
         return worker(args)

@@ -4,13 +4,17 @@ runs as it was registered, and the measured record is tied to its registration b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from benchmarks.common.fit_set import registered_before, registrations
 from benchmarks.predict_vs_measured.register import register
-from tests.benchmarks.test_single_gpu_throughput import run_smoke
+from tests.benchmarks.test_single_gpu_throughput import SCRIPT
 
 
 def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_path):
+    """register.py's record run by single_gpu_throughput's --registered: the point's own plan and prediction,
+    tied to the registration by sha256; with no time left, the point is not started."""
     (row,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
                       precision="fp32")  # the CPU smoke's precision
     plan_file = tmp_path / "registered" / f"{row['plan_sha256'][:16]}.json"
@@ -20,8 +24,18 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
     (tmp_path / "results" / "2026-01-01-registered-x.json").write_text(json.dumps(
         {"registered_utc": "2026-01-01T00:00:00+00:00", "points": [row]}))
 
-    records, _ = run_smoke(tmp_path / "r.json", "slidedp", extra=["--plan", str(plan_file), "--hardware", "cpu"])
-    (measured,) = records
+    registration = tmp_path / "results" / "2026-01-01-registered-x.json"
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
+                           "--out", str(out), "--allow-dirty", "--time-left-s", "1"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "not run, 1 s left" in proc.stderr and not out.exists()  # no time: not run
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
+                           "--out", str(out), "--allow-dirty", "--timeout-s", "120"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (measured,) = json.loads(out.read_text())
+    assert measured["shape"] == "tiny" and measured["error"] is None
     assert measured["plan_sha256"] == row["plan_sha256"]
     assert measured["predicted_step_s"] == row["predicted_step_s"]  # the registered prediction, not a new one
     registered = registrations(tmp_path / "results")
