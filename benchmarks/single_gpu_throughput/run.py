@@ -395,16 +395,27 @@ def solve_plans(args) -> int:
     return 0
 
 
+def _records(path: Path) -> list[dict]:
+    """The records of a results file (a JSON list of records; anything else holds none)."""
+    data = json.loads(path.read_text())
+    return [r for r in data if isinstance(r, dict)] if isinstance(data, list) else []
+
+
 MIN_POINT_S = 60.0  # with --time-left-s: a point needs at least this long (a child's start and a model's build)
 
 
 def run_registered(args) -> int:
-    """Every point of the registration record `args.registered`, in its order: the point's own command
-    (its shape, tokens, budget, hardware and registered plan) into --out, on --device, with what is
-    left of --time-left-s."""
+    """Every point of the registration record `args.registered` not yet measured in this study's results,
+    in its order: the point's own command (its shape, tokens, budget, hardware and registered plan) into
+    --out, on --device, with what is left of --time-left-s."""
     record = json.loads(Path(args.registered).read_text())
+    measured = {r.get("plan_sha256") for path in (HERE / "results").glob("*.json")
+                for r in _records(path) if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()
     for point in record["points"]:
+        if point["plan_sha256"] in measured:  # in this study's records already
+            print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: measured already", flush=True)
+            continue
         argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
         argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
         if args.time_left_s is not None:
