@@ -7,6 +7,7 @@ from pathlib import Path
 # name: (config class, hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
 PRESETS = {
     "qwen3-0.6b": ("Qwen3Config", 1024, 3072, 28, 16, 8, 128, 151936, True),
+    "qwen3-1.7b": ("Qwen3Config", 2048, 6144, 28, 16, 8, 128, 151936, True),  # tied, as released
     "qwen3-4b": ("Qwen3Config", 2560, 9728, 36, 32, 8, 128, 151936, False),
     "qwen3-8b": ("Qwen3Config", 4096, 12288, 36, 32, 8, 128, 151936, False),
     "qwen3-14b": ("Qwen3Config", 5120, 17408, 40, 40, 8, 128, 151936, False),
