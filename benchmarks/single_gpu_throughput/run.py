@@ -97,6 +97,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import re
 import shlex
 import signal
 import sys
@@ -250,8 +251,12 @@ def render_table(records: list[dict]) -> str:
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
         name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
         micro = r.get("slidedp_micro_rows" if r["system"].startswith("slidedp") else "baseline_micro_rows", 1)
-        if micro > 1:
-            name += f" ({micro}-row micro-batches)"
+        details = [f"{micro}-row micro-batches"] if micro > 1 else []
+        blocks = re.search(r"of (\d+)", r.get("activation_checkpointing") or "")
+        if r.get("checkpointed_blocks") is not None and blocks:
+            details.append(f"{r['checkpointed_blocks']}/{blocks.group(1)} blocks checkpointed")
+        if details:
+            name += f" ({', '.join(details)})"
         cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
                                         _gib(r.get("peak_device_bytes")),
                                         f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",

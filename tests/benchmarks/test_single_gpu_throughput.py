@@ -125,8 +125,12 @@ def test_readme_table_from_records(smoke, tmp_path):
     _, records, stdout = smoke
     bench = load_script()
     table = bench.render_table(records)
-    for name in ("slidedp", "GPU-resident"):
-        assert f"| {name} |" in table and f"| {name} |" in stdout
+    assert "| slidedp |" in table and "| slidedp |" in stdout
+    resident = next(r for r in records if r["system"] == "gpu_resident")
+    row = next(line for line in table.splitlines() if "| GPU-resident" in line)
+    # the baseline's row says how many of its blocks were checkpointed
+    assert f"| GPU-resident ({resident['checkpointed_blocks']}/" in row and " blocks checkpointed) |" in row
+    assert "| GPU-resident (" in stdout
     assert "1.00x" in table  # the baseline against itself
     section = bench.render_section(records, tmp_path / "records.json")
     assert table in section and records[0]["command"] in section
