@@ -474,6 +474,12 @@ def worker(args, record: dict, point_cls=None, sampler=None) -> int:
             pass
         point = (point_cls or Point)(args)
         point.record = record
+        # Every system on the allocator slidedp's ranks use: expandable segments, unless the environment
+        # configures it. A fixed-segment cache left DeepSpeed 9.9 GiB reserved but unusable for a 9.3 GiB
+        # allocation (benchmarks/LOG.md, 2026-12-06), and the checkpointing probes measure what fits.
+        from slidedp.backend.runtime.allocator import expandable_segments
+
+        record["cuda_expandable_segments"] = expandable_segments(point.dev)
         record.update(seq_len=point.seq, micro_batches=point.rows)
         point.run(args.system, sampler)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a record

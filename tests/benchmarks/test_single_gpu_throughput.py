@@ -53,6 +53,7 @@ def check_record(bench, r: dict) -> None:
     assert r["few_steps"] is True and "the first left out" in r["steady_rule"]
     assert r["peak_host_bytes"] > 0 and r["host_used_bytes"] is not None
     assert r["peak_device_bytes"] is None  # no device memory on the CPU
+    assert r["cuda_expandable_segments"] is False  # every system's allocator is set alike; none on the CPU
     assert len(r["losses"]) == 4
     assert "single_gpu_throughput/run.py" in r["command"] and len(r["date"]) == 10
     assert len(r["git_commit"]) == 40 and isinstance(r["dirty"], bool)
