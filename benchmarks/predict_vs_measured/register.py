@@ -69,15 +69,27 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
     return rows
 
 
+def point_arg(text: str) -> tuple[str, int, str]:
+    """SHAPE:TOKENS:BUDGET (a benchmark shape of benchmarks/common/model.py, tokens per step, a budget)."""
+    from benchmarks.common.model import SHAPES
+
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in SHAPES or not parts[1].isdigit() or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE:TOKENS:BUDGET, SHAPE one of {', '.join(SHAPES)}")
+    return parts[0], int(parts[1]), parts[2]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hardware", required=True, help="a preset name or a `slidedp calibrate` profile (JSON path)")
     p.add_argument("--host-ram", help="host RAM of the machine that will run them (e.g. 110GiB)")
     p.add_argument("--out", required=True, help="the registration record (results/DATE-registered-WHAT.json)")
+    p.add_argument("--points", nargs="+", type=point_arg, metavar="SHAPE:TOKENS:BUDGET",
+                   help="the points to register (default: POINTS), e.g. 1.7b:16384:8GiB")
     add_allow_dirty(p)
     args = p.parse_args(argv)
     stamp = commit_stamp(args.allow_dirty)
-    rows = register(POINTS, args.hardware, args.host_ram)
+    rows = register(args.points or POINTS, args.hardware, args.host_ram)
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

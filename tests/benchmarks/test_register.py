@@ -3,12 +3,15 @@ runs as it was registered, and the measured record is tied to its registration b
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.common.fit_set import registered_before, registrations
-from benchmarks.predict_vs_measured.register import register
+from benchmarks.predict_vs_measured.register import point_arg, register
 from tests.benchmarks.test_single_gpu_throughput import SCRIPT
 
 
@@ -55,3 +58,11 @@ def test_points_measured_already_are_not_run_again(tmp_path):
     assert "1.7b, 8192 tokens/step: measured already" in proc.stdout
     points = len(json.loads(registration.read_text())["points"])
     assert proc.stdout.count("measured already") + proc.stderr.count("not run") == points and not out.exists()
+
+
+def test_points_are_named_shape_tokens_budget():
+    """--points takes SHAPE:TOKENS:BUDGET; a shape the benchmarks do not know, or a bad count, is refused."""
+    assert point_arg("1.7b:16384:8GiB") == ("1.7b", 16384, "8GiB")
+    for bad in ("1.7b:16384", "nope:4096:8GiB", "4b:many:8GiB", "4b:0:8GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            point_arg(bad)
