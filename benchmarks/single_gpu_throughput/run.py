@@ -311,8 +311,8 @@ def render_section(records: list[dict], out_path: Path | str | None = None) -> s
     shapes = sorted({r.get("shape", "4b") for r in records})
     params = sorted({r["params"] for r in records if r.get("params")})
     cards = " or ".join(devices) or "one GPU"
-    title = f"Every system in one run, Qwen3-4B shape, {cards}" if shapes == ["4b"] else \
-        f"Every system in one run, shapes {', '.join(shapes)}, {cards}"
+    title = f"Every system on one machine, Qwen3-4B shape, {cards}" if shapes == ["4b"] else \
+        f"Every system on one machine, shapes {', '.join(shapes)}, {cards}"
     lines = [f"## {title} ({', '.join(dates) or 'not run'})", ""]
     lines += [f"`{c}`" for c in commands]
     rel = None
