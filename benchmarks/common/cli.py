@@ -20,8 +20,9 @@ def checkpoint_choice(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, all, none or a number of blocks, got {value!r}")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model, its training and the timing: identical in every harness."""
+def add_model_args(p: argparse.ArgumentParser, several_micro_rows: bool = False) -> None:
+    """The model, its training and the timing: identical in every harness. `several_micro_rows`: the
+    harness runs each baseline at every --baseline-micro-rows given (a list), each a point of its own."""
     p.add_argument("--shape", choices=sorted(SHAPES), default="4b")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
     p.add_argument("--steps", type=int, default=12,
@@ -36,8 +37,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="slidedp without clipping: a step with a non-finite gradient is skipped (default), or the "
                         "run stops on it, which lets the plan stream every gradient into its update")
     p.add_argument("--precision", choices=["bf16", "fp32"], help="slidedp (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--baseline-micro-rows", type=int, default=1,
-                   help="GPU-resident and FSDP2: rows (sequences) per micro-batch")
+    p.add_argument("--baseline-micro-rows", type=int, **({"nargs": "+", "default": [1]} if several_micro_rows else
+                                                         {"default": 1}),
+                   help="the baselines: rows (sequences) per micro-batch" +
+                        (" (several: each baseline runs at each, a point apiece)" if several_micro_rows else ""))
     p.add_argument("--baseline-checkpoint", type=checkpoint_choice, default="auto",
                    help="GPU-resident: blocks with activation checkpointing: 'auto' (the fewest leading blocks "
                         "that fit, probed; default), 'all', 'none' or a number of leading blocks")

@@ -449,8 +449,20 @@ def base_record(system: str, tokens: int, args) -> dict:
         "date": now.date().isoformat(), "time_utc": now.isoformat(timespec="seconds"), "command": args.command,
         "shape": args.shape, "device": args.device, "seed": args.seed, "steps": args.steps,
         "baseline_micro_rows": args.baseline_micro_rows, "max_grad_norm": args.max_grad_norm,
-        "nonfinite": getattr(args, "nonfinite", "skip"), "error": None,
+        "nonfinite": getattr(args, "nonfinite", "skip"), "checkpoint_setting": checkpoint_setting(system, args),
+        "error": None,
     }
+
+
+def checkpoint_setting(system: str, args) -> str | None:
+    """The activation checkpointing asked of a baseline (--baseline-checkpoint for GPU-resident,
+    --deepspeed-checkpoint for DeepSpeed: auto, all, none or a number of blocks); None where it is not
+    a choice (slidedp's plan decides, FSDP2 checkpoints every block)."""
+    if system == "gpu_resident":
+        return getattr(args, "baseline_checkpoint", "auto")
+    if system.startswith("deepspeed_"):
+        return getattr(args, "deepspeed_checkpoint", "auto")
+    return None
 
 
 def worker(args, record: dict, point_cls=None, sampler=None) -> int:

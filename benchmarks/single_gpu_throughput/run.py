@@ -145,13 +145,17 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--seed", str(args.seed), "--plans-dir", args.plans_dir, "--result-file", str(result),
                "--command", command, "--baseline-micro-rows", str(args.baseline_micro_rows),
                "--slidedp-micro-rows", str(args.slidedp_micro_rows), "--max-grad-norm", str(args.max_grad_norm),
-               "--nonfinite", args.nonfinite, "--deepspeed-checkpoint", args.deepspeed_checkpoint]
+               "--nonfinite", args.nonfinite, "--deepspeed-checkpoint", args.deepspeed_checkpoint,
+               "--baseline-checkpoint", args.baseline_checkpoint]
+        if args.baseline_compile is not None:
+            cmd.append("--baseline-compile" if args.baseline_compile else "--no-baseline-compile")
         for opt in ("plan", "hardware", "precision", "seq"):
             if getattr(args, opt):
                 cmd += ["--" + opt, str(getattr(args, opt))]
         if args.no_warmup:
             cmd.append("--no-warmup")
-        print(f"\n=== {system}, {tokens} tokens/step ===", file=sys.stderr, flush=True)
+        rows = "" if system.startswith("slidedp") else f", {args.baseline_micro_rows}-row micro-batches"
+        print(f"\n=== {system}, {tokens} tokens/step{rows} ===", file=sys.stderr, flush=True)
         fallback = base_record(system, tokens, args)
         fallback["command"] = command
         return run_child(cmd, result, args.timeout_s, fallback)
@@ -159,7 +163,7 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
 
 # The record fields that say which configuration a point measured (a missing shape is the default, 4b).
 POINT_FIELDS = ("system", "shape", "tokens_per_step", "seq_len", "budget_bytes", "max_grad_norm", "nonfinite",
-                "slidedp_micro_rows", "baseline_micro_rows", "device_name", "git_commit")
+                "slidedp_micro_rows", "baseline_micro_rows", "checkpoint_setting", "device_name", "git_commit")
 
 
 def _point(record: dict) -> tuple:
@@ -180,21 +184,24 @@ def drive(args) -> int:
     extra = {**commit_stamp(args.allow_dirty), **host_description()}
     deadline = None if args.time_left_s is None else time.monotonic() + args.time_left_s
     timeout_s = args.timeout_s
-    for tokens in args.tokens:
-        for system in args.systems:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left < MIN_POINT_S:
-                    print(f"=== {system}, {tokens} tokens/step: not run, {left:.0f} s left", file=sys.stderr, flush=True)
-                    continue
-                args.timeout_s = min(timeout_s, left - 5)
-            record = run_point(system, tokens, args, command)
-            record.update({k: v for k, v in extra.items() if k not in record})
-            records = [r for r in records if _point(r) != _point(record)] + [record]
-            write_records(out, records)
-            summary = record["error"] or (f"{record['tokens_per_s']:.0f} tokens/s, "
-                                          f"{record['measured_step_s']:.3f} s/step, losses {record.get('losses')}")
-            print(f"=== {system}, {tokens} tokens/step: {summary}", file=sys.stderr, flush=True)
+    micro_rows = args.baseline_micro_rows
+    points = [(tokens, system, rows) for tokens in args.tokens for system in args.systems
+              for rows in (micro_rows[:1] if system.startswith("slidedp") else micro_rows)]
+    for tokens, system, rows in points:
+        args.baseline_micro_rows = rows  # the point's own (slidedp's points ignore it)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < MIN_POINT_S:
+                print(f"=== {system}, {tokens} tokens/step: not run, {left:.0f} s left", file=sys.stderr, flush=True)
+                continue
+            args.timeout_s = min(timeout_s, left - 5)
+        record = run_point(system, tokens, args, command)
+        record.update({k: v for k, v in extra.items() if k not in record})
+        records = [r for r in records if _point(r) != _point(record)] + [record]
+        write_records(out, records)
+        summary = record["error"] or (f"{record['tokens_per_s']:.0f} tokens/s, "
+                                      f"{record['measured_step_s']:.3f} s/step, losses {record.get('losses')}")
+        print(f"=== {system}, {tokens} tokens/step: {summary}", file=sys.stderr, flush=True)
     print(render_table(records))
     if args.readme:
         update_readme(Path(args.readme_path), render_section(records, out))
@@ -436,7 +443,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per step")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    add_model_args(p)
+    add_model_args(p, several_micro_rows=True)
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test)")
     p.add_argument("--budget", default="40GiB", help="slidedp's device-memory budget")
     p.add_argument("--out", help="records (default: results/<today>-qwen3-<shape>.json in this folder)")
@@ -465,7 +472,7 @@ def main(argv=None) -> int:
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.baseline_micro_rows < 1 or args.slidedp_micro_rows < 1 or min(args.tokens) < 1:
+    if args.steps < 1 or min(args.baseline_micro_rows) < 1 or args.slidedp_micro_rows < 1 or min(args.tokens) < 1:
         p.error("--steps, --baseline-micro-rows, --slidedp-micro-rows and --tokens must be positive")
     if args.out is None:
         args.out = str(HERE / "results" / f"{datetime.date.today().isoformat()}-qwen3-{args.shape}.json")
@@ -482,7 +489,7 @@ def main(argv=None) -> int:
     if args.registered:
         return run_registered(args)
     if args.worker:
-        args.tokens = args.tokens[0]
+        args.tokens, args.baseline_micro_rows = args.tokens[0], args.baseline_micro_rows[0]
         return worker(args)
     return drive(args)
 

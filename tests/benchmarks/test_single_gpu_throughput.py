@@ -85,6 +85,20 @@ def test_two_row_micro_batches_train_the_same_step(smoke, tmp_path):
     same_training([smoke[1][0], r])
 
 
+def test_a_baseline_at_several_micro_batch_sizes_in_one_run(smoke, tmp_path):
+    """--baseline-micro-rows 1 2: the baseline runs once per size, each a record of its own (slidedp once),
+    each training the same step; the table names the size and the checkpointing asked for is recorded."""
+    records, stdout = run_smoke(tmp_path / "several.json", "slidedp", "gpu_resident",
+                                extra=["--baseline-micro-rows", "1", "2", "--baseline-checkpoint", "all"])
+    assert sorted((r["system"], r["baseline_micro_rows"]) for r in records) == [
+        ("gpu_resident", 1), ("gpu_resident", 2), ("slidedp", 1)]
+    assert all(r["error"] is None for r in records)
+    assert {r["checkpoint_setting"] for r in records if r["system"] == "gpu_resident"} == {"all"}
+    assert next(r for r in records if r["system"] == "slidedp")["checkpoint_setting"] is None
+    assert "| GPU-resident (2-row micro-batches, " in stdout
+    same_training([smoke[1][0], *records])
+
+
 def same_training(records: list[dict]) -> None:
     first = [r["losses"][0] for r in records]  # step 1: same initial weights, same batch
     assert max(first) - min(first) <= 1e-5 * abs(first[0]), first
@@ -253,6 +267,6 @@ def test_a_merge_keeps_every_other_configuration():
     point = {"system": "slidedp", "tokens_per_step": 4096, "git_commit": "048aa07", "budget_bytes": 40 * 2**30,
              "shape": "8b", "max_grad_norm": 1.0, "slidedp_micro_rows": 1, "device_name": "NVIDIA H100 80GB HBM3"}
     for change in ({"shape": "llama8b"}, {"max_grad_norm": None}, {"slidedp_micro_rows": 2},
-                   {"device_name": "NVIDIA H200"}, {"nonfinite": "stop"}):
+                   {"device_name": "NVIDIA H200"}, {"nonfinite": "stop"}, {"checkpoint_setting": "all"}):
         assert bench._point(point) != bench._point({**point, **change}), change
     assert bench._point({k: v for k, v in point.items() if k != "shape"}) == bench._point({**point, "shape": "4b"})
