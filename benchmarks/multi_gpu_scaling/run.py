@@ -274,7 +274,8 @@ def point_args(spec: Spec, args, command: str, result: Path) -> dict:
         precision=args.precision, hardware=args.hardware, plans_dir=args.plans_dir, reuse_plans=args.reuse_plans,
         cap_baselines=args.cap_baselines, baseline_micro_rows=args.baseline_micro_rows, no_warmup=args.no_warmup,
         max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite, baseline_checkpoint=args.baseline_checkpoint,
-        baseline_compile=args.baseline_compile, plan=None, command=command, result_file=str(result), rank=0, init_method=None,
+        baseline_compile=args.baseline_compile,
+        plan=None, command=command, result_file=str(result), rank=0, init_method=None,
     )
 
 
