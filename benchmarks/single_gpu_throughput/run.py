@@ -114,6 +114,7 @@ from benchmarks.common import systems  # noqa: E402
 from benchmarks.common.child import run_child  # noqa: E402,F401 - part of this harness's interface
 from benchmarks.common.cli import add_model_args, add_record_args, checkpoint_choice  # noqa: E402
 from benchmarks.common.deepspeed_zero import NAMES as DEEPSPEED_NAMES, SYSTEMS as DEEPSPEED_SYSTEMS  # noqa: E402
+from benchmarks.common.fit_set import card_of  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
 from benchmarks.common.model import (BETAS, EPS, LR, MAX_GRAD_NORM, SHAPES, WEIGHT_DECAY, empty_model,  # noqa: E402,F401
                                      qwen3_config)
@@ -421,6 +422,15 @@ def run_registered(args) -> int:
     in its order: the point's own command (its shape, tokens, budget, hardware and registered plan) into
     --out, on --device, with what is left of --time-left-s."""
     record = json.loads(Path(args.registered).read_text())
+    cards = {card_of(point["hardware"]) for point in record["points"]}
+    import torch
+
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        here = torch.cuda.get_device_name(torch.device(args.device))
+        if not all(card in here for card in cards):  # a run on another card would count for nothing
+            print(f"=== not run: {args.registered} was registered for {', '.join(sorted(cards))}, this is {here}",
+                  file=sys.stderr, flush=True)
+            return 2
     measured = {r.get("plan_sha256") for path in (HERE / "results").glob("*.json")
                 for r in _records(path) if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()

@@ -66,3 +66,26 @@ def test_points_are_named_shape_tokens_budget():
     for bad in ("1.7b:16384", "nope:4096:8GiB", "4b:many:8GiB", "4b:0:8GiB"):
         with pytest.raises(argparse.ArgumentTypeError):
             point_arg(bad)
+
+
+def test_registered_points_run_only_on_their_card(tmp_path, monkeypatch, capsys):
+    """The H100 registration on another card is refused before anything runs: its measurement would not
+    be the registered prediction's."""
+    import torch
+
+    import benchmarks.single_gpu_throughput.run as bench
+
+    registration = SCRIPT.parents[1] / "predict_vs_measured" / "results" / "2026-12-06-registered-h100-held-out.json"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    started = []
+    monkeypatch.setattr(bench, "drive", lambda args: started.append(args) or 0)
+    out = tmp_path / "r.json"
+    assert bench.main(["--registered", str(registration), "--device", "cuda", "--out", str(out)]) == 2
+    assert "registered for NVIDIA H100 80GB HBM3, this is NVIDIA H200" in capsys.readouterr().err
+    assert not started and not out.exists()
+    # on its own card it goes on (here: nothing left to run in no time)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert bench.main(["--registered", str(registration), "--device", "cuda", "--out", str(out),
+                       "--time-left-s", "0"]) == 0
+    assert "registered for" not in capsys.readouterr().err
