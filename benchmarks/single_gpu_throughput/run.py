@@ -80,7 +80,9 @@ last includes the final flush, so the figures reported are over the steady steps
 the first and the last (benchmarks/common/steady.py; the record's "steady_rule" says which):
 median_step_s, mean_step_s, steady_steps, tokens_per_s = tokens_per_step / median_step_s. A point with
 fewer than 10 steady steps says "few_steps": true and is marked in the table (default --steps 12).
-peak_device_bytes is `torch.cuda.max_memory_allocated()` from after the build to the end.
+peak_device_bytes is `torch.cuda.max_memory_allocated()` from after the build to the end, and
+peak_device_reserved_bytes `torch.cuda.max_memory_reserved()` (the caching allocator's pages, which a
+budget does not bound yet); the table shows both.
 peak_host_bytes is the process's peak resident set size (VmHWM) over the same window: the counter is
 reset after the build by writing 5 to /proc/self/clear_refs (the build's transient copies are in
 peak_host_bytes_incl_build). VmHWM counts shared memory that the process has touched: slidedp's
@@ -241,7 +243,7 @@ def render_table(records: list[dict]) -> str:
     baselines = [*BASELINES, *(s for s in DEEPSPEED_NAMES if any(r["system"] == s for r in records))]
     head = ["shape"] * several + ["tokens/step", "system", "budget GiB", "tokens/s"] + [
         f"vs {NAMES[b]}" for b in baselines] + [
-        "peak device GiB", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s median / predicted", "loss step 1"]
+        "peak device GiB allocated / reserved", "peak host GiB (VmHWM, steps / incl. build)", "host used GiB", "step s median / predicted", "loss step 1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tps = r.get("tokens_per_s")
@@ -266,7 +268,7 @@ def render_table(records: list[dict]) -> str:
         if details:
             name += f" ({', '.join(details)})"
         cells = [shape(r)] * several + [f"{r['tokens_per_step']:,}", name, budget, speed, *ratios,
-                                        _gib(r.get("peak_device_bytes")),
+                                        f"{_gib(r.get('peak_device_bytes'))} / {_gib(r.get('peak_device_reserved_bytes'))}",
                                         f"{_gib(r.get('peak_host_bytes'))} / {_gib(r.get('peak_host_bytes_incl_build'))}",
                                         _gib(r.get("host_used_bytes")),
                                         step_s, _num(losses[0] if losses else None, ".5f")]
