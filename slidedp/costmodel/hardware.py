@@ -60,7 +60,8 @@ class Hardware:
     # known, and the optimizer state of a layer is never planned on the device (ops.device_update_time_s).
     gpu_memory_bytes_per_s: float = 0.0
     # Fraction of cpu_adamw_params_per_s left to early updates (scheduler/search/early_order.py), which run
-    # beside the backward's gradient and weight copies both ways; 0: cpu_adamw_contended_fraction.
+    # beside the backward's gradient and weight copies both ways and write their result beside their inputs
+    # (out of place; `slidedp calibrate` measures that while copies run both ways); 0: cpu_adamw_contended_fraction.
     cpu_adamw_backward_fraction: float = 0.0
     # Fraction of the duplex copy rate (H2D and D2H at once) left while the CPU AdamW runs on the host's
     # cores: both draw on host DRAM. Applied to the streamed updates' round trips, which run at the step

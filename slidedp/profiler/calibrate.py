@@ -441,10 +441,16 @@ class AdamwState:
         self.exp_avg = np.zeros(numel, dtype=np.float32)
         self.exp_avg_sq = np.zeros(numel, dtype=np.float32)
         self.out_bf16 = np.empty(numel, dtype=np.uint16)
+        self._spare: tuple[np.ndarray, ...] | None = None
 
-    def step(self, num_threads: int) -> None:
+    def step(self, num_threads: int, out_of_place: bool = False) -> None:
+        """One update in place, or out of place (into spare arrays, as an early update writes its
+        layer's new state beside the old one: backend/runtime/early_updates.py)."""
+        if out_of_place and self._spare is None:
+            self._spare = tuple(np.zeros(self.numel, dtype=np.float32) for _ in range(3))
         adamw_step(self.param, self.grad, self.exp_avg, self.exp_avg_sq, self.out_bf16, lr=1e-4, beta1=0.9,
-                   beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, num_threads=num_threads)
+                   beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, num_threads=num_threads,
+                   to=self._spare if out_of_place else None)
 
 
 def measure_adamw_s(state: AdamwState, threads: Sequence[int], *, repeats: int) -> list[tuple[int, float]]:
@@ -458,9 +464,22 @@ def measure_adamw_s(state: AdamwState, threads: Sequence[int], *, repeats: int) 
         torch.set_num_threads(torch_threads)
 
 
+def measure_adamw_out_of_place_s(state: AdamwState, threads: int, *, repeats: int) -> float:
+    """Seconds of the CPU AdamW on `threads` threads writing its result beside its inputs (as the early
+    updates do), with nothing else running."""
+    state.step(threads, out_of_place=True)  # the spare arrays allocated and touched outside the timing
+    torch_threads = torch.get_num_threads()
+    try:
+        return _time_s(lambda: state.step(threads, out_of_place=True), False, repeats=repeats,
+                       label="CPU AdamW out of place")
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
 def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuffers, *, alone_s: float,
-                              copy_s: float, repeats: int) -> tuple[float, bool]:
-    """Seconds of the CPU AdamW (as `measure_adamw_s`) while H2D and D2H copies run at once (CUDA).
+                              copy_s: float, repeats: int, out_of_place: bool = False) -> tuple[float, bool]:
+    """Seconds of the CPU AdamW (as `measure_adamw_s`; `out_of_place`: as an early update writes it)
+    while H2D and D2H copies run at once (CUDA).
 
     Enough large copies are queued on two streams to outlast the AdamW repeats (sized from the
     uncontended AdamW time and one duplex copy time); returns the median seconds and whether the
@@ -478,7 +497,8 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     done[1].record(down)
     torch_threads = torch.get_num_threads()
     try:
-        seconds = _time_s(lambda: state.step(threads), False, repeats=repeats, label="CPU AdamW contended")
+        seconds = _time_s(lambda: state.step(threads, out_of_place), False, repeats=repeats,
+                          label="CPU AdamW contended")
     finally:
         torch.set_num_threads(torch_threads)
     overlapped = not (done[0].query() or done[1].query())
@@ -676,12 +696,23 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         say(f"AdamW + copies  {best_threads} threads while H2D and D2H run: {state.numel / contended_s / 1e9:.3g} "
             f"G params/s, fraction {contended:.3f}"
             + ("" if overlapped else " (note: the copies ended before the AdamW did; fraction may be high)"))
+        state.step(best_threads, out_of_place=True)  # its spare arrays touched outside the timing
+        early_s, overlapped = measure_adamw_contended_s(
+            state, best_threads, buffers, alone_s=state.numel / best, copy_s=duplex_s, repeats=reps,
+            out_of_place=True)
+        backward = fraction_kept(state.numel / early_s, best)
+        say(f"early update    {best_threads} threads, out of place, while H2D and D2H run: "
+            f"{state.numel / early_s / 1e9:.3g} G params/s, fraction {backward:.3f}, cpu_adamw_backward_fraction"
+            + ("" if overlapped else " (note: the copies ended before the AdamW did; fraction may be high)"))
         copies_contended = min(1.0, duplex_s / measure_duplex_contended_s(state, best_threads, buffers, repeats=reps))
         say(f"copies + AdamW  H2D and D2H at once while {best_threads} threads run the CPU AdamW: "
             f"{copies_contended * duplex / 1e9:.4g} GB/s total, fraction {copies_contended:.3f}, duplex_contended_fraction")
     else:
         contended = copies_contended = 1.0
         say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
+        backward = fraction_kept(state.numel / measure_adamw_out_of_place_s(state, best_threads, repeats=reps), best)
+        say(f"early update    {best_threads} threads, out of place: fraction {backward:.3f} of the in-place "
+            "rate, cpu_adamw_backward_fraction")
     del buffers, state
 
     device_adamw = 0.0  # the CPU device keeps the optimizer state on the host (scheduler: never on the "device")
@@ -716,4 +747,5 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
         compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
         attention_flops_per_s=attention, duplex_contended_fraction=copies_contended,
+        cpu_adamw_backward_fraction=backward,
     )

@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +158,7 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
     assert hw.gpu_memory_bytes > 2**28 and hw.gpu_p2p_bytes_per_s == 0.0
     assert hw.cpu_adamw_contended_fraction == 1.0 and hw.gpus_per_root_complex == 1
     assert hw.duplex_contended_fraction == 1.0  # no DMA beside the CPU's AdamW on the CPU device
+    assert 0 < hw.cpu_adamw_backward_fraction <= 1  # early updates: out of place, measured
     assert hw.gpu_memory_bytes_per_s == 0.0  # the CPU device: optimizer state never planned "on the device"
     sizes = [b for b, _ in hw.transfer_efficiency]
     assert sizes == sorted(set(sizes)) and sizes[0] == 64 * 2**10
@@ -169,7 +171,7 @@ def test_quick_cpu_calibration_is_plausible(quick_cpu):
     text = "\n".join(lines)
     assert "Qwen3 hidden 96, 1x64 tokens" in text  # the model_shape given
     for words in ("matmul", "block fwd+bwd", "H2D by size", "D2H", "H2D + D2H", "host DRAM", "CPU AdamW",
-                  "AdamW + copies", "GPU-to-GPU", "root complex", "memory", "largest IQR/median"):
+                  "AdamW + copies", "early update", "GPU-to-GPU", "root complex", "memory", "largest IQR/median"):
         assert words in text
     assert all(math.isfinite(v) for v in (hw.matmul_flops_per_s, hw.block_efficiency, hw.h2d_bytes_per_s))
 
@@ -179,6 +181,19 @@ def test_device_adamw_bandwidth_runs_the_device_state_update():
     kernel sequence as backend/state/device_state.py, its bytes over its time."""
     rate = cal.measure_device_adamw_bytes_per_s(torch.device("cpu"), 1 << 20, repeats=2)
     assert 1e7 <= rate <= 1e13
+
+
+def test_the_early_updates_adamw_is_timed_out_of_place():
+    """cpu_adamw_backward_fraction's measurement: the AdamW writes the new state beside the old one, as an
+    early update does, and leaves its inputs as they were."""
+    state = cal.AdamwState(1 << 16)
+    before = [a.copy() for a in (state.param, state.exp_avg, state.exp_avg_sq)]
+    assert cal.measure_adamw_out_of_place_s(state, 1, repeats=2) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, (state.param, state.exp_avg, state.exp_avg_sq)))
+    new_param = state._spare[0]
+    assert not np.array_equal(new_param, state.param)
+    state.step(1)  # in place: the same update lands on the inputs
+    assert np.array_equal(new_param, state.param)
 
 
 def test_copies_are_timed_while_the_cpu_adamw_runs(monkeypatch):
@@ -288,6 +303,7 @@ def test_quick_cuda_calibration(tmp_path):
     assert hw.duplex_bytes_per_s >= 0.5 * min(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s)
     assert 0 < hw.cpu_adamw_contended_fraction <= 1 and 0 < hw.duplex_contended_fraction <= 1
     assert "duplex_contended_fraction" in "\n".join(lines)
+    assert 0 < hw.cpu_adamw_backward_fraction <= 1 and "cpu_adamw_backward_fraction" in "\n".join(lines)
     assert hw.gpu_p2p_bytes_per_s >= 0
     assert 1e11 <= hw.gpu_memory_bytes_per_s <= 2e13
     assert all(0 < f <= 1 for _, f in hw.transfer_efficiency)
