@@ -193,6 +193,9 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
         if given.streamed_gradients and not _grads_streamable(request):
             raise ValueError("the plan streams the gradients into the update (streamed_gradients), which needs "
                              "max_grad_norm=None and nonfinite='stop'; solve a plan for this run")
+        if given.early_in_place and not _grads_streamable(request):
+            raise ValueError("the plan's early updates write in place (early_in_place), which needs "
+                             "max_grad_norm=None and nonfinite='stop'; solve a plan for this run")
         streamed, elsewhere = set(given.streamed_updates), set(given.device_state) | set(given.early_order)
         if streamed - set(range(len(graph.layers))) or streamed & elsewhere:
             raise ValueError(f"the plan's streamed_updates {given.streamed_updates} must be layer ids whose state "
@@ -242,9 +245,10 @@ def _early_allowed(world_size: int, max_grad_norm) -> bool:
 
 
 def _grads_streamable(request: Request) -> bool:
-    """The gradients may stream into the update (backend/runtime/routes.py): no clipping, and a
-    non-finite gradient stops training (an update applied as its gradient lands cannot be taken back);
-    with several ranks the plan streams them only where it reduces every host layer on the GPUs."""
+    """The gradients may stream into the update (backend/runtime/routes.py), and early updates write
+    in place: no clipping, and a non-finite gradient stops training (an update applied as its gradient
+    lands cannot be taken back); with several ranks the plan streams them only where it reduces every
+    host layer on the GPUs."""
     return request.max_grad_norm is None and request.nonfinite == "stop"
 
 

@@ -158,7 +158,7 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
         check_compile(graph, plan, dev, precision=request.precision, world_size=local, control_ints=flag_ints,
                       lean_layers=lean, numels=numels)  # host RAM, /dev/shm, free device memory: refuse with numbers
         host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints, spare_layers=() if plan.streamed_gradients else plan.early_order,
+                         control_ints=flag_ints, spare_layers=plan.spare_layers(),
                          lean_layers=lean, no_copy_layers=plan.copies_made_on_load(),
                          no_grad_layers=plan.streamed_gradient_layers(), held=held)
     if rank is not None:

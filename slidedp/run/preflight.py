@@ -167,7 +167,7 @@ def plan_host_memory(graph, plan, *, precision: str, world_size: int = 1, lean_l
     numels = [layer.numel for layer in graph.layers] if numels is None else list(numels)
     return mem.host_memory(numels, 2 if precision == "bf16" else 4,
                            world_size=world_size, lean=lean_layers,
-                           spare=() if plan.streamed_gradients else plan.early_order,
+                           spare=plan.spare_layers(),
                            no_copy=plan.copies_made_on_load(), no_grad=plan.streamed_gradient_layers(),
                            offloaded_bytes=world_size * offloaded_activation_bytes(graph, plan),
                            max_chunk_numel=max((-(-d.numel // max(1, d.chunks)) for d in plan.decisions

@@ -90,6 +90,9 @@ class Problem:
     # instead of skipping the step (CompileOptions.nonfinite "stop"). The host state's fixed part then
     # counts no gradient; one kept counts with the offloaded activations.
     grads_streamable: bool = False
+    # A non-finite gradient stops training (nonfinite "stop", no clipping): early updates (one rank)
+    # then write over the state they read, with no spare state, at the CPU AdamW's in-place rate.
+    early_in_place: bool = False
     # Host RAM one host's ranks may take in all (costs.host_memory: host state, spare state, offloaded
     # activations, pinned buffers); None: unbounded. A constraint of every search, the CP-SAT model's
     # included: with one rank a layer whose state is on the device takes nothing of it.

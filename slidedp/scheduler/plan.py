@@ -26,6 +26,8 @@ against its runner-up, and which search made the decisions. The schedule:
                           each updates its chunks, and every load all-gathers the owners' weights
   early_order             host layers the CPU updates during the backward, as each gradient lands
                           (one rank, no clipping; backend/runtime/early_updates.py)
+  early_in_place          the early updates write over the state they read (a non-finite gradient
+                          stops training: nonfinite="stop"), with no spare state; else out of place
   streamed_gradients      every host layer's gradient updates it as it lands, in place, from the
                           staging buffer (no gradient in host RAM; early_order is the landing order)
   streamed_updates        host layers the devices update at the step boundary, their fp32 state
@@ -177,6 +179,7 @@ class Schedule:
     streamed_gradients: bool = False  # every host layer's gradient applied as it lands (no host gradient)
     vocab_chunk_rows: int = 0  # rows per chunk of a streamed vocabulary table (0: none streamed)
     device_state_sharded: bool = False
+    early_in_place: bool = False  # the early updates in place (no spare state), nonfinite="stop"
 
     @classmethod
     def from_dict(cls, data: dict) -> "Schedule":
@@ -189,6 +192,7 @@ class Schedule:
             vocab_chunk_rows=data.get("vocab_chunk_rows", 0),
             device_state_sharded=data.get("device_state_sharded", False),
             streamed_gradients=data.get("streamed_gradients", False),
+            early_in_place=data.get("early_in_place", False),
         )
 
     def to_dict(self) -> dict:
@@ -321,6 +325,11 @@ class Plan:
         """Layer ids whose delivery copy is made on load (LayerDecision.host_copy)."""
         return tuple(d.layer_id for d in self.decisions if d.host_copy == "on_load")
 
+    def spare_layers(self) -> tuple[int, ...]:
+        """Layer ids with a spare master and moments in the host state: those the early updates write out
+        of place (none where the gradients stream into the update or the early updates are in place)."""
+        return () if self.streamed_gradients or self.early_in_place else tuple(self.early_order)
+
     def streamed_gradient_layers(self) -> tuple[int, ...]:
         """Layer ids whose gradient streams into their update (streamed_gradients: every host layer)."""
         return tuple(self.early_order) if self.streamed_gradients else ()
@@ -431,7 +440,9 @@ class Plan:
              "layers; no gradient in host RAM; no clipping, a non-finite gradient stops training)"
              if self.streamed_gradients else
              f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
-             "no clipping, one rank)" if self.early_order else f"  update order after the step boundary: {order}"),
+             "no clipping, one rank" + ("; in place, a non-finite gradient stops training)" if self.early_in_place
+                                        else ")")
+             if self.early_order else f"  update order after the step boundary: {order}"),
             *([_device_state_line(self)] if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
                "the step boundary (fp32 state streamed up and down)"] if self.streamed_updates else []),
@@ -646,6 +657,10 @@ def _check_plan(plan: "Plan", world_size: int | None, out: list[str]) -> None:
         if both:
             bad(f"{a} and {b} must not share layers (state on the host vs on the device, updated once), "
                 f"both hold {sorted(both, key=str)}")
+    if not isinstance(s.early_in_place, bool):
+        bad(f"early_in_place must be true or false, got {s.early_in_place!r}")
+    elif s.early_in_place and (not s.early_order or s.streamed_gradients):
+        bad("early_in_place: only early updates (early_order, gradients not streamed) are written in place")
     if not isinstance(s.device_state_sharded, bool):
         bad(f"device_state_sharded must be true or false, got {s.device_state_sharded!r}")
     elif s.device_state_sharded:

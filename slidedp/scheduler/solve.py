@@ -312,7 +312,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     offloaded activations of all ranks (None: no early updates); `streamed_updates` lets the devices
     update some host layers (each rank its own chunks); `grads_streamable` lets the host layers'
     gradients stream into their update (no clipping, a non-finite gradient stops training; several
-    ranks: with the GPU reduction).
+    ranks: with the GPU reduction) and makes early updates write in place (no spare state).
     `host_budget_bytes` (None: unbounded) bounds everything the plan takes of host RAM, all ranks
     together (Explanation.host_memory: host state, spare state, offloaded activations, pinned
     buffers): a hard constraint like the device budget (InfeasibleBudgetError with min_host_bytes).
@@ -327,7 +327,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
     # (with the CPU reduction the ranks' gradients are summed into a host gradient)
     only_gpu = hosts > 1 or set(options.reductions) == {GPU}
     problem = replace(problem, grads_streamable=grads_streamable and (world_size == 1 or only_gpu),
-                      vocab_chunk_numel=options.vocab_chunk_numel)
+                      early_in_place=grads_streamable, vocab_chunk_numel=options.vocab_chunk_numel)
     model_costs, sol, vocab_tried = _vocab_search(problem, options, budget_bytes, host_budget_bytes)
     costs = model_costs.variant(sol.decisions)  # the problem with the chosen tables streamed
     wall = time.perf_counter() - t0
@@ -634,6 +634,10 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         "it lands in (no gradient kept in host RAM, no spare state); a non-finite gradient stops training "
         "(nonfinite='stop'), the state part-updated"
         if decisions.grads_streamed else
+        "early updates: each host layer's update starts once its gradient has landed (early_order), in place "
+        "(no spare state); a non-finite gradient stops training (nonfinite='stop'), the state part-updated; "
+        "the next step's loads wait for their layer's update"
+        if decisions.early_order and problem.early_in_place else
         "early updates: each host layer's update starts once its gradient has landed (early_order), out of "
         "place, kept once the whole gradient is finite; the next step's loads wait for their layer's update"
         if decisions.early_order else
@@ -674,6 +678,7 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         device_state_sharded=problem.device_state_sharded and bool(decisions.device_state),
         early_order=decisions.early_order,
         streamed_gradients=decisions.grads_streamed,
+        early_in_place=problem.early_in_place and bool(decisions.early_order) and not decisions.grads_streamed,
         streamed_updates=decisions.streamed,
         loss_chunk_tokens=problem.effective_loss_chunk_tokens,
         vocab_chunk_rows=problem.vocab_chunk_rows if problem.vocab_streamed else 0,

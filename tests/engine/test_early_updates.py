@@ -239,3 +239,85 @@ def test_simulated_early_updates_overlap_the_backward():
              for limit in (None, 1 << 62, 0)}
     assert plans[1 << 62].early_order and plans[1 << 62].predicted_step_time_s < plans[None].predicted_step_time_s
     assert plans[None].early_order == () and plans[0].early_order == ()  # not allowed / no room for the spare
+
+
+# -- in place: nonfinite="stop" -------------------------------------------------------------------
+
+
+def in_place(plan):
+    return plan.replace(early_in_place=True)
+
+
+def test_in_place_early_updates_are_exact_and_keep_no_spare(monkeypatch):
+    """nonfinite="stop": the early updates write over the state they read (no `to`, no spare arrays in
+    the host state), and train as the same plan updated after the backward, bit for bit."""
+    model = make_model("qwen3")
+    ref, late_model = copy.deepcopy(model).eval(), copy.deepcopy(model)
+    plan = in_place(early_plan(model, landed_first=3))
+    engine = compiled(model, plan, nonfinite="stop")
+    late = compiled(late_model, plan.replace(early_order=(), early_in_place=False))
+    assert engine.runner.early.in_place and all(layer.spare is None for layer in engine.host.layers)
+    outs, real = [], cpu_adamw.adamw_step
+
+    def recording(*args, **kw):
+        outs.append(kw.get("to"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_adamw, "adamw_step", recording)
+    with engine, late:
+        train_beside_late(engine, late, ref, steps=3, seed=11)
+    assert outs and all(to is None for to in outs)
+
+
+def test_in_place_early_plans_need_nonfinite_stop():
+    model = make_model("llama")
+    plan = in_place(early_plan(model))
+    with pytest.raises(ValueError, match="early_in_place"):
+        compiled(model, plan)  # nonfinite="skip": a round must be able to be taken back
+    data = plan.to_dict()
+    data["schedule"]["early_order"] = []
+    with pytest.raises(ValueError, match="early_in_place"):
+        slidedp.Plan.from_dict(data).validate()
+    assert slidedp.Plan.from_dict(plan.to_dict()) == plan
+    assert "in place" in plan.summary()
+
+
+def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied():
+    """Block 1's gradient turns non-finite after later layers were written in place: the step raises
+    NonFiniteGradientError naming them, and the engine refuses steps until a checkpoint loads."""
+    switch = {"on": False}
+    model = make_model("llama")
+    poison(model, "backward", switch)
+    engine = compiled(model, in_place(early_plan(model)), nonfinite="stop")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(2)]
+    engine.step(batches[0])
+    switch["on"] = True
+    with pytest.raises(slidedp.NonFiniteGradientError, match="part-applied"):
+        engine.step(batches[1])
+    switch["on"] = False
+    with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
+        engine.step(batches[0])
+    engine.close()
+
+
+def test_the_planner_writes_early_updates_in_place_where_nonfinite_stops():
+    """With a non-finite gradient stopping training the early updates need no spare state, and run at the
+    CPU's in-place rate (cpu_adamw_contended_fraction), not the out-of-place one (backward fraction)."""
+    graph = synthetic_graph(8, block_numel=256 << 20, flops_fwd=2e13)
+    hw = PRESETS["h200-sxm"]
+    options = SolverOptions(device_state_blocks=0)
+    spare, inplace = (ProblemCosts(Problem(graph, hw, early_host_bytes=1 << 62, early_in_place=flag), options)
+                      for flag in (False, True))
+    d = baselines.BASELINES["recompute-all"](spare, 1 << 40)
+    (best_spare, sim_spare), (best_in, sim_in) = best_early(spare, d), best_early(inplace, d)
+    assert spare.spare_bytes(best_spare) > 0 and inplace.spare_bytes(best_in) == 0
+    o = spare.option_of(1, d.layers[1])
+    assert inplace.early_piece(o) == o.update_piece < spare.early_piece(o)
+    assert sim_in.lane_busy["cpu_update"] < sim_spare.lane_busy["cpu_update"]
+    plans = {nf: solve_plan(graph, budget_bytes=1 << 40, hardware=hw, options=options, early_host_bytes=1 << 62,
+                            grads_streamable=nf == "stop", explain=False) for nf in ("skip", "stop")}
+    assert plans["skip"].early_order and not plans["skip"].early_in_place
+    assert plans["skip"].host_memory["spare"] > 0
+    stop = plans["stop"]
+    assert stop.streamed_gradients or (stop.early_in_place and stop.host_memory["spare"] == 0)

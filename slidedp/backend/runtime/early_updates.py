@@ -13,7 +13,14 @@ load of this step reads any more). Once the norm is known:
   of every layer it touched from the untouched master: the state is exactly as before the step.
 
 The result is bit for bit that of the same AdamW after the backward (the out-of-place kernel is the
-in-place one's arithmetic). The round's order (the plan's `early_order`) is what the program
+in-place one's arithmetic).
+
+In place (`in_place`, plan.early_in_place: no clipping and nonfinite="stop", no spare state): each
+update writes over the state it reads, which costs the CPU fewer bytes (a store to a line already read
+reads nothing more) and the host no spare; `commit()` has nothing to swap, and a round that cannot be
+kept (a non-finite gradient, a failed step) is stopped but not undone: `take_back()` returns the layers
+already written, the state is that of a step part-applied (rank.py refuses steps until a checkpoint
+loads). The round's order (the plan's `early_order`) is what the program
 simulator assumes: the layers in the order their gradients land first, then the rest in the order
 the next step loads them.
 """
@@ -52,19 +59,22 @@ class EarlyRound:
 class EarlyUpdates:
     """Starts, commits and takes back the rounds of early updates of one rank."""
 
-    def __init__(self, host: HostState, order: list[int], updates, on_swap: Callable[[list[int]], None]):
+    def __init__(self, host: HostState, order: list[int], updates, on_swap: Callable[[list[int]], None],
+                 in_place: bool = False):
         missing = [i for i in order if host.layers[i].spare is None]
-        if missing:
+        if missing and not in_place:
             raise ValueError(f"layers {missing} have no spare master and moments in the host state")
         self.host, self.order, self.updates, self.on_swap = host, list(order), updates, on_swap
+        self.in_place = in_place
         self.round: EarlyRound | None = None
 
     def start(self, update: Callable[[int, tuple, int | None], None]) -> EarlyRound:
         """Start a round: for each layer in order, wait for its gradient, then
         `update(layer_id, (master, exp_avg, exp_avg_sq, spare), num_threads)` (captured now, so a
-        commit before the layer's turn does not change what the update reads and writes)."""
+        commit before the layer's turn does not change what the update reads and writes), or in place
+        `update(layer_id, None, num_threads)`."""
         rnd = EarlyRound(self.order)
-        arrays = {i: (a.master, a.exp_avg, a.exp_avg_sq, a.spare)
+        arrays = {i: None if self.in_place else (a.master, a.exp_avg, a.exp_avg_sq, a.spare)
                   for i, a in ((i, self.host.layers[i]) for i in self.order)}
 
         def run(layer_id: int, num_threads: int | None) -> None:
@@ -82,20 +92,26 @@ class EarlyUpdates:
         return rnd
 
     def commit(self) -> None:
-        """The gradient is finite: the round's spares become current, for every layer of the round."""
+        """The gradient is finite: the round's spares become current, for every layer of the round (in
+        place: the round goes on writing where it reads)."""
         rnd, self.round = self.round, None
+        if self.in_place:
+            return
         for layer_id in rnd.order:
             self.host.layers[layer_id].swap_spare()
         self.on_swap(rnd.order)
 
     def take_back(self) -> list[int]:
         """Undo the round (non-finite gradient or a failed step): stop it, wait for the update in
-        flight, rewrite the delivery copy of the layers it updated from their master. Returns them."""
+        flight, rewrite the delivery copy of the layers it updated from their master. Returns them.
+        In place: stop it and wait; the layers returned were written and stay so."""
         rnd, self.round = self.round, None
         if rnd is None:
             return []
         rnd.cancel()
         self.updates.flush()
+        if self.in_place:
+            return list(rnd.updated)
         for layer_id in rnd.updated:
             arrays = self.host.layers[layer_id]
             if arrays.delivery is not None:

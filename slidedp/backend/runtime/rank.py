@@ -11,7 +11,8 @@ of a multi-rank engine (backend/runtime/workers.py). A step:
   3. if finite, this rank's CPU threads start AdamW on the chunks it owns, layer by layer in update
      order, in the background (update_stream.py) -- or, with early updates (one rank, no clipping:
      early_updates.py), they started with the last pass, each as its gradient landed, and are now
-     kept (or taken back if the gradient is not finite); the next step's loads wait for each layer's
+     kept (or taken back if the gradient is not finite; written in place, with nonfinite="stop", they
+     cannot be: NonFiniteGradientError, the state part-updated); the next step's loads wait for each layer's
      update on every rank (routes.wait_updated). Layers whose optimizer state lives on the device
      (device_state.py) are updated there instead, on a stream of their own, before any later copy
      (the copy streams wait for it by an event): sharded by chunk owner, each rank its own chunks,
@@ -62,7 +63,7 @@ class Rank:
     def __init__(self, *, executor: StreamedExecutor, host: HostState, graph: LayerGraph, update_order: list[int],
                  rank: int = 0, comm=None, flags=None, num_threads: int | None = None,
                  device_state: DeviceState | None = None, early_order=(), on_swap=lambda layer_ids: None,
-                 streamed: StreamedUpdates | None = None):
+                 streamed: StreamedUpdates | None = None, early_in_place: bool = False):
         self.executor, self.host, self.graph = executor, host, graph
         self.routes: Routes = executor.routes
         self.rank, self.comm, self.flags = rank, comm, flags
@@ -81,7 +82,7 @@ class Rank:
             flags.on_wait = self.updates.check
         if early_order and not self.routes.grads_streamed and (comm is not None or flags is not None):
             raise ValueError("early updates run on one rank in the engine's process only")
-        self.early = (EarlyUpdates(host, list(early_order), self.updates, on_swap)
+        self.early = (EarlyUpdates(host, list(early_order), self.updates, on_swap, in_place=early_in_place)
                       if early_order and not self.routes.grads_streamed else None)
         self._segments: dict[bool, list] = {}
         # (error class, why) once the state is that of a step part-applied (streamed gradients): steps refused
@@ -129,8 +130,11 @@ class Rank:
                 self.routes.end_pass()
             sumsq = self.routes.finish(len(passes))
         except BaseException as exc:
-            if early:
-                self._take_back()
+            written = self._take_back() if early else []
+            if written:  # early updates in place: those layers keep this step's update
+                self.broken = (RuntimeError, f"step {self.host.step} failed ({type(exc).__name__}: {exc}) after its "
+                               f"early updates had written layers {sorted(written)} in place: the state is that "
+                               "of a step part-applied")
             if streaming:  # some layers may have been updated in place already
                 self.broken = (RuntimeError, f"step {self.host.step + 1} failed ({type(exc).__name__}: {exc}) while "
                                "its gradients were streaming into the update: the state may be that of a step "
@@ -155,8 +159,12 @@ class Rank:
                 "non-finite chunks were not applied)"))
             raise NonFiniteGradientError(f"{self.broken[1]}; load a checkpoint before the next step")
         if optimizer is None or not math.isfinite(norm):
-            if early:
-                self._take_back()
+            written = self._take_back() if early else []
+            if written:
+                self.broken = (NonFiniteGradientError, (
+                    f"step {self.host.step}: the gradient is not finite (norm {norm}); the early updates write in "
+                    f"place and had updated layers {sorted(written)}, so the state is that of a step part-applied"))
+                raise NonFiniteGradientError(f"{self.broken[1]}; load a checkpoint before the next step")
             return RankStep(loss_value, norm, 0.0, optimizer is not None, **timing)
         clip = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
         if early:
@@ -202,13 +210,17 @@ class Rank:
         self.routes.apply_gradient = apply
         return nonfinite
 
-    def _take_back(self) -> None:
-        """Undo this step's early round, if it started (the state is as before the step)."""
+    def _take_back(self) -> list[int]:
+        """Undo this step's early round, if it started (the state is as before the step); in place, stop
+        it and return the layers it had written (they keep the update, and the step its count)."""
         if self.early.round is None:
-            return
-        self.early.take_back()
-        self.host.step -= 1
-        self.routes.rounds -= 1
+            return []
+        updated = self.early.take_back()
+        written = updated if self.early.in_place else []
+        if not written:
+            self.host.step -= 1
+            self.routes.rounds -= 1
+        return written
 
     def _host_update(self, opt: AdamW, step: int, clip: float):
         """`update(layer_id, num_threads, current=None)`: AdamW on this rank's chunks of a layer, in
@@ -374,7 +386,7 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
     local = comm.local_world_size if comm is not None else world_size  # the ranks sharing this host's cores
     return Rank(executor=executor, host=host, graph=graph, update_order=update_order, rank=rank, comm=comm,
                 flags=flags, num_threads=update_threads(device, local), device_state=device_state,
-                early_order=plan.early_order, on_swap=rebind, streamed=streamed)
+                early_order=plan.early_order, on_swap=rebind, streamed=streamed, early_in_place=plan.early_in_place)
 
 
 def update_threads(device: torch.device, world_size: int) -> int | None:

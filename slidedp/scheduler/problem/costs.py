@@ -494,7 +494,8 @@ class ProblemCosts:
 
         def of_host(numels) -> dict[str, int]:
             return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p, on_device),
-                                   spare=() if d.grads_streamed else d.early_order, no_copy=self.copies_made_on_load(d),
+                                   spare=() if d.grads_streamed or p.early_in_place else d.early_order,
+                                   no_copy=self.copies_made_on_load(d),
                                    no_grad=no_grad, offloaded_bytes=G * self.host_offload_bytes(d),
                                    max_chunk_numel=max_chunk)
 
@@ -560,8 +561,8 @@ class ProblemCosts:
     def spare_bytes(self, d: Decisions) -> int:
         """Host bytes of the spare fp32 master and moments that d's early updates write (every layer of
         its early order, page-aligned as the host state lays them out: costmodel.memory.host_spare_bytes);
-        none where the gradients stream into the update."""
-        if d.grads_streamed:
+        none where the gradients stream into the update or the early updates are in place."""
+        if d.grads_streamed or self.problem.early_in_place:
             return 0
         numel = {layer.id: layer.numel for layer in self.problem.graph.layers}
         return sum(mem.host_spare_bytes(numel[i]) for i in d.early_order)
@@ -605,8 +606,12 @@ class ProblemCosts:
     def early_piece(self, o: TransferOption) -> int:
         """One chunk's update on a rank's CPU lane beside the backward (note [early updates] in
         oracles/timeline.py): `o.update_piece` at hardware.cpu_adamw_backward_fraction of the CPU's
-        AdamW rate instead of cpu_adamw_contended_fraction (ticks)."""
+        AdamW rate instead of cpu_adamw_contended_fraction (ticks), the rate of an update written out
+        of place beside those copies; in place (Problem.early_in_place, streamed gradients included)
+        the boundary's rate, `o.update_piece`."""
         hw = self.problem.hardware
+        if self.problem.early_in_place:  # written over its inputs, as the boundary's updates
+            return o.update_piece
         slower = hw.cpu_adamw_contended_fraction / (hw.cpu_adamw_backward_fraction or hw.cpu_adamw_contended_fraction)
         return math.ceil(o.update_piece * slower)
 

@@ -32,8 +32,9 @@ def early_order(costs: ProblemCosts, d: Decisions, landed_first: int) -> tuple[i
 
 
 def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation] | None:
-    """`d` with its best early order (its updates write a spare), where it fits; None: not allowed, no
-    host layer, or `d` streams its gradients (a decision of the CP-SAT model, kept)."""
+    """`d` with its best early order (its updates write a spare, or in place: Problem.early_in_place),
+    where it fits; None: not allowed, no host layer, or `d` streams its gradients (a decision of the
+    CP-SAT model, kept)."""
     if d.grads_streamed:
         return None
     return _spare_early(costs, d, costs.n_layers - len(d.device_state) - len(d.streamed))
@@ -41,7 +42,7 @@ def best_early(costs: ProblemCosts, d: Decisions) -> tuple[Decisions, Simulation
 
 def _spare_early(costs: ProblemCosts, d: Decisions, n: int) -> tuple[Decisions, Simulation] | None:
     """`d` with the early order of the fastest step whose updates write a spare (taken back if the
-    gradient is not finite), where the spare state fits."""
+    gradient is not finite), where the spare state fits (none in place: Problem.early_in_place)."""
     # the spare state shares the host RAM left beside the host state with d's offloaded activations
     # and the delivery copies and gradients it keeps
     limit = costs.early_host_bytes(d)
