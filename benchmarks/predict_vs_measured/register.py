@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
+from benchmarks.common.cli import grad_norm  # noqa: E402
 from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
+from benchmarks.common.model import MAX_GRAD_NORM  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
 from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
@@ -45,22 +47,28 @@ POINTS = (
 
 
 def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTERED, steps: int = 12,
-             precision: str = "bf16") -> list[dict]:
+             precision: str = "bf16", max_grad_norm: float | None = MAX_GRAD_NORM,
+             nonfinite: str = "skip") -> list[dict]:
     """Solve each point, keep its plan in `folder` as registered/<sha256[:16]>.json, and return a row a
-    point: its prediction, its plan's sha256 and the command that runs it on a GPU machine."""
+    point: its prediction, its plan's sha256 and the command that runs it on a GPU machine (with
+    `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for)."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
+    run_options = ("" if max_grad_norm == MAX_GRAD_NORM else f" --max-grad-norm {max_grad_norm or 'none'}") + (
+        "" if nonfinite == "skip" else f" --nonfinite {nonfinite}")
     for shape, tokens, budget in points:
-        plan = solve_point(shape, tokens, budget, hardware, host_ram=host_ram, precision=precision)
+        plan = solve_point(shape, tokens, budget, hardware, host_ram=host_ram, precision=precision,
+                           max_grad_norm=max_grad_norm, nonfinite=nonfinite)
         text = json.dumps(trimmed(plan.to_dict())).encode()
         sha = hashlib.sha256(text).hexdigest()
         path = folder / f"{sha[:16]}.json"
         path.write_bytes(text)
         rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
         command = (f"python benchmarks/single_gpu_throughput/run.py --shape {shape} --tokens {tokens} --budget {budget} "
-                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hardware))} --plan {rel} "
-                   f"--merge --out OUT.json")
-        rows.append({"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": 1.0,
+                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hardware))} --plan {rel}"
+                   f"{run_options} --merge --out OUT.json")
+        rows.append({"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": max_grad_norm,
+                     "nonfinite": nonfinite,
                      "plan_file": str(rel), "plan_sha256": sha, "predicted_step_s": plan.predicted_step_time_s,
                      "hardware": plan.hardware["name"],
                      "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]),
@@ -86,10 +94,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the registration record (results/DATE-registered-WHAT.json)")
     p.add_argument("--points", nargs="+", type=point_arg, metavar="SHAPE:TOKENS:BUDGET",
                    help="the points to register (default: POINTS), e.g. 1.7b:16384:8GiB")
+    p.add_argument("--max-grad-norm", type=grad_norm, default=MAX_GRAD_NORM,
+                   help="clipping of every point (default 1.0); 'none': no clipping")
+    p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
+                   help="every point's rule for a non-finite gradient (stop: the plan may update in place)")
     add_allow_dirty(p)
     args = p.parse_args(argv)
     stamp = commit_stamp(args.allow_dirty)
-    rows = register(args.points or POINTS, args.hardware, args.host_ram)
+    rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
+                    nonfinite=args.nonfinite)
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -89,3 +89,17 @@ def test_registered_points_run_only_on_their_card(tmp_path, monkeypatch, capsys)
     assert bench.main(["--registered", str(registration), "--device", "cuda", "--out", str(out),
                        "--time-left-s", "0"]) == 0
     assert "registered for" not in capsys.readouterr().err
+
+
+def test_points_registered_without_clipping_run_without_it(tmp_path):
+    """A registration without clipping and with nonfinite stop: its plan solved so (stop: early updates, if
+    any, in place), and the command that runs it says both, so the run compiles what was registered."""
+    (row,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
+                      precision="fp32", max_grad_norm=None, nonfinite="stop")
+    assert row["max_grad_norm"] is None and row["nonfinite"] == "stop"
+    assert "--max-grad-norm none --nonfinite stop --merge" in row["command"]
+    plan = json.loads((tmp_path / "registered" / f"{row['plan_sha256'][:16]}.json").read_text())["schedule"]
+    assert not plan["early_order"] or plan["streamed_gradients"] or plan["early_in_place"]
+    (default,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
+                          precision="fp32")
+    assert default["max_grad_norm"] == 1.0 and "--max-grad-norm" not in default["command"]
