@@ -21,10 +21,10 @@ bounded host staging buffer (backend/state/staging.py).
 Layers whose gradient streams into the update (the plan's `streamed_gradients`: one rank, no clipping)
 have no gradient array: each chunk's gradient is applied from the pinned staging buffer it lands in.
 
-Layers updated during the backward (backend/runtime/early_updates.py) have a spare copy of master and
-moments: the update writes there, out of place, and `swap_spare()` makes it current once the whole
-gradient is known to be finite; until then the current arrays are untouched, so a step can still be
-taken back without a byte copied.
+Layers updated during the backward out of place (backend/runtime/early_updates.py; not where the plan
+writes them in place, plan.early_in_place) have a spare copy of master and moments: the update writes
+there, and `swap_spare()` makes it current once the whole gradient is known to be finite; until then
+the current arrays are untouched, so a step can still be taken back without a byte copied.
 """
 
 from __future__ import annotations
