@@ -56,7 +56,8 @@ def plan_costs(plan: Plan, graph: LayerGraph, hardware: Hardware | None = None) 
         w.compiled_blocks, hosts=w.hosts, link_bytes_per_s=w.link_bytes_per_s,
         device_state=frozenset(s.device_state), device_state_sharded=s.device_state_sharded,
         early_host_bytes=UNBOUNDED_BYTES if s.early_order else None, streamed_updates=bool(s.streamed_updates),
-        grads_streamable=s.streamed_gradients, early_in_place=s.early_in_place,
+        grads_streamable=s.streamed_gradients,
+        early_in_place=s.early_in_place or s.streamed_gradients,  # both only where nonfinite="stop": in place
         vocab_streamed=frozenset(d.layer_id for d in s.decisions if d.activation == STREAMED),
         copies_on_load=any(d.host_copy == ON_LOAD for d in s.decisions))
     if problem.vocab_streamed:

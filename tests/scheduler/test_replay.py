@@ -26,6 +26,7 @@ def features(plan):
     s = plan.schedule
     return {name for name, present in [
         ("early updates", bool(s.early_order)), ("streamed updates", bool(s.streamed_updates)),
+        ("early updates in place", s.early_in_place),
         ("device state", bool(s.device_state)), ("streamed gradients", s.streamed_gradients),
         ("streamed vocabulary", any(d.activation == "streamed" for d in s.decisions)),
         ("copies on load", any(d.host_copy == "on_load" for d in s.decisions)),
@@ -43,6 +44,7 @@ CASES = {
     "early updates": dict(budget="4GiB", max_grad_norm=None, solver_options=CPU_BOUND, **LONG),
     "streamed gradients": dict(budget="4GiB", max_grad_norm=None, nonfinite="stop", solver_options=CPU_BOUND, **LONG),
     "streamed updates": dict(budget="1GiB", max_grad_norm=None, hidden=1024, seq_len=256),
+    "early updates in place": dict(budget="1GiB", max_grad_norm=None, nonfinite="stop", hidden=1024, seq_len=256),
     "two ranks": dict(budget="2GiB", max_grad_norm=1.0, world_size=2),
     "two hosts": dict(budget="2GiB", max_grad_norm=1.0, world_size=4, hosts=2, link="ib-4x400"),
     "tied table": dict(budget="1GiB", max_grad_norm=1.0, tied=True),
@@ -68,8 +70,9 @@ def test_a_plan_replayed_under_its_own_hardware_predicts_its_own_step(plans, cas
 
 def test_the_cases_cover_every_kind_of_decision(plans):
     covered = set().union(*(features(plan) for _, plan in plans.values()))
-    assert covered >= {"early updates", "streamed updates", "device state", "streamed gradients",
-                       "streamed vocabulary", "copies on load", "several ranks", "several hosts", "offloaded"}, covered
+    assert covered >= {"early updates", "early updates in place", "streamed updates", "device state",
+                       "streamed gradients", "streamed vocabulary", "copies on load", "several ranks", "several hosts",
+                       "offloaded"}, covered
 
 
 def test_another_profile_predicts_the_same_decisions_its_own_way(plans, tmp_path):
