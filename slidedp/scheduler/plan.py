@@ -441,7 +441,7 @@ class Plan:
              if self.streamed_gradients else
              f"  early updates: during the backward, as each gradient lands ({len(self.early_order)} host layers; "
              "no clipping, one rank" + ("; in place, a non-finite gradient stops training)" if self.early_in_place
-                                        else ")")
+                                        else _out_of_place(self))
              if self.early_order else f"  update order after the step boundary: {order}"),
             *([_device_state_line(self)] if self.device_state else []),
             *([f"  streamed updates: {_blocks_label(self.decisions, self.streamed_updates)} updated on the device at "
@@ -746,6 +746,13 @@ def _copies_line(plan: "Plan") -> str:
     return (f"  delivery copies made on load: {_blocks_label(plan.decisions, [d.layer_id for d in made])} "
             f"({format_bytes(saved)} less host RAM; their loads read the fp32 master, twice the bytes, "
             "cast on the device)")
+
+
+def _out_of_place(plan: "Plan") -> str:
+    """The end of the early updates' line when they write out of place: what nonfinite="stop" would save."""
+    spare = (plan.host_memory or {}).get("spare", 0)
+    return ("; out of place, so that a non-finite step is taken back: with nonfinite='stop' they would write in "
+            f"place, {format_bytes(spare)} less host RAM and fewer bytes for the CPU)" if spare else ")")
 
 
 def _host_line(plan: "Plan") -> str:

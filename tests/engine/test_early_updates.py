@@ -319,5 +319,7 @@ def test_the_planner_writes_early_updates_in_place_where_nonfinite_stops():
                             grads_streamable=nf == "stop", explain=False) for nf in ("skip", "stop")}
     assert plans["skip"].early_order and not plans["skip"].early_in_place
     assert plans["skip"].host_memory["spare"] > 0
+    assert "with nonfinite='stop' they would write in place" in plans["skip"].summary()  # the user is told
+    assert "they would write in place" not in plans["stop"].summary()
     stop = plans["stop"]
     assert stop.streamed_gradients or (stop.early_in_place and stop.host_memory["spare"] == 0)
