@@ -248,6 +248,13 @@ class Engine:
         if self._closed:
             raise RuntimeError("this slidedp engine is closed")
 
+    def _check_whole_step(self, what: str) -> None:
+        """Refuse to write out a state that is a step part-applied (updates written in place before a
+        non-finite gradient or a failure: rank.py's `broken`), which no run could resume from."""
+        broken = getattr(self.runner, "broken", None)
+        if broken is not None:
+            raise RuntimeError(f"not {what}: {broken[1]}; load a checkpoint first")
+
     def __enter__(self) -> "Engine":
         return self
 
@@ -291,6 +298,7 @@ class Engine:
         `add(writer)`: a caller's own files into the same checkpoint, before the manifest (called in
         the process that writes it: under torchrun, rank 0's)."""
         self._check_open()
+        self._check_whole_step("saved")
         self.runner.sync_host()
         if self.host.sharded:  # several hosts: each writes its share, rank 0 commits (a shared folder)
             comm = self.runner.comm
@@ -347,6 +355,7 @@ class Engine:
         less the umask). Under torchrun a collective of every rank: rank 0 writes the folder (with
         several hosts, from the layers gathered one at a time, each kept in the export's dtype)."""
         self._check_open()
+        self._check_whole_step("exported")
         dtype = self.precision if dtype is None else dtype
         self.runner.sync_host()
         writes = self._launched_rank() in (None, 0)

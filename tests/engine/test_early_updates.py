@@ -282,9 +282,9 @@ def test_in_place_early_plans_need_nonfinite_stop():
     assert "in place" in plan.summary()
 
 
-def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied():
+def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied(tmp_path):
     """Block 1's gradient turns non-finite after later layers were written in place: the step raises
-    NonFiniteGradientError naming them, and the engine refuses steps until a checkpoint loads."""
+    NonFiniteGradientError naming them, and the engine refuses steps and checkpoints until one loads."""
     switch = {"on": False}
     model = make_model("llama")
     poison(model, "backward", switch)
@@ -292,12 +292,17 @@ def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied():
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(2)]
     engine.step(batches[0])
+    engine.save_checkpoint(tmp_path / "ckpt")
     switch["on"] = True
     with pytest.raises(slidedp.NonFiniteGradientError, match="part-applied"):
         engine.step(batches[1])
     switch["on"] = False
     with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
         engine.step(batches[0])
+    with pytest.raises(RuntimeError, match="not saved"):
+        engine.save_checkpoint(tmp_path / "half")
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.step(batches[1])
     engine.close()
 
 

@@ -95,8 +95,14 @@ def test_a_non_finite_gradient_stops_with_the_state_named_part_applied(tmp_path)
     switch["on"] = False
     with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
         engine.step(batches[2])
+    with pytest.raises(RuntimeError, match="not saved: .*part-applied"):  # no checkpoint of half a step
+        engine.save_checkpoint(tmp_path / "half")
+    with pytest.raises(RuntimeError, match="not exported"):
+        engine.export_hf(tmp_path / "half-export")
+    assert not (tmp_path / "half").exists() and not (tmp_path / "half-export").exists()
     engine.load_checkpoint(tmp_path / "ckpt")
     engine.step(batches[2])
+    engine.save_checkpoint(tmp_path / "after")  # whole again
     engine.close()
 
 
