@@ -250,10 +250,14 @@ class Engine:
 
     def _check_whole_step(self, what: str) -> None:
         """Refuse to write out a state that is a step part-applied (updates written in place before a
-        non-finite gradient or a failure: rank.py's `broken`), which no run could resume from."""
+        non-finite gradient or a failure: rank.py's `broken`; a worker rank's failure), which no run
+        could resume from."""
         broken = getattr(self.runner, "broken", None)
         if broken is not None:
             raise RuntimeError(f"not {what}: {broken[1]}; load a checkpoint first")
+        failed = getattr(self.runner, "failed", None)  # worker processes (WorkerPool)
+        if failed is not None:
+            raise RuntimeError(f"not {what}: {failed}; compile a new engine from the latest checkpoint")
 
     def __enter__(self) -> "Engine":
         return self

@@ -137,7 +137,7 @@ def test_a_rank_that_raises_stops_every_process():
     _assert_all_gone(engine, shm_before)
 
 
-def test_a_killed_rank_stops_every_process():
+def test_a_killed_rank_stops_every_process(tmp_path):
     model = make_model("llama")
     shm_before = _shm_entries()
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
@@ -150,6 +150,9 @@ def test_a_killed_rank_stops_every_process():
     with pytest.raises(WorkerError, match="rank 1 failed: its process exited"):
         engine.step(batch)
     assert time.perf_counter() - t0 < 60
+    with pytest.raises(RuntimeError, match="not saved: rank 1 failed"):  # no checkpoint of what is left
+        engine.save_checkpoint(tmp_path / "after-failure")
+    assert not (tmp_path / "after-failure").exists()
     _assert_all_gone(engine, shm_before)
 
 

@@ -71,6 +71,7 @@ class WorkerPool:
         ctx = mp.get_context("spawn")  # fork is unsafe with CUDA and with Numba's OpenMP pool
         self.conns, self.procs = [], []
         self._closed = False
+        self.failed: str | None = None  # why the ranks stopped, after a rank's failure
         try:
             for r in range(world_size):
                 ours, theirs = ctx.Pipe()
@@ -152,6 +153,7 @@ class WorkerPool:
             time.sleep(0.05)
 
     def _fail(self, rank: int, detail: str):
+        self.failed = f"rank {rank} failed ({detail}) and every rank stopped, its step perhaps half taken"
         if self.flags is not None:
             self.flags.abort(rank)
         self.close(graceful=False)
