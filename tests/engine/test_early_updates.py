@@ -282,15 +282,12 @@ def test_in_place_early_plans_need_nonfinite_stop():
     assert "in place" in plan.summary()
 
 
-def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied(tmp_path):
-    """Block 1's gradient turns non-finite after later layers were written in place: the step raises
-    NonFiniteGradientError naming them, and the engine refuses steps and checkpoints until one loads."""
-    switch = {"on": False}
-    model = make_model("llama")
-    poison(model, "backward", switch)
-    engine = compiled(model, in_place(early_plan(model)), nonfinite="stop")
+def stops_part_applied(engine, switch, tmp_path) -> None:
+    """A step whose gradient turns non-finite (`switch`, tests/reliability's poison) after layers were
+    written in place: it raises, naming the state part-applied, and the engine refuses steps, checkpoints
+    and exports until the checkpoint taken before loads; then it trains on."""
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(2)]
+    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(3)]
     engine.step(batches[0])
     engine.save_checkpoint(tmp_path / "ckpt")
     switch["on"] = True
@@ -298,12 +295,24 @@ def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied(tmp_pat
         engine.step(batches[1])
     switch["on"] = False
     with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
-        engine.step(batches[0])
-    with pytest.raises(RuntimeError, match="not saved"):
+        engine.step(batches[2])
+    with pytest.raises(RuntimeError, match="not saved: .*part-applied"):  # no checkpoint of half a step
         engine.save_checkpoint(tmp_path / "half")
+    with pytest.raises(RuntimeError, match="not exported"):
+        engine.export_hf(tmp_path / "half-export")
+    assert not (tmp_path / "half").exists() and not (tmp_path / "half-export").exists()
     engine.load_checkpoint(tmp_path / "ckpt")
-    engine.step(batches[1])
+    engine.step(batches[2])
+    engine.save_checkpoint(tmp_path / "after")  # whole again
     engine.close()
+
+
+def test_a_non_finite_gradient_stops_in_place_early_updates_part_applied(tmp_path):
+    """Block 1's gradient turns non-finite after later layers were written in place early."""
+    switch = {"on": False}
+    model = make_model("llama")
+    poison(model, "backward", switch)
+    stops_part_applied(compiled(model, in_place(early_plan(model)), nonfinite="stop"), switch, tmp_path)
 
 
 def test_the_planner_writes_early_updates_in_place_where_nonfinite_stops():

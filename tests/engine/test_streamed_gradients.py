@@ -13,7 +13,7 @@ import slidedp
 from slidedp.costmodel import memory as mem
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.search.early_order import landing_order
-from tests.engine.test_early_updates import train_beside_late
+from tests.engine.test_early_updates import stops_part_applied, train_beside_late
 from tests.engine.test_host_copies import layouts_agree_and_checkpoints_cross
 from tests.engine.test_exactness import BATCH, LR, SEQ, WD, random_batch, reference_loss
 from tests.models import VOCAB, make_model
@@ -79,31 +79,11 @@ def test_a_tight_host_budget_streams_the_gradients_and_trains_exactly(tmp_path):
 
 
 def test_a_non_finite_gradient_stops_with_the_state_named_part_applied(tmp_path):
-    """Block 1's gradient turns non-finite after later layers were updated in place: the step raises,
-    the next step is refused, and a checkpoint brings the engine back."""
+    """Block 1's gradient turns non-finite after later layers were updated in place as they landed."""
     switch = {"on": False}
     model = make_model("llama")
     poison(model, "backward", switch)
-    engine = compiled(model, streamed_plan(model))
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g) for _ in range(3)]
-    engine.step(batches[0])
-    engine.save_checkpoint(tmp_path / "ckpt")
-    switch["on"] = True
-    with pytest.raises(slidedp.NonFiniteGradientError, match="part-applied"):
-        engine.step(batches[1])
-    switch["on"] = False
-    with pytest.raises(slidedp.NonFiniteGradientError, match="load a checkpoint"):
-        engine.step(batches[2])
-    with pytest.raises(RuntimeError, match="not saved: .*part-applied"):  # no checkpoint of half a step
-        engine.save_checkpoint(tmp_path / "half")
-    with pytest.raises(RuntimeError, match="not exported"):
-        engine.export_hf(tmp_path / "half-export")
-    assert not (tmp_path / "half").exists() and not (tmp_path / "half-export").exists()
-    engine.load_checkpoint(tmp_path / "ckpt")
-    engine.step(batches[2])
-    engine.save_checkpoint(tmp_path / "after")  # whole again
-    engine.close()
+    stops_part_applied(compiled(model, streamed_plan(model)), switch, tmp_path)
 
 
 def test_streamed_gradient_plans_need_one_pass_no_clipping_and_stop():
