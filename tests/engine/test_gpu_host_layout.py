@@ -44,7 +44,7 @@ def test_copies_on_load_and_streamed_gradients_equal_the_kept_layout():
     assert not kept.streamed_gradients and kept.copies_made_on_load() == () and kept.device_state == ()
     host = [i for i in landing_order(len(kept.decisions)) if i not in kept.device_state]
     lean = kept.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept.decisions),
-                        early_order=tuple(host), streamed_gradients=True)
+                        early_order=tuple(host), streamed_gradients=True, early_in_place=False)
     lean.validate()
     runs = []
     for plan in (kept, lean):
@@ -59,3 +59,27 @@ def test_copies_on_load_and_streamed_gradients_equal_the_kept_layout():
     assert losses_lean == losses_kept
     for name, w in state_kept.items():
         assert torch.equal(state_lean[name], w), name
+
+
+def test_early_updates_in_place_equal_the_updates_after_the_backward():
+    """nonfinite="stop": every host layer updated in place as its gradient lands (no spare state) trains bit
+    for bit as the same plan updated after the backward, on CUDA (its copies and streams)."""
+    model = make_model("qwen3")
+    kw = dict(KW, max_grad_norm=None, nonfinite="stop")
+    solved = slidedp.plan(model, "1GiB", solver_options=VOCAB_STREAMED, **kw)
+    host = [i for i in landing_order(len(solved.decisions)) if i not in solved.device_state]
+    after = solved.replace(early_order=(), early_in_place=False, streamed_gradients=False, streamed_updates=())
+    early = after.replace(early_order=tuple(host), early_in_place=True)
+    early.validate()
+    runs = []
+    for plan in (after, early):
+        gen = torch.Generator().manual_seed(5)
+        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as e:
+            if plan is early:
+                assert e.runner.early.in_place and all(layer.spare is None for layer in e.host.layers)
+            losses = [e.step(*random_batch(gen, 2 * BATCH)) for _ in range(3)]
+            runs.append((losses, e.state_dict()))
+    (losses_after, state_after), (losses_early, state_early) = runs
+    assert all(torch.isfinite(torch.tensor(losses_after))) and losses_early == losses_after
+    for name, w in state_after.items():
+        assert torch.equal(state_early[name], w), name
