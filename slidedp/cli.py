@@ -68,6 +68,19 @@ def _block_shape(spec: str, seq_len: int):
                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, seq_len=seq_len)
 
 
+def _grad_norm(value: str) -> float | None:
+    """--max-grad-norm: a positive number, or "none" (no clipping, the default)."""
+    if value.lower() == "none":
+        return None
+    try:
+        norm = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {value!r}") from None
+    if not norm > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {value!r}")
+    return norm
+
+
 def _link_arg(value: str | None):
     """--link: a preset name, a rate in bytes/s, or the JSON of `slidedp calibrate --link`."""
     if value is None:
@@ -283,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", default=None,
                    help=f"with --nodes > 1: each host's link into the network, one of {', '.join(LINKS)}, bytes/s, "
                         "or the JSON of slidedp calibrate --link")
-    p.add_argument("--max-grad-norm", type=float, default=None,
+    p.add_argument("--max-grad-norm", type=_grad_norm, default=None,
                    help="exact global clipping the run will use (default: none, which allows early updates)")
     p.add_argument("--nonfinite", choices=("skip", "stop"), default="skip",
                    help="a non-finite gradient: skip the step (default) or stop; stop, without clipping, lets the "
-                        "plan stream the gradients into the update (no gradient in host RAM)")
+                        "plan stream the gradients into the update (no gradient in host RAM) or write its early "
+                        "updates in place (no spare state)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 

@@ -254,3 +254,17 @@ def test_cli_plan_streams_gradients_at_the_least_host_memory_with_nonfinite_stop
     assert main([*base, "--host-memory", f"{stop}B", "--nonfinite", "stop"]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schedule"]["streamed_gradients"] and "streamed gradients" in capsys.readouterr().out
+
+
+def test_cli_plan_takes_none_for_no_clipping(tmp_path, capsys):
+    """--max-grad-norm none is the default said out loud; a bad value is refused with the choices."""
+    base = ["plan", "llama-tiny", "--budget", "8GiB", "--batch-size", "1", "--seq-len", "64", "--hardware", "h200-sxm"]
+    assert main([*base, "--max-grad-norm", "none", "--out", str(tmp_path / "none.json")]) == 0
+    assert main([*base, "--out", str(tmp_path / "default.json")]) == 0
+    none, default = (json.loads((tmp_path / f).read_text()) for f in ("none.json", "default.json"))
+    assert none["schedule"] == default["schedule"]
+    capsys.readouterr()
+    for bad in ("0", "-1", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            main([*base, "--max-grad-norm", bad])
+        assert "positive number or 'none'" in capsys.readouterr().err
