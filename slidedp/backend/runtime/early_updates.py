@@ -13,16 +13,16 @@ load of this step reads any more). Once the norm is known:
   of every layer it touched from the untouched master: the state is exactly as before the step.
 
 The result is bit for bit that of the same AdamW after the backward (the out-of-place kernel is the
-in-place one's arithmetic).
+in-place one's arithmetic). The round's order (the plan's `early_order`) is what the program
+simulator assumes: the layers in the order their gradients land first, then the rest in the order
+the next step loads them.
 
 In place (`in_place`, plan.early_in_place: no clipping and nonfinite="stop", no spare state): each
 update writes over the state it reads, which costs the CPU fewer bytes (a store to a line already read
 reads nothing more) and the host no spare; `commit()` has nothing to swap, and a round that cannot be
 kept (a non-finite gradient, a failed step) is stopped but not undone: `take_back()` returns the layers
-already written, the state is that of a step part-applied (rank.py refuses steps until a checkpoint
-loads). The round's order (the plan's `early_order`) is what the program
-simulator assumes: the layers in the order their gradients land first, then the rest in the order
-the next step loads them.
+already written, the state is that of a step part-applied (rank.py refuses steps, run/engine.py
+checkpoints and exports, until a checkpoint loads).
 """
 
 from __future__ import annotations
