@@ -1,7 +1,9 @@
 """Early updates (plan.early_order: one rank, no clipping): each layer is updated as its gradient
 lands, out of place, and kept once the whole gradient is finite. The training is torch.optim.AdamW's;
 a non-finite step or a failed one leaves the state as it was; the planner uses them only where
-allowed, and the simulator's steady state is what they make of a step."""
+allowed, and the simulator's steady state is what they make of a step. With nonfinite="stop" they are
+written in place (plan.early_in_place): the same training, no spare state, and a non-finite step
+stops with the state named part-applied."""
 
 import copy
 import random
