@@ -37,6 +37,23 @@ def test_vocab_streamed_tables_match_gpu_resident(tied):
         train_against_gpu_resident(engine, ref)
 
 
+def train_bit_for_bit(model, reference, other, kw: dict, seed: int, check) -> None:
+    """Three steps of a copy of `model` under each plan on the same batches: the same finite losses and
+    the same state, bit for bit; `check(engine)` on the engine of `other` first."""
+    runs = []
+    for plan in (reference, other):
+        gen = torch.Generator().manual_seed(seed)
+        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as e:
+            if plan is other:
+                check(e)
+            losses = [e.step(*random_batch(gen, 2 * BATCH)) for _ in range(3)]
+            runs.append((losses, e.state_dict()))
+    (losses_ref, state_ref), (losses_other, state_other) = runs
+    assert all(torch.isfinite(torch.tensor(losses_ref))) and losses_other == losses_ref
+    for name, w in state_ref.items():
+        assert torch.equal(state_other[name], w), name
+
+
 def test_copies_on_load_and_streamed_gradients_equal_the_kept_layout():
     model = make_model("qwen3")
     kw = dict(KW, max_grad_norm=None, nonfinite="stop")
@@ -46,19 +63,11 @@ def test_copies_on_load_and_streamed_gradients_equal_the_kept_layout():
     lean = kept.replace(decisions=tuple(replace(d, host_copy="on_load") for d in kept.decisions),
                         early_order=tuple(host), streamed_gradients=True, early_in_place=False)
     lean.validate()
-    runs = []
-    for plan in (kept, lean):
-        gen = torch.Generator().manual_seed(4)
-        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as e:
-            if plan is lean:
-                assert all(layer.grad is None and layer.delivery is None for layer in e.host.layers)
-            losses = [e.step(*random_batch(gen, 2 * BATCH)) for _ in range(3)]
-            runs.append((losses, e.state_dict()))
-    (losses_kept, state_kept), (losses_lean, state_lean) = runs
-    assert all(torch.isfinite(torch.tensor(losses_kept)))
-    assert losses_lean == losses_kept
-    for name, w in state_kept.items():
-        assert torch.equal(state_lean[name], w), name
+
+    def lean_layout(e):
+        assert all(layer.grad is None and layer.delivery is None for layer in e.host.layers)
+
+    train_bit_for_bit(model, kept, lean, kw, 4, lean_layout)
 
 
 def test_early_updates_in_place_equal_the_updates_after_the_backward():
@@ -71,15 +80,8 @@ def test_early_updates_in_place_equal_the_updates_after_the_backward():
     after = solved.replace(early_order=(), early_in_place=False, streamed_gradients=False, streamed_updates=())
     early = after.replace(early_order=tuple(host), early_in_place=True)
     early.validate()
-    runs = []
-    for plan in (after, early):
-        gen = torch.Generator().manual_seed(5)
-        with slidedp.compile(copy.deepcopy(model), "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as e:
-            if plan is early:
-                assert e.runner.early.in_place and all(layer.spare is None for layer in e.host.layers)
-            losses = [e.step(*random_batch(gen, 2 * BATCH)) for _ in range(3)]
-            runs.append((losses, e.state_dict()))
-    (losses_after, state_after), (losses_early, state_early) = runs
-    assert all(torch.isfinite(torch.tensor(losses_after))) and losses_early == losses_after
-    for name, w in state_after.items():
-        assert torch.equal(state_early[name], w), name
+
+    def in_place(e):
+        assert e.runner.early.in_place and all(layer.spare is None for layer in e.host.layers)
+
+    train_bit_for_bit(model, after, early, kw, 5, in_place)
