@@ -98,11 +98,12 @@ def table_small_budgets() -> str:
         for r in json.loads(path.read_text()):
             theirs, their_gib = SLIDEFORMER[r["tokens_per_step"]]
             rows.append([f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"), r["device_name"],
+                         r.get("nonfinite", "skip") + (", streamed gradients" if r.get("streamed_gradients") else ""),
                          num(r["tokens_per_s"], ",.0f"), f"{theirs:,} ({their_gib} GiB)",
                          num(r["tokens_per_s"] / theirs, ".2f") + "x", gib(r["peak_device_bytes"]),
                          gib(r["peak_device_reserved_bytes"]), f"{r['median_step_s']:.3f} / {r['predicted_step_s']:.3f}",
                          gib(r["peak_host_bytes"]), f"`{path.name}`"])
-    return markdown_table(["tokens/step", "slidedp budget GiB", "card", "slidedp tokens/s",
+    return markdown_table(["tokens/step", "slidedp budget GiB", "card", "on a non-finite gradient", "slidedp tokens/s",
                            "SlideFormer tokens/s (docs/design.md §6.2, H200, not run here)", "ratio",
                            "peak allocated GiB", "peak reserved GiB", "step s median / predicted", "peak host GiB",
                            "record"], rows)

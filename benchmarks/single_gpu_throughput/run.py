@@ -259,7 +259,8 @@ def render_table(records: list[dict]) -> str:
         losses = r.get("losses") or []
         step_s = f"{_num(figure, '.3f')}{mark if figure is not None else ''} / {_num(r.get('predicted_step_s'), '.3f')}"
         budget = _gib(r.get("budget_bytes")) if r["system"].startswith("slidedp") else "–"
-        name = NAMES.get(r["system"], r["system"]) + (" (no clipping)" if clip(r) is None else "")
+        rule = ", stops on a non-finite gradient" if r.get("nonfinite") == "stop" else ""
+        name = NAMES.get(r["system"], r["system"]) + (f" (no clipping{rule})" if clip(r) is None else "")
         micro = r.get("slidedp_micro_rows" if r["system"].startswith("slidedp") else "baseline_micro_rows", 1)
         details = [f"{micro}-row micro-batches"] if micro > 1 else []
         blocks = re.search(r"of (\d+)", r.get("activation_checkpointing") or "")
