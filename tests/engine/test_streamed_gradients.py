@@ -186,3 +186,19 @@ def test_the_planner_streams_the_gradients_of_two_ranks_where_the_host_needs_it(
     cpu = SolverOptions(host_copies=("kept",), deliveries=("replicated",), reductions=("cpu",))
     with pytest.raises(slidedp.InfeasibleBudgetError):
         slidedp.plan(model, "1GiB", solver_options=cpu, host_memory=plan.peak_host_bytes, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_finite_check_of_a_landed_piece_agrees_with_torch(dtype):
+    """The check each streamed piece passes before its update (all_finite: least and greatest element)
+    says what torch.isfinite(t).all() says, for NaN, either infinity, finite extremes and empty pieces."""
+    from slidedp.backend.runtime.rank import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    for n in (0, 1, 7, 4097):
+        for bad in (None, float("nan"), float("inf"), -float("inf"), big, -big):
+            t = torch.randn(n, generator=g).to(dtype)
+            if n and bad is not None:
+                t[int(torch.randint(n, (1,), generator=g))] = bad
+            assert all_finite(t) == bool(torch.isfinite(t).all()), (n, bad, dtype)

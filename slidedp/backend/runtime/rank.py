@@ -190,7 +190,7 @@ class Rank:
         nonfinite: list[int] = []
 
         def apply(layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
-            if nonfinite or not bool(torch.isfinite(staged).all()):
+            if nonfinite or not all_finite(staged):
                 nonfinite.append(layer_id)
                 return
             layer = host.layers[layer_id]
@@ -396,6 +396,17 @@ def update_threads(device: torch.device, world_size: int) -> int | None:
     if device.type == "cuda":
         return max(1, (cores - world_size) // world_size)
     return None if world_size == 1 else max(1, cores // world_size)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite, in one pass that writes nothing: the least and greatest
+    element (NaN propagates to both; an infinity is one of them). `torch.isfinite(t).all()` writes a
+    boolean tensor the size of `t` first, 35-60x as long on a host tensor of 100M elements, 10-15x the
+    AdamW update of the same elements (benchmarks/LOG.md)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def decay_segments(layer, optimizer: AdamW) -> list[tuple[int, int, bool]]:
