@@ -184,13 +184,14 @@ class Rank:
 
     def _stream_gradients(self, opt: AdamW) -> list[int]:
         """This step's streamed gradients: each staged piece updates its layer in place as it lands
-        (bias correction of the step about to be taken), unless it is not finite; returns the list
-        that collects the layers of non-finite pieces (none applied after the first)."""
+        (bias correction of the step about to be taken), unless it is not finite (`finite`: the device's
+        word for the whole layer; None: checked here); returns the list that collects the layers of
+        non-finite pieces (none applied after the first)."""
         step, host, segments = self.host.step + 1, self.host, self._decay_segments(opt)
         nonfinite: list[int] = []
 
-        def apply(layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
-            if nonfinite or not all_finite(staged):
+        def apply(layer_id: int, staged: torch.Tensor, lo: int, hi: int, finite: bool | None) -> None:
+            if nonfinite or not (all_finite(staged) if finite is None else finite):
                 nonfinite.append(layer_id)
                 return
             layer = host.layers[layer_id]

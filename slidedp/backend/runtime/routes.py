@@ -85,8 +85,8 @@ class Routes:
         self.early = None  # backend.runtime.early_updates.EarlyRound of this step, told when each gradient lands
         self._last = True
         # Layers whose gradient streams into the update (plan.streamed_gradients, one rank): each staged
-        # piece is handed to `apply_gradient(layer_id, staged, lo, hi)` (set by the rank for the step; None:
-        # no update, an evaluation) instead of landing in a host gradient.
+        # piece is handed to `apply_gradient(layer_id, staged, lo, hi, finite)` (set by the rank for the step;
+        # None: no update, an evaluation) instead of landing in a host gradient.
         self.grads_streamed = frozenset(d.layer_id for d in plan.decisions if d.layer_id not in self._on_device) \
             if plan.streamed_gradients else frozenset()
         self.apply_gradient: Callable | None = None
@@ -385,9 +385,24 @@ class Routes:
                 local_sumsq = sum(torch.dot(acc[lo:hi], acc[lo:hi]) for lo, hi in owned) if owned else None
         if local_sumsq is not None:
             self._device_sumsq[layer_id] = local_sumsq
+        finite = self._finite_flag(local_sumsq)
         for chunk in owned:
-            self._stage(chunk, acc, lambda staged, lo, hi: self._into_update(layer_id, staged, lo, hi))
+            self._stage(chunk, acc, lambda staged, lo, hi: self._into_update(layer_id, staged, lo, hi, finite))
         self._streamed_done(layer_id)
+
+    def _finite_flag(self, sumsq: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether the sum of squares of the gradient this rank applies is finite (then so is every
+        element; where it overflows, the step's norm does too and the step stops), copied on the D2H
+        stream to the host ahead of the chunks it covers, so the update reads it there instead of
+        checking each landed chunk on the host. None: no sum (the update checks the chunks)."""
+        if sumsq is None:
+            return None
+        if not self.streams.cuda:
+            return torch.isfinite(sumsq).cpu()
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        with self.streams.on("d2h"):
+            flag.copy_(torch.isfinite(sumsq), non_blocking=True)
+        return flag
 
     def _streamed_done(self, layer_id: int) -> None:
         """Every part of a streamed gradient this rank owns is on its way into the update: with step
@@ -397,11 +412,13 @@ class Routes:
             self._pending.append(self._reducer.submit(
                 lambda: self.flags.mark_updated(self.rank, layer_id, self.rounds + 1)))
 
-    def _into_update(self, layer_id: int, staged: torch.Tensor, lo: int, hi: int) -> None:
+    def _into_update(self, layer_id: int, staged: torch.Tensor, lo: int, hi: int,
+                     finite: torch.Tensor | None = None) -> None:
         """A streamed gradient's elements [lo, hi), landed in `staged`: into the layer's update (on the
-        reducer thread, before the staging buffer is reused)."""
+        reducer thread, before the staging buffer is reused), with the device's word on whether the
+        layer's gradient is finite (`finite`, landed before `staged`; None: the update checks `staged`)."""
         if self.apply_gradient is not None:
-            self.apply_gradient(layer_id, staged, lo, hi)
+            self.apply_gradient(layer_id, staged, lo, hi, None if finite is None else bool(finite))
 
     def _copy_down(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """On the D2H stream, cast there when the host gradient is bf16."""
