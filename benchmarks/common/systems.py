@@ -115,6 +115,11 @@ class Point:
                 self.sync()
                 self.record["warmup_s"] = time.perf_counter() - t
                 print(f"{system}: warm-up step {self.record['warmup_s']:.2f} s", flush=True)
+                if self.cuda:  # the warm-up's own peaks (first compilations), then the steps' apart
+                    self.record["warmup_peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
+                    self.record["warmup_peak_device_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
             times = []
             self.sync()
             self.record["measure_start_utc"] = utc_now()
@@ -136,9 +141,14 @@ class Point:
                 measured_step_s=measured, step_times_s=times, **steady_fields(times, self.args.tokens),
                 losses=losses, grad_norms=[float(n) for n in norms],
             )
-            if self.cuda:
-                self.record["peak_device_bytes"] = int(torch.cuda.max_memory_allocated())
-                self.record["peak_device_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+            if self.cuda:  # from after the build: the warm-up's peak or the steps'
+                steps_allocated, steps_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+                self.record.update(steps_peak_device_bytes=int(steps_allocated),
+                                   steps_peak_device_reserved_bytes=int(steps_reserved))
+                self.record["peak_device_bytes"] = max(int(steps_allocated),
+                                                       self.record.get("warmup_peak_device_bytes", 0))
+                self.record["peak_device_reserved_bytes"] = max(
+                    int(steps_reserved), self.record.get("warmup_peak_device_reserved_bytes", 0))
             status = proc_status()
             sampler.sample()
             self.record.update(

@@ -82,7 +82,9 @@ median_step_s, mean_step_s, steady_steps, tokens_per_s = tokens_per_step / media
 fewer than 10 steady steps says "few_steps": true and is marked in the table (default --steps 12).
 peak_device_bytes is `torch.cuda.max_memory_allocated()` from after the build to the end, and
 peak_device_reserved_bytes `torch.cuda.max_memory_reserved()` (the caching allocator's pages, which a
-budget does not bound yet); the table shows both.
+budget does not bound yet); the table shows both. Each is the larger of the warm-up's peak
+(warmup_peak_device_*: first compilations) and the timed steps' (steps_peak_device_*: measured after
+the warm-up's cached pages are released).
 peak_host_bytes is the process's peak resident set size (VmHWM) over the same window: the counter is
 reset after the build by writing 5 to /proc/self/clear_refs (the build's transient copies are in
 peak_host_bytes_incl_build). VmHWM counts shared memory that the process has touched: slidedp's
@@ -438,7 +440,7 @@ def run_registered(args) -> int:
                 for r in _records(path) if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()
     for point in record["points"]:
-        if point["plan_sha256"] in measured:  # in this study's records already
+        if point["plan_sha256"] in measured and not args.remeasure:  # in this study's records already
             print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: measured already", flush=True)
             continue
         argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
@@ -476,6 +478,8 @@ def main(argv=None) -> int:
                                       "(e.g. 125GiB, the H200 host's), bounding activation offload as there")
     p.add_argument("--registered", metavar="JSON", help="run every point of a registration record "
                    "(predict_vs_measured/register.py) with its registered plan, in order, into --out")
+    p.add_argument("--remeasure", action="store_true", help="with --registered: also the points measured already "
+                   "(after a change of the runtime that leaves their plans as they were)")
     p.add_argument("--time-left-s", type=float, help="seconds this run may take: a point starts only with "
                    f"{MIN_POINT_S:.0f} s left and its timeout is cut to what is left (a point not run is said, "
                    "not recorded)")

@@ -49,7 +49,8 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
 
 def test_points_measured_already_are_not_run_again(tmp_path):
     """A registration's points with a clean record of their plan in single_gpu_throughput's results are
-    skipped (the H100 registration's points have run); with no time left the others are not started."""
+    skipped (the H100 registration's points have run) unless --remeasure; with no time left the others are
+    not started."""
     registration = SCRIPT.parents[1] / "predict_vs_measured" / "results" / "2026-12-06-registered-h100-held-out.json"
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
@@ -58,6 +59,12 @@ def test_points_measured_already_are_not_run_again(tmp_path):
     assert "1.7b, 8192 tokens/step: measured already" in proc.stdout
     points = len(json.loads(registration.read_text())["points"])
     assert proc.stdout.count("measured already") + proc.stderr.count("not run") == points and not out.exists()
+    # --remeasure: every point again (here none starts, in no time)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
+                           "--allow-dirty", "--time-left-s", "0", "--remeasure"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "measured already" not in proc.stdout and proc.stderr.count("not run") == points and not out.exists()
 
 
 def test_points_are_named_shape_tokens_budget():
