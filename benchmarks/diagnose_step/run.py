@@ -4,7 +4,8 @@ context switches, and a torch.profiler table of one step.
 
     python benchmarks/diagnose_step/run.py --blocks 36 --tokens 16384 --out-dir /tmp/diag
 
-Builds the Qwen3-4B shape (optionally with fewer blocks) exactly as benchmarks/single_gpu_throughput/run.py does (benchmarks/common/model.py)
+Builds a benchmark shape (--shape, default the Qwen3-4B one; optionally with fewer blocks) exactly as
+benchmarks/single_gpu_throughput/run.py does (benchmarks/common/model.py)
 (seeded per-parameter init on the GPU, bf16 model on the host), compiles it with the solver's plan
 (or a saved one, --plan; or every block forced to --policy), then per --tokens point:
 
@@ -36,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.cli import grad_norm  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 
 import slidedp  # noqa: E402
@@ -135,10 +137,13 @@ def gpu_lanes(trace: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--blocks", type=int, default=36)
+    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="4b")
+    p.add_argument("--blocks", type=int, help="blocks of the shape built (default: all of them)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384])
     p.add_argument("--budget", default="40GiB")
-    p.add_argument("--hardware", default="h200-sxm")
+    p.add_argument("--hardware", help="preset or profile (default: a saved plan's own, else h200-sxm)")
+    p.add_argument("--max-grad-norm", type=grad_norm, default=1.0, help="clipping (default 1.0); 'none': no clipping")
+    p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip")
     p.add_argument("--policy", choices=["plan", "keep", "recompute"], default="plan")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile", action="store_true")
@@ -154,21 +159,25 @@ def main() -> None:
     stamp = commit_stamp(args.allow_dirty)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape = dict(bench.SHAPES["4b"], blocks=args.blocks)
+    shape = dict(bench.SHAPES[args.shape])
+    args.blocks = args.blocks or shape["blocks"]
+    shape["blocks"] = args.blocks
+    tag = f"{args.shape}_{args.blocks}b"  # in the names of the files written
     if args.seq:
         shape["seq"] = args.seq
     bench.SHAPES["diag"] = shape
     t0 = time.perf_counter()
     model = bench.build_model("diag", dtype=torch.bfloat16, device="cpu", init_device=torch.device("cuda"), seed=0)
     torch.cuda.empty_cache()
-    results = {**stamp, "blocks": args.blocks, "build_s": time.perf_counter() - t0, "points": []}
-    hardware = args.hardware
-    if hardware.endswith(".json"):
-        hardware = slidedp.Hardware.load(hardware) if hasattr(slidedp.Hardware, "load") else hardware
+    results = {**stamp, "shape": args.shape, "blocks": args.blocks, "build_s": time.perf_counter() - t0,
+               "points": []}
+    hardware = args.hardware or (None if args.plan else "h200-sxm")
+    if hardware is not None and hardware.endswith(".json"):
+        hardware = slidedp.Hardware.load(hardware)
     for tokens in args.tokens:
         rows = tokens // shape["seq"]
         kwargs = dict(batch_size=1, seq_len=shape["seq"], device="cuda", precision="bf16", micro_batches=rows,
-                      hardware=hardware, max_grad_norm=1.0,
+                      hardware=hardware, max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite,
                       optimizer=slidedp.AdamW(lr=bench.LR, betas=bench.BETAS, eps=bench.EPS))
         plan = slidedp.Plan.load(args.plan) if args.plan else None
         budget = plan.budget_bytes if plan is not None else args.budget  # a saved plan's own budget
@@ -193,7 +202,7 @@ def main() -> None:
 
             import memory_peak
 
-            path = out_dir / f"memory_{args.blocks}b_{tokens}.pickle"
+            path = out_dir / f"memory_{tag}_{tokens}.pickle"
             torch.cuda.memory._dump_snapshot(str(path))
             torch.cuda.memory._record_memory_history(enabled=None)
             with open(path, "rb") as f:
@@ -219,18 +228,18 @@ def main() -> None:
                 table = avg.table(sort_by=key, row_limit=35, max_name_column_width=60)
                 point["profile_" + key] = table
                 print(table, flush=True)
-            trace = out_dir / f"trace_{args.blocks}b_{tokens}.json"
+            trace = out_dir / f"trace_{tag}_{tokens}.json"
             prof.export_chrome_trace(str(trace))
             point["gpu_lanes"] = gpu_lanes(json.loads(trace.read_text()))
             print(json.dumps(point["gpu_lanes"], indent=1), flush=True)
             os.system(f"gzip -f {trace}")
             # the plan's predicted timeline of the same step, to open beside it in Perfetto
-            to_chrome_trace(engine.plan, out_dir / f"predicted_{args.blocks}b_{tokens}.json")
+            to_chrome_trace(engine.plan, out_dir / f"predicted_{tag}_{tokens}.json")
         engine.close()
         del engine
         torch.cuda.empty_cache()
         results["points"].append(point)
-        (out_dir / f"diag_{args.blocks}b_{args.policy}.json").write_text(json.dumps(results, indent=1))
+        (out_dir / f"diag_{tag}_{args.policy}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
