@@ -202,3 +202,22 @@ def test_the_finite_check_of_a_landed_piece_agrees_with_torch(dtype):
             if n and bad is not None:
                 t[int(torch.randint(n, (1,), generator=g))] = bad
             assert all_finite(t) == bool(torch.isfinite(t).all()), (n, bad, dtype)
+
+
+def test_a_non_finite_head_gradient_streamed_by_vocabulary_chunk_is_not_applied():
+    """The head's gradient lands first, chunk by chunk of the vocabulary, each checked by its sum of squares
+    on the device: a non-finite forward (every gradient NaN) applies nothing, and the step stops."""
+    switch = {"on": False}
+    model = make_model("qwen3")
+    poison(model, "forward", switch)
+    plan = streamed_plan(model, solver_options=SolverOptions(vocab_streamed=("prologue", "epilogue"),
+                                                             vocab_chunk_numel=1000))
+    g = torch.Generator().manual_seed(0)
+    with compiled(model, plan) as engine:
+        engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g))
+        before = [t.clone() for layer in engine.host.layers for t in (layer.master, layer.exp_avg, layer.exp_avg_sq)]
+        switch["on"] = True
+        with pytest.raises(slidedp.NonFiniteGradientError):
+            engine.step(torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=g))
+        after = [t for layer in engine.host.layers for t in (layer.master, layer.exp_avg, layer.exp_avg_sq)]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -56,11 +56,12 @@ class PassGradients:
         squares unless the table is tied (the sum of its uses is counted on the host: Routes)."""
         table = self.streamed[layer_id]
         flat = grad.reshape(-1)
+        sq = None
         if not table.tied:
             sq = torch.dot(flat, flat)
             self.vocab_sumsq[layer_id] = sq if layer_id not in self.vocab_sumsq else self.vocab_sumsq[layer_id] + sq
         streams.wait("d2h", streams.record("compute"))
-        routes.gradient_piece(table.layer_id, *table.flat(r0, r1), flat, add=add)
+        routes.gradient_piece(table.layer_id, *table.flat(r0, r1), flat, add=add, sumsq=sq)
 
     def finish(self, layer_id: int, acc: torch.Tensor) -> None:
         """Sum of squares of a layer's fp32 gradient; the gradient waits for its D2H op."""

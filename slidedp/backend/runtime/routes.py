@@ -173,7 +173,8 @@ class Routes:
                 if max(lo, c0) < min(hi, c1)]
 
     # -- gradients down -------------------------------------------------------------------------
-    def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor, *, add: bool = False) -> None:
+    def gradient_piece(self, layer_id: int, lo: int, hi: int, piece: torch.Tensor, *, add: bool = False,
+                       sumsq: torch.Tensor | None = None) -> None:
         """Elements [lo, hi) of this rank's fp32 gradient of a vocabulary-streamed layer for this pass
         (`piece`, flat, on the device, ready on the D2H stream) into the host gradient, by the layer's
         reduction: the CPU reduction through the staging buffers in rank order; the GPU reduction (each
@@ -181,7 +182,8 @@ class Routes:
         counts it in the norm); with one rank a copy (a later pass adds). The pieces of a layer cover it
         once, and `gradient_done` ends it; `add`: a second use of elements already sent this pass (a
         tied table's embedding after its head), added on the host like a later pass, and the layer's
-        norm taken there (from the sum)."""
+        norm taken there (from the sum). `sumsq`: the piece's sum of squares on the device, if taken (a
+        streamed gradient's update then reads whether it is finite from it, not from the landed piece)."""
         target = self.host.layers[layer_id].grad
         piece = piece.reshape(-1)
         if piece.is_cuda:
@@ -193,9 +195,10 @@ class Routes:
                                  "update (plan.streamed_gradients): its update needs their sum")
             self._host_norm.add(layer_id)
         if layer_id in self.grads_streamed and self.world_size == 1:  # the whole piece, into the update
+            finite = self._finite_flag(sumsq)
             for a in range(0, hi - lo, size):
                 self._stage((a, min(hi - lo, a + size)), piece,
-                            lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b))
+                            lambda staged, a, b: self._into_update(layer_id, staged, lo + a, lo + b, finite))
             return
         if self.reduction[layer_id] == "cpu":
             # piece by piece in rank order (a turn per piece: with the sharded delivery a rank waiting
@@ -215,7 +218,7 @@ class Routes:
             return
         at = self.host.layers[layer_id].at
         if self.world_size > 1:  # each chunk's part summed onto its owner: this rank copies its own parts
-            mine = []
+            mine, finite = [], []
             with self.streams.on("d2h"):
                 for a, b, owner in self.parts(layer_id, lo, hi):
                     self.comm.reduce_(piece[a - lo : b - lo], owner)
@@ -223,15 +226,17 @@ class Routes:
                         mine.append((a, b))
                         part = piece[a - lo : b - lo]
                         sq = torch.dot(part, part)
+                        finite.append(self._finite_flag(sq) if layer_id in self.grads_streamed else None)
                         self._piece_sumsq[layer_id] = sq + self._piece_sumsq[layer_id] \
                             if layer_id in self._piece_sumsq else sq
         else:  # one rank: the whole piece is its own (in staging-sized parts when added on the host)
             mine = [(lo, hi)] if self._first and not add else [(a, min(hi, a + size)) for a in range(lo, hi, size)]
         if layer_id in self.grads_streamed:  # several ranks: the parts this rank owns, into the update
-            for a, b in mine:
+            for (a, b), flag in zip(mine, finite):
                 for x in range(a, b, size):
                     self._stage((x - lo, min(b, x + size) - lo), piece,
-                                lambda staged, p, q: self._into_update(layer_id, staged, p + lo, q + lo))
+                                lambda staged, p, q, flag=flag: self._into_update(layer_id, staged, p + lo, q + lo,
+                                                                                 flag))
             return
         self._piece_tasks.setdefault(layer_id, len(self._pending))
         if self._first and not add:
