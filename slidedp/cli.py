@@ -210,14 +210,23 @@ def _calibrate(args) -> int:
 
     if args.seq_len is not None and args.model is None:
         raise SystemExit("slidedp calibrate: --seq-len goes with --model (the block whose rate is measured)")
+    if args.base is not None and (args.model is None or args.step_fits is None):
+        raise SystemExit("slidedp calibrate: --base goes with --model and --step-fits (only the blocks are timed)")
+    say = lambda line: print(line, flush=True)  # noqa: E731
     shape = None if args.model is None else _block_shape(args.model, args.seq_len or 4096)
-    profile = calibrate(device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True),
-                        model_shape=shape)
+    profile = _base_profile(args.base, args.device) if args.base else calibrate(
+        device=args.device, quick=args.quick, progress=say, model_shape=shape)
     if args.step_fits:
         from slidedp.costmodel.hardware import STEP_FITTED, with_step_fits
+        from slidedp.profiler.calibrate import block_rate_ratio
 
-        profile = with_step_fits(profile, args.step_fits)
-        print(f"step fits       from {args.step_fits} (fitted on its steps, not measured here): "
+        ratio = 1.0 if shape is None else block_rate_ratio(
+            model_shape=shape, device=args.device, attention_flops_per_s=profile.attention_flops_per_s,
+            quick=args.quick, progress=say)
+        profile = with_step_fits(profile, args.step_fits, block_ratio=ratio, block=args.model)
+        print(f"step fits       from {args.step_fits} (fitted on its steps, not measured here"
+              + (f"; its compiled block rate times {ratio:.4f}, {args.model}'s block over the fitted one's"
+                 if shape is not None else "") + "): "
               + ", ".join(f"{f} {getattr(profile, f):.4g}" for f in STEP_FITTED))
     profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
     print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
@@ -225,6 +234,22 @@ def _calibrate(args) -> int:
           f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
     print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     return 0
+
+
+def _base_profile(path: str, device: str):
+    """calibrate --base: a profile `slidedp calibrate` measured on this machine, without step fits."""
+    import torch
+
+    from slidedp.costmodel.hardware import Hardware
+    from slidedp.profiler.calibrate import resolve_device
+
+    profile = Hardware.load(path)
+    dev = resolve_device(device)
+    here = f"calibrated:{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
+    if profile.name != here:
+        raise SystemExit(f"slidedp calibrate --base: {path} is {profile.name!r}, not the measurements of this "
+                         f"machine ({here}) alone")
+    return profile
 
 
 def _calibrate_link(args) -> int:
@@ -333,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-fits", choices=["h200-sxm"],  # the one preset fitted on measured steps
                    help="take the coefficients that only whole steps fit (the CPU AdamW's share in a step, the "
                         "host's issue times, the head's and a compiled block's rate in a step) from this preset "
-                        "instead of leaving them unknown")
+                        "instead of leaving them unknown; with --model, the compiled block's rate scaled by the "
+                        "model's block over the fitted (Qwen3-4B) one, both timed here")
+    p.add_argument("--base", metavar="PROFILE", help="with --model and --step-fits: time only the two blocks and "
+                   "take the rest from PROFILE, this machine's `slidedp calibrate` output without step fits")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")

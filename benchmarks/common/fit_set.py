@@ -27,7 +27,7 @@ def used_in_fitting(record: dict, hardware: str) -> bool:
     coefficients of preset `hardware` were fitted on. A calibrated profile (not a preset name) was
     fitted on nothing but its own micro-benchmarks: every run is held out for it; one with the h200-sxm
     step fits (with_step_fits) was fitted on what those were."""
-    if hardware and hardware.endswith(STEP_FITS_SUFFIX):
+    if hardware and STEP_FITS_SUFFIX in hardware:  # its block's rate scaled to the model's, or not
         hardware = "h200-sxm"
     return any(all(record.get(k, "4b" if k == "shape" else None) == v for k, v in rule.items())
                for rule in FITTED_ON.get(hardware, ()))
@@ -51,7 +51,7 @@ def card_of(preset: str | None) -> str:
     """The card a plan's hardware describes: a preset's (PRESET_CARD), or the one a calibrated profile
     measured (its name, "calibrated:CARD", with or without the step fits); "?" if neither."""
     if preset and preset.startswith("calibrated:"):
-        return preset.split(":", 1)[1].removesuffix(STEP_FITS_SUFFIX)
+        return preset.split(":", 1)[1].split(STEP_FITS_SUFFIX)[0]
     return PRESET_CARD.get(preset, "?")
 
 

@@ -242,18 +242,28 @@ STEP_FITTED = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "h
 
 
 def step_fits_suffix(reference: str) -> str:
-    """What with_step_fits appends to a profile's name."""
+    """What with_step_fits appends to a profile's name (then, with a block ratio, the block scaled)."""
     return f" + {reference} step fits"
 
 
-def with_step_fits(profile: Hardware, reference: str = "h200-sxm") -> Hardware:
+def with_step_fits(profile: Hardware, reference: str = "h200-sxm", *, block_ratio: float = 1.0,
+                   block: str | None = None) -> Hardware:
     """`profile` (a machine's `slidedp calibrate` measurements) with the STEP_FITTED coefficients of the
-    preset `reference`, fitted on that preset's measured steps; its name says so."""
+    preset `reference`, fitted on that preset's measured steps (of a Qwen3-4B block); its name says so.
+    `block_ratio`: the rate of the planned model's compiled block over the fitted block's, both timed on
+    this machine (profiler.calibrate.block_rate_ratio): the compiled_block_efficiency is the fitted one
+    times it, and the name says so, with `block` (the model's name)."""
     if reference not in PRESETS:
         raise ValueError(f"unknown preset {reference!r} for the step fits; known: {', '.join(sorted(PRESETS))}")
+    if not (math.isfinite(block_ratio) and block_ratio > 0):
+        raise ValueError(f"block_ratio must be a positive number, got {block_ratio!r}")
     ref = PRESETS[reference]
-    return replace(profile, name=profile.name + step_fits_suffix(reference),
-                   **{field: getattr(ref, field) for field in STEP_FITTED})
+    fits = {field: getattr(ref, field) for field in STEP_FITTED}
+    name = profile.name + step_fits_suffix(reference)
+    fits["compiled_block_efficiency"] = ref.compiled_block_efficiency * block_ratio
+    if block is not None or block_ratio != 1.0:
+        name += f", compiled blocks x{block_ratio:.3f}" + (f" ({block})" if block else "")
+    return replace(profile, name=name, **fits)
 
 
 # Links between hosts: each host's aggregate rate into the network [bytes/s], at the share of the line

@@ -317,6 +317,46 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     return _time_s(step, cuda, repeats=repeats, label="block fwd+bwd")
 
 
+def rest_flops_per_s(shape: BlockShape, seconds: float, forwards: int, attention_flops_per_s: float,
+                     cuda: bool) -> float:
+    """The rate of a block's FLOPs but attention's: `forwards` forwards and one backward took `seconds`,
+    less the attention's time at `attention_flops_per_s` (0: not measured, the whole block's rate)."""
+    flops_fwd, flops_bwd = count_block_flops_fwd_bwd(shape, torch.bfloat16 if cuda else torch.float32)
+    flops = forwards * flops_fwd + flops_bwd
+    if not attention_flops_per_s:
+        return flops / seconds
+    attention_fwd, attention_bwd = attention_flops_fwd_bwd(shape)
+    att = forwards * attention_fwd + attention_bwd
+    return (flops - att) / max(seconds - att / attention_flops_per_s, 0.1 * seconds)
+
+
+def block_rate_ratio(*, model_shape: BlockShape, reference_shape: BlockShape = QWEN3_4B_BLOCK, device: str = "auto",
+                     attention_flops_per_s: float = 0.0, quick: bool = False, progress: Progress | None = None) -> float:
+    """The rate of `model_shape`'s block over `reference_shape`'s (the block a preset's step fits were
+    fitted on), both timed here as a step runs them: compiled on CUDA (forward, then recompute and
+    backward), eager on the CPU; attention's FLOPs apart at `attention_flops_per_s` (0: whole blocks).
+    A preset's step-fitted compiled_block_efficiency times this ratio is the model's block's
+    (costmodel.hardware.with_step_fits): the fit gives the level a block reaches inside a step, the
+    ratio how the model's block sizes differ from the fitted one's on this machine."""
+    if model_shape == reference_shape:
+        return 1.0
+    say = progress or (lambda line: None)
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
+    repeats = default_sizes(cuda, quick).repeats
+    rates = []
+    for shape in (model_shape, reference_shape):
+        seconds = measure_block_fwd_bwd_s(dev, shape, repeats=repeats, compiled=cuda)
+        rates.append(rest_flops_per_s(shape, seconds, 2 if cuda else 1, attention_flops_per_s, cuda))
+        say(f"block rate      hidden {shape.hidden_size}, intermediate {shape.intermediate_size}, "
+            f"{shape.batch_size}x{shape.seq_len} tokens, {'compiled' if cuda else 'eager'}: {seconds * 1e3:.4g} ms, "
+            f"{rates[-1] / 1e12:.4g} TFLOP/s" + (" (but attention)" if attention_flops_per_s else ""))
+        if cuda:
+            torch.cuda.empty_cache()
+    say(f"block ratio     {rates[0] / rates[1]:.4f} (the model's block over the step fits' block)")
+    return rates[0] / rates[1]
+
+
 def attention_flops_fwd_bwd(shape: BlockShape) -> tuple[int, int]:
     """FLOPs of the block's causal attention, forward and backward, as slidedp.ir counts them."""
     q = (shape.batch_size, shape.num_attention_heads, shape.seq_len, shape.head_dim)
@@ -627,7 +667,6 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
     say(f"matmul          {sizes.matmul_n}^3 {'bf16' if cuda else 'fp32'}: {matmul / 1e12:.4g} TFLOP/s")
 
     flops_fwd, flops_bwd = count_block_flops_fwd_bwd(shape, torch.bfloat16 if cuda else torch.float32)
-    attention_fwd, attention_bwd = attention_flops_fwd_bwd(shape)
     attention = 0.0  # the CPU's attention is no faster than the rest of its block: one rate
     if cuda:  # on sequences 4x the block's: the rate long sequences reach, where attention matters
         long = BlockShape(**{**shape.__dict__, "seq_len": 4 * shape.seq_len})
@@ -638,12 +677,7 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         torch.cuda.empty_cache()
 
     def rest_efficiency(seconds: float, forwards: int) -> float:
-        """Efficiency of the block's FLOPs but attention's, in `seconds` less attention's time."""
-        flops = forwards * flops_fwd + flops_bwd
-        if not attention:
-            return flops / seconds / matmul
-        att = forwards * attention_fwd + attention_bwd
-        return (flops - att) / max(seconds - att / attention, 0.1 * seconds) / matmul
+        return rest_flops_per_s(shape, seconds, forwards, attention, cuda) / matmul
 
     flops = flops_fwd + flops_bwd
     block_s = measure_block_fwd_bwd_s(dev, shape, repeats=reps)

@@ -59,3 +59,23 @@ def test_the_h100_profile_is_its_calibration_with_the_h200_step_fits():
     # the step fits came from the h200-sxm's Qwen3-4B runs: the 4b shape is not held out for the profile
     assert used_in_fitting({"shape": "4b"}, profile.name) and not used_in_fitting({"shape": "8b"}, profile.name)
     assert not used_in_fitting({"shape": "4b"}, calibrated.name)
+
+
+def test_phases_set_each_points_pass_beside_its_replayed_compute(monkeypatch):
+    """predict_vs_measured/phases.py: a registered point's steady wait and pass are its record's, and its
+    compute is the lane the replay of its registered plan keeps busy."""
+    import statistics
+
+    from benchmarks.common import fit_set
+    from benchmarks.predict_vs_measured import phases
+
+    rows = fit_set.prediction_rows(phases.RESULTS)
+    point = next(r for r in rows if r["record"] == "2026-12-06-registered-h100.json" and r["shape"] == "llama3b"
+                 and r["tokens_per_step"] == 4096)
+    monkeypatch.setattr(phases, "prediction_rows", lambda results: [point])
+    (row,) = phases.phase_rows()
+    steady = point["step_info"][2:-1]
+    assert row["pass_s"] == statistics.median(s["pass_s"] for s in steady)
+    assert row["wait_s"] == statistics.median(s["wait_s"] for s in steady)
+    assert 0 < row["predicted_compute_s"] < row["predicted_s"] and row["bound"] == "h2d"
+    assert "| llama3b | 4,096 | 12.0 | h2d |" in phases.render([row])

@@ -342,3 +342,66 @@ def test_calibrate_cli_applies_the_step_fits_and_saves_them(monkeypatch, tmp_pat
     assert "step fits       from h200-sxm" in capsys.readouterr().out
     assert main(["calibrate", "--device", "cpu", "--out", str(out)]) == 0  # without: the measurements alone
     assert Hardware.load(out) == PRESETS["rtx4090"]
+
+
+def test_step_fits_scale_the_compiled_block_rate_by_the_models_block():
+    """with_step_fits(block_ratio=r): the fitted compiled_block_efficiency times r, said in the name; the
+    other step fits as without; a ratio that is not a positive number is refused."""
+    from slidedp.costmodel.hardware import STEP_FITTED, with_step_fits
+
+    measured = PRESETS["rtx4090"]
+    plain, scaled = with_step_fits(measured, "h200-sxm"), with_step_fits(measured, "h200-sxm", block_ratio=0.8,
+                                                                         block="qwen3-1.7b")
+    assert scaled.compiled_block_efficiency == pytest.approx(0.652 * 0.8)
+    assert scaled.name == "rtx4090 + h200-sxm step fits, compiled blocks x0.800 (qwen3-1.7b)"
+    assert all(getattr(scaled, f) == getattr(plain, f) for f in STEP_FITTED if f != "compiled_block_efficiency")
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="block_ratio"):
+            with_step_fits(measured, "h200-sxm", block_ratio=bad, block="x")
+
+
+def test_rest_rate_takes_attention_apart():
+    shape = cal.BlockShape(64, 96, 4, 2, 16, seq_len=32)
+    fwd, bwd = cal.count_block_flops_fwd_bwd(shape, torch.float32)
+    att_fwd, att_bwd = cal.attention_flops_fwd_bwd(shape)
+    assert cal.rest_flops_per_s(shape, 2.0, 2, 0.0, False) == pytest.approx((2 * fwd + bwd) / 2.0)
+    rate = 1e9
+    assert cal.rest_flops_per_s(shape, 2.0, 2, rate, False) == pytest.approx(
+        (2 * fwd + bwd - 2 * att_fwd - att_bwd) / (2.0 - (2 * att_fwd + att_bwd) / rate))
+
+
+def test_block_rate_ratio_times_both_blocks_here():
+    """The model's block against the fitted one, both timed on this machine (eager on the CPU): the same
+    block is 1 without timing anything; a block of other sizes gives a positive rate ratio."""
+    small, other = cal.BlockShape(64, 96, 4, 2, 16, seq_len=32), cal.BlockShape(128, 256, 4, 2, 32, seq_len=32)
+    assert cal.block_rate_ratio(model_shape=small, reference_shape=small, device="cpu") == 1.0
+    lines = []
+    ratio = cal.block_rate_ratio(model_shape=other, reference_shape=small, device="cpu", quick=True,
+                                 progress=lines.append)
+    assert math.isfinite(ratio) and ratio > 0
+    assert [line.split()[:2] for line in lines] == [["block", "rate"], ["block", "rate"], ["block", "ratio"]]
+
+
+def test_cli_scales_the_step_fits_by_the_models_block_on_a_base_profile(monkeypatch, tmp_path, capsys):
+    """--model with --step-fits: the compiled block rate is the fit's times the measured ratio; with --base
+    only the blocks are timed and the rest is the machine's saved profile (its own, not another's)."""
+    base = tmp_path / "cpu.json"
+    mine = Hardware.from_dict({**PRESETS["rtx4090"].to_dict(), "name": "calibrated:cpu"})
+    mine.save(base)
+    shapes = []
+    monkeypatch.setattr(cal, "block_rate_ratio", lambda **kw: shapes.append(kw["model_shape"]) or 0.75)
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: pytest.fail("--base measures nothing else"))
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--device", "cpu", "--model", "qwen3-1.7b", "--step-fits", "h200-sxm",
+                 "--base", str(base), "--out", str(out)]) == 0
+    saved = Hardware.load(out)
+    assert saved.compiled_block_efficiency == pytest.approx(0.652 * 0.75)
+    assert saved.name == "calibrated:cpu + h200-sxm step fits, compiled blocks x0.750 (qwen3-1.7b)"
+    assert saved.h2d_bytes_per_s == mine.h2d_bytes_per_s  # the base's measurements
+    assert shapes[0].hidden_size == 2048 and "times 0.7500" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--base goes with --model and --step-fits"):
+        main(["calibrate", "--device", "cpu", "--step-fits", "h200-sxm", "--base", str(base), "--out", str(out)])
+    Hardware.from_dict({**mine.to_dict(), "name": "calibrated:NVIDIA H100 80GB HBM3"}).save(base)
+    with pytest.raises(SystemExit, match="not the measurements of this machine"):
+        main(["calibrate", "--device", "cpu", "--model", "qwen3-1.7b", "--step-fits", "h200-sxm",
+              "--base", str(base), "--out", str(out)])

@@ -1,0 +1,87 @@
+"""Where a prediction went wrong: the compute the plan was predicted to need beside the pass it ran.
+
+For every slidedp point of single_gpu_throughput predicted before its run whose plan is found (as in
+run.py), the plan replayed under the hardware it holds gives the compute lane's busy time and the
+instant of the step's first compute; the record's steady steps (`step_info`, the timed steps but the
+first and the last) give the pass (`pass_s`: the forward and backward, with what it waited for the
+previous step's updates, `wait_s`). A compute-bound point whose pass less its wait is longer than the
+predicted compute ran its kernels slower than the model's block rate; a shorter one, faster (the pass
+also holds copies and waits the compute lane does not count, so "pass - wait" over "compute" is an
+upper bound of the compute's own error).
+
+    python benchmarks/predict_vs_measured/phases.py [--out results/DATE-phases.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
+from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.fit_set import prediction_rows  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
+from benchmarks.common.tables import markdown_table  # noqa: E402
+from benchmarks.predict_vs_measured.run import RESULTS, plan_files  # noqa: E402
+
+import slidedp  # noqa: E402
+from slidedp.api import COMPUTE_DTYPES, build_layer_graph, tie_meta_model  # noqa: E402
+from slidedp.scheduler.replay import replay  # noqa: E402
+
+
+def phase_rows() -> list[dict]:
+    plans, models, rows = plan_files([]), {}, []
+    for r in prediction_rows(RESULTS):
+        data, steps = plans.get(r.get("plan_sha256")), (r.get("step_info") or [])[2:-1]
+        if data is None or not steps:
+            continue
+        plan = slidedp.Plan.from_dict(data)
+        if r["shape"] not in models:
+            models[r["shape"]] = bench.empty_model(r["shape"], dtype=torch.bfloat16, device="cpu")
+        model, w = models[r["shape"]], plan.workload
+        tie_meta_model(model)
+        graph = build_layer_graph(model, batch_size=w.batch_size, seq_len=w.seq_len,
+                                  compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
+        sim = replay(plan, graph)
+        wait, pass_s = (statistics.median(s[k] for s in steps) for k in ("wait_s", "pass_s"))
+        compute = sim.lane_busy["compute"] * sim.tick_s
+        rows.append({"record": r["record"], "shape": r["shape"], "tokens_per_step": r["tokens_per_step"],
+                     "budget_bytes": r["budget_bytes"], "preset": r["preset"], "fitted": r["fitted"],
+                     "measured_median_s": r["median_step_s"], "predicted_s": r["predicted_step_s"],
+                     "wait_s": wait, "pass_s": pass_s, "predicted_compute_s": compute,
+                     "predicted_first_compute_s": sim.compute_starts[0] * sim.tick_s,
+                     "bound": max(sim.lane_busy, key=sim.lane_busy.get)})
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    table = [[r["shape"], f"{r['tokens_per_step']:,}", f"{r['budget_bytes'] / 2**30:.1f}", r["bound"],
+              f"{r['measured_median_s']:.3f} / {r['predicted_s']:.3f}", f"{r['wait_s']:.3f}",
+              f"{r['pass_s'] - r['wait_s']:.3f}", f"{r['predicted_compute_s']:.3f}",
+              f"{(r['pass_s'] - r['wait_s']) / r['predicted_compute_s']:.2f}",
+              "fitted" if r["fitted"] else "held out", f"`{r['record']}`"] for r in rows]
+    return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "step s measured / predicted",
+                           "wait s", "pass - wait s", "compute s predicted", "(pass - wait) / compute",
+                           "fit", "record"], table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="the record to write")
+    add_allow_dirty(p)
+    args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
+    rows = phase_rows()
+    print(render(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**stamp, "command": "python " + " ".join(sys.argv), "rows": rows},
+                                             indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
