@@ -242,7 +242,7 @@ STEP_FITTED = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "h
 
 
 def step_fits_suffix(reference: str) -> str:
-    """What with_step_fits appends to a profile's name (then, with a block ratio, the block scaled)."""
+    """What with_step_fits appends to a profile's name (before the compiled blocks' scaling, if any)."""
     return f" + {reference} step fits"
 
 
