@@ -15,7 +15,6 @@ upper bound of the compute's own error).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.fit_set import prediction_rows  # noqa: E402
-from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 from benchmarks.predict_vs_measured.run import RESULTS, plan_files  # noqa: E402
 
@@ -79,8 +78,7 @@ def main() -> None:
     rows = phase_rows()
     print(render(rows))
     if args.out:
-        Path(args.out).write_text(json.dumps({**stamp, "command": "python " + " ".join(sys.argv), "rows": rows},
-                                             indent=1) + "\n")
+        write_records(args.out, {**stamp, "command": "python " + " ".join(sys.argv), "rows": rows})
 
 
 if __name__ == "__main__":

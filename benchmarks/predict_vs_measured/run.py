@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
-from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
+from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
 import slidedp  # noqa: E402
@@ -168,8 +168,7 @@ def main() -> None:
               f"{row['own_s']:.6f} s, the run predicted {row['predicted_before_s']:.6f}", file=sys.stderr)
     print(render(rows))
     if args.out:
-        Path(args.out).write_text(json.dumps({**stamp, "command": "python " + " ".join(sys.argv), "rows": rows},
-                                             indent=1) + "\n")
+        write_records(args.out, {**stamp, "command": "python " + " ".join(sys.argv), "rows": rows})
 
 
 if __name__ == "__main__":
