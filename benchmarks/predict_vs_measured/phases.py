@@ -54,17 +54,22 @@ def phase_rows() -> list[dict]:
                      "measured_median_s": r["median_step_s"], "predicted_s": r["predicted_step_s"],
                      "wait_s": wait, "pass_s": pass_s, "predicted_compute_s": compute,
                      "predicted_first_compute_s": sim.compute_starts[0] * sim.tick_s,
-                     "bound": max(sim.lane_busy, key=sim.lane_busy.get)})
+                     "bound": max(sim.lane_busy, key=sim.lane_busy.get),
+                     "vocab_streamed": [name for name, d in (("prologue", plan.decisions[0]),
+                                                             ("epilogue", plan.decisions[-1]))
+                                        if d.activation == "streamed"]})
     return rows
 
 
 def render(rows: list[dict]) -> str:
     table = [[r["shape"], f"{r['tokens_per_step']:,}", f"{r['budget_bytes'] / 2**30:.1f}", r["bound"],
+              ", ".join(r["vocab_streamed"]) or "–",
               f"{r['measured_median_s']:.3f} / {r['predicted_s']:.3f}", f"{r['wait_s']:.3f}",
               f"{r['pass_s'] - r['wait_s']:.3f}", f"{r['predicted_compute_s']:.3f}",
               f"{(r['pass_s'] - r['wait_s']) / r['predicted_compute_s']:.2f}",
               "fitted" if r["fitted"] else "held out", f"`{r['record']}`"] for r in rows]
-    return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "step s measured / predicted",
+    return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "vocabulary streamed",
+                           "step s measured / predicted",
                            "wait s", "pass - wait s", "compute s predicted", "(pass - wait) / compute",
                            "fit", "record"], table)
 

@@ -78,4 +78,5 @@ def test_phases_set_each_points_pass_beside_its_replayed_compute(monkeypatch):
     assert row["pass_s"] == statistics.median(s["pass_s"] for s in steady)
     assert row["wait_s"] == statistics.median(s["wait_s"] for s in steady)
     assert 0 < row["predicted_compute_s"] < row["predicted_s"] and row["bound"] == "h2d"
-    assert "| llama3b | 4,096 | 12.0 | h2d |" in phases.render([row])
+    assert row["vocab_streamed"] == ["epilogue"]  # as its plan says
+    assert "| llama3b | 4,096 | 12.0 | h2d | epilogue |" in phases.render([row])
