@@ -59,6 +59,10 @@ def test_the_h100_profile_is_its_calibration_with_the_h200_step_fits():
     # the step fits came from the h200-sxm's Qwen3-4B runs: the 4b shape is not held out for the profile
     assert used_in_fitting({"shape": "4b"}, profile.name) and not used_in_fitting({"shape": "8b"}, profile.name)
     assert not used_in_fitting({"shape": "4b"}, calibrated.name)
+    # with its compiled blocks scaled to another model's block: the same card, the same fit
+    scaled = with_step_fits(calibrated, block_ratio=0.8, block="qwen3-1.7b")
+    assert card_of(scaled.name) == "NVIDIA H100 80GB HBM3"
+    assert used_in_fitting({"shape": "4b"}, scaled.name) and not used_in_fitting({"shape": "1.7b"}, scaled.name)
 
 
 def test_phases_set_each_points_pass_beside_its_replayed_compute(monkeypatch):
