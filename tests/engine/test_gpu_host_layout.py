@@ -85,3 +85,27 @@ def test_early_updates_in_place_equal_the_updates_after_the_backward():
         assert e.runner.early.in_place and all(layer.spare is None for layer in e.host.layers)
 
     train_bit_for_bit(model, after, early, kw, 5, in_place)
+
+
+def test_a_non_finite_streamed_gradient_applies_nothing_on_the_gpu():
+    """The finite check of streamed gradients on CUDA (the device's sum of squares, copied down ahead of the
+    chunks it covers): a forward gone NaN makes every gradient NaN; the first to land is the head's, so
+    nothing is applied, and the step stops."""
+    from tests.reliability.test_numerical_faults import poison
+
+    switch = {"on": False}
+    model = make_model("qwen3")
+    poison(model, "forward", switch)
+    kw = dict(KW, max_grad_norm=None, nonfinite="stop", compile_blocks=False)  # eager blocks run the hook
+    plan = slidedp.plan(model, "1GiB", solver_options=VOCAB_STREAMED, **kw)
+    host = [i for i in landing_order(len(plan.decisions)) if i not in plan.device_state]
+    plan = plan.replace(early_order=tuple(host), streamed_gradients=True, early_in_place=False)
+    gen = torch.Generator().manual_seed(5)
+    with slidedp.compile(model, "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR), **kw) as engine:
+        engine.step(*random_batch(gen, 2 * BATCH))
+        before = [t.clone() for layer in engine.host.layers for t in (layer.master, layer.exp_avg, layer.exp_avg_sq)]
+        switch["on"] = True
+        with pytest.raises(slidedp.NonFiniteGradientError):
+            engine.step(*random_batch(gen, 2 * BATCH))
+        after = [t for layer in engine.host.layers for t in (layer.master, layer.exp_avg, layer.exp_avg_sq)]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
