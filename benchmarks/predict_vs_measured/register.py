@@ -48,16 +48,18 @@ POINTS = (
 
 def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTERED, steps: int = 12,
              precision: str = "bf16", max_grad_norm: float | None = MAX_GRAD_NORM,
-             nonfinite: str = "skip") -> list[dict]:
+             nonfinite: str = "skip", hardware_for: dict[str, str] | None = None) -> list[dict]:
     """Solve each point, keep its plan in `folder` as registered/<sha256[:16]>.json, and return a row a
     point: its prediction, its plan's sha256 and the command that runs it on a GPU machine (with
-    `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for)."""
+    `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for). `hardware_for`: a
+    shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     run_options = ("" if max_grad_norm == MAX_GRAD_NORM else f" --max-grad-norm {max_grad_norm or 'none'}") + (
         "" if nonfinite == "skip" else f" --nonfinite {nonfinite}")
     for shape, tokens, budget in points:
-        plan = solve_point(shape, tokens, budget, hardware, host_ram=host_ram, precision=precision,
+        hw = (hardware_for or {}).get(shape, hardware)
+        plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
                            max_grad_norm=max_grad_norm, nonfinite=nonfinite)
         text = json.dumps(trimmed(plan.to_dict())).encode()
         sha = hashlib.sha256(text).hexdigest()
@@ -65,7 +67,7 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
         path.write_bytes(text)
         rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
         command = (f"python benchmarks/single_gpu_throughput/run.py --shape {shape} --tokens {tokens} --budget {budget} "
-                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hardware))} --plan {rel}"
+                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hw))} --plan {rel}"
                    f"{run_options} --merge --out OUT.json")
         rows.append({"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": max_grad_norm,
                      "nonfinite": nonfinite,
@@ -87,9 +89,21 @@ def point_arg(text: str) -> tuple[str, int, str]:
     return parts[0], int(parts[1]), parts[2]
 
 
+def shape_hardware_arg(text: str) -> tuple[str, str]:
+    """SHAPE=PROFILE: the hardware a benchmark shape's points are solved with."""
+    from benchmarks.common.model import SHAPES
+
+    shape, _, hardware = text.partition("=")
+    if shape not in SHAPES or not hardware:
+        raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE=PROFILE, SHAPE one of {', '.join(SHAPES)}")
+    return shape, hardware
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hardware", required=True, help="a preset name or a `slidedp calibrate` profile (JSON path)")
+    p.add_argument("--hardware-for", nargs="+", type=shape_hardware_arg, default=[], metavar="SHAPE=PROFILE",
+                   help="a shape's own profile in place of --hardware (`slidedp calibrate --model ... --step-fits`)")
     p.add_argument("--host-ram", help="host RAM of the machine that will run them (e.g. 110GiB)")
     p.add_argument("--out", required=True, help="the registration record (results/DATE-registered-WHAT.json)")
     p.add_argument("--points", nargs="+", type=point_arg, metavar="SHAPE:TOKENS:BUDGET",
@@ -102,7 +116,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     stamp = commit_stamp(args.allow_dirty)
     rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
-                    nonfinite=args.nonfinite)
+                    nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for))
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -110,3 +110,25 @@ def test_points_registered_without_clipping_run_without_it(tmp_path):
     (default,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
                           precision="fp32")
     assert default["max_grad_norm"] == 1.0 and "--max-grad-norm" not in default["command"]
+
+
+def test_a_shape_may_be_registered_under_its_own_profile(tmp_path):
+    """--hardware-for SHAPE=PROFILE: that shape's points are solved under (and run with) its profile, the
+    others under --hardware; a shape the benchmarks do not know is refused."""
+    from benchmarks.predict_vs_measured.register import shape_hardware_arg
+    from slidedp.costmodel.hardware import PRESETS, with_step_fits
+
+    own = tmp_path / "tiny.json"
+    profile = with_step_fits(PRESETS["cpu"], block_ratio=0.5, block="tiny")
+    profile.save(own)
+    rows = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
+                    precision="fp32", hardware_for={"tiny": str(own)})
+    (row,) = rows
+    assert row["hardware"] == profile.name and f"--hardware {own}" in row["command"]
+    (plain,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
+                        precision="fp32", hardware_for={"4b": str(own)})
+    assert plain["hardware"] == "cpu" and "--hardware cpu" in plain["command"]
+    assert shape_hardware_arg(f"1.7b={own}") == ("1.7b", str(own))
+    for bad in ("nope=x.json", "1.7b=", "1.7b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            shape_hardware_arg(bad)
