@@ -494,7 +494,7 @@ class ProblemCosts:
 
         def of_host(numels) -> dict[str, int]:
             return mem.host_memory(numels, self.elem, world_size=G, lean=host_lean_layers(p, on_device),
-                                   spare=() if d.grads_streamed or p.early_in_place else d.early_order,
+                                   spare=self.spare_layers(d),
                                    no_copy=self.copies_made_on_load(d),
                                    no_grad=no_grad, offloaded_bytes=G * self.host_offload_bytes(d),
                                    max_chunk_numel=max_chunk)
@@ -558,14 +558,17 @@ class ProblemCosts:
             return p.early_host_bytes
         return min(p.early_host_bytes, p.host_budget_bytes - self.host_fixed.bytes(d.device_state))
 
+    def spare_layers(self, d: Decisions) -> tuple[int, ...]:
+        """Layers with a spare fp32 master and moments, which d's early updates write out of place: its
+        early order; none where the gradients stream into the update or the early updates are in place
+        (as Plan.spare_layers)."""
+        return () if d.grads_streamed or self.problem.early_in_place else tuple(d.early_order)
+
     def spare_bytes(self, d: Decisions) -> int:
-        """Host bytes of the spare fp32 master and moments that d's early updates write (every layer of
-        its early order, page-aligned as the host state lays them out: costmodel.memory.host_spare_bytes);
-        none where the gradients stream into the update or the early updates are in place."""
-        if d.grads_streamed or self.problem.early_in_place:
-            return 0
+        """Host bytes of d's spare state (spare_layers), page-aligned as the host state lays them out
+        (costmodel.memory.host_spare_bytes)."""
         numel = {layer.id: layer.numel for layer in self.problem.graph.layers}
-        return sum(mem.host_spare_bytes(numel[i]) for i in d.early_order)
+        return sum(mem.host_spare_bytes(numel[i]) for i in self.spare_layers(d))
 
     def fits(self, d: Decisions, peak_bytes: int, budget_bytes: int, grads: bool = True) -> bool:
         """The device peak within the budget; the fixed host part of d's placement, the offloaded
