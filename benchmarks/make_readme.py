@@ -97,6 +97,11 @@ def table_small_budgets() -> str:
     for path in sorted((HERE / "single_gpu_throughput" / "results").glob(SMALL_BUDGETS)):
         for r in json.loads(path.read_text()):
             theirs, their_gib = SLIDEFORMER[r["tokens_per_step"]]
+            if r.get("error"):  # a point that did not finish: said, not dropped
+                rows.append([f"{r['tokens_per_step']:,}", "–", r.get("device_name", "?"), r.get("nonfinite", "skip"),
+                             r["error"].split(" after")[0], f"{theirs:,} ({their_gib} GiB)", *["–"] * 5,
+                             f"`{path.name}`"])
+                continue
             rows.append([f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"), r["device_name"],
                          r.get("nonfinite", "skip") + (", streamed gradients" if r.get("streamed_gradients") else ""),
                          num(r["tokens_per_s"], ",.0f"), f"{theirs:,} ({their_gib} GiB)",
