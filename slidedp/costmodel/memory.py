@@ -19,9 +19,14 @@ def weight_slots_bytes(max_block_numel: int, elem_bytes: int, window: int) -> in
     return window * max_block_numel * elem_bytes
 
 
+# fp32 block gradient buffers on the device at once: one filling (the block in backward), one draining
+# (the previous block's, on its way to the host); a block's backward waits for the one before those.
+GRAD_ACCUMULATORS = 2
+
+
 def grad_accumulators_bytes(max_block_numel: int) -> int:
-    """Two fp32 gradient accumulators (one filling, one draining): 2 * numel * 4."""
-    return 2 * max_block_numel * 4
+    """GRAD_ACCUMULATORS fp32 gradient accumulators (one filling, one draining): 2 * numel * 4."""
+    return GRAD_ACCUMULATORS * max_block_numel * 4
 
 
 def param_grads_bytes(numel: int, elem_bytes: int) -> int:

@@ -213,3 +213,42 @@ def test_offloaded_block_inputs_fit_the_plans_predicted_peak():
         ups = {op.block: op.record for op in program.ops if op.kind == H2D_INPUT}
         assert set(ups) == expected
         assert all(ups[op.block] in op.waits for op in program.ops if op.kind == BWD and op.block in expected)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_blocks_backward_waits_for_the_gradient_buffer_it_replaces(graph, window):
+    """The plan charges two block gradient buffers (one filling, one draining): from the third block of
+    the backward on, each backward waits for the copy of the gradient two blocks earlier; without that
+    wait the simulator refuses the program."""
+    program = lowered(graph, window)
+    ops = program.ops
+    bwds = [op for op in ops if op.kind == BWD]
+    copies = {op.layer_id: op for op in ops if op.kind == D2H_GRAD}
+    drains = [copies[op.layer_id].record for op in bwds]
+    assert len(bwds) >= 3
+    for i, op in enumerate(bwds):
+        assert (drains[i - 2] in op.waits) == (i >= 2)
+    third = bwds[2]
+    broken = _without(program, lambda op: op.index == third.index,
+                      lambda op: dataclasses.replace(op, waits=tuple(e for e in op.waits if e != drains[0])))
+    with pytest.raises(ProgramError, match=f"op {third.index} .*before op {copies[bwds[0].layer_id].index} has drained"):
+        verify_program(broken)
+
+
+def test_the_cpu_waits_for_the_copies_that_read_a_buffer_being_replaced(graph):
+    """The executor synchronizes, besides its stream's wait, a backward's wait for the gradient copy two
+    blocks earlier and a free's wait for a block input's copy down (the buffers the caching allocator
+    hands back only once the CPU has seen their reads end); no other wait."""
+    from slidedp.backend.runtime.executor import cpu_waits
+
+    program = lowered(graph, 1, ("recompute_offload",) * 3)
+    ops = program.ops
+    waits = cpu_waits(program)
+    copies = {op.record: op for op in ops if op.record is not None}
+    frees = [op for op in ops if op.kind == FREE and op.waits]
+    assert frees and all(waits[op.index] == set(op.waits) for op in frees)
+    assert all(copies[e].kind == "d2h_input" for op in frees for e in op.waits)
+    bwds = [op for op in ops if op.kind == BWD]
+    assert [len(waits[op.index]) for op in bwds] == [0, 0] + [1] * (len(bwds) - 2)
+    assert all(copies[e].kind == D2H_GRAD for op in bwds for e in waits[op.index])
+    assert not any(waits[op.index] for op in ops if op.kind not in (FREE, BWD))

@@ -182,6 +182,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             input_up[k] = up.record
 
     grad_events: dict[int, int] = {}
+    drains: list[int] = []  # events of the blocks' gradient copies, in backward order
     for position, k in enumerate(sched.sequence):
         layer = blocks[k]
         slot = sched.slot_of[position]
@@ -213,12 +214,16 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                     + (costs.saved_activation_bytes if policy in RECOMPUTED_ACTIVATIONS else 0))
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
             waits += (input_up[k],) if k in offloaded else ()
+            # the plan has GRAD_ACCUMULATORS block gradients on the device: this one's buffer is the one
+            # drained GRAD_ACCUMULATORS backwards earlier (the executor also waits for it on the CPU)
+            waits += (drains[-mem.GRAD_ACCUMULATORS],) if len(drains) >= mem.GRAD_ACCUMULATORS else ()
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
             b.add("compute", FREE, buffer=f"act[{k}]")
             d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(op.record,),
                         chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
             grad_events[layer.id] = d2h.record
+            drains.append(d2h.record)
         slot_free[slot] = op.record
         issue_loads(position)
         if position == n - 1:

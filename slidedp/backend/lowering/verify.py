@@ -11,6 +11,8 @@ stream. The checks, each a `ProgramError` naming the op:
 - a compute op reads weight slot s only after the load of its block into s has happened;
 - a load into slot s happens only after every earlier reader of s's previous content;
 - a layer's gradient copy (D2H) happens after the op that produced the gradient;
+- a block's backward happens after the gradient copy GRAD_ACCUMULATORS backwards earlier (the
+  plan charges that many gradient buffers: costmodel/memory.py);
 - buffers: no double alloc, no free without alloc, nothing left allocated at the end;
 - peak device memory = persistent + the largest running sum of live buffers, within the budget.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from slidedp.backend.lowering.graph import dependency_graph, event_recorders, find_deadlock, unrecorded_waits
 from slidedp.backend.lowering.program import ALLOC, BWD, D2H_GRAD, EPILOGUE, FREE, FWD, H2D_WEIGHTS, PROLOGUE_BWD, Program
+from slidedp.costmodel.memory import GRAD_ACCUMULATORS
 
 
 class ProgramError(AssertionError):
@@ -60,6 +63,7 @@ def verify_program(program: Program, *, budget_bytes: int | None = None) -> Prog
     slot_block: dict[int, int] = {}
     slot_readers: dict[int, list[int]] = {}
     grad_producer: dict[int, int] = {}  # layer id -> op index of the op that made its gradient
+    block_drains: list[int] = []  # op indices of the blocks' gradient copies, in backward order
     live: dict[str, int] = {}
     running = peak = 0
     n_waits = 0
@@ -98,12 +102,18 @@ def verify_program(program: Program, *, budget_bytes: int | None = None) -> Prog
             slot_readers[op.slot].append(op.index)
             if op.kind == BWD:
                 grad_producer[op.layer_id] = op.index
+                if len(block_drains) >= GRAD_ACCUMULATORS and not happened(block_drains[-GRAD_ACCUMULATORS], clock):
+                    raise ProgramError(f"op {op.index} (bwd block {op.block}) makes a gradient buffer before op "
+                                       f"{block_drains[-GRAD_ACCUMULATORS]} has drained the one it replaces "
+                                       f"({GRAD_ACCUMULATORS} gradient buffers)")
         elif op.kind in (EPILOGUE, PROLOGUE_BWD):
             grad_producer[op.layer_id] = op.index  # a resident layer's gradient is whole after its op
         elif op.kind == D2H_GRAD:
             producer = grad_producer.get(op.layer_id)
             if producer is None or not happened(producer, clock):
                 raise ProgramError(f"op {op.index} copies layer {op.layer_id}'s gradient before it is computed")
+            if program.ops[producer].kind == BWD:
+                block_drains.append(op.index)
         elif op.kind == ALLOC:
             if op.buffer in live:
                 raise ProgramError(f"op {op.index} allocates {op.buffer} twice")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from slidedp.costmodel import memory as mem
 from slidedp.scheduler.plan import Load
 
 COMPUTE, H2D, D2H, COLLECTIVE, CPU_UPDATE = "compute", "h2d", "d2h", "collective", "cpu_update"
@@ -142,8 +143,8 @@ def build_lanes(n_blocks: int, window: int, collectives: bool, head_reload: bool
         deps.append(f"reload[L{i}]")
         if i == N:
             deps.append(f"offload[L{N}]")
-        if i + 2 <= N:
-            deps.append(f"grad[L{i + 2}]")  # two gradient accumulators: the one of i+2 must be drained
+        if i + mem.GRAD_ACCUMULATORS <= N:  # the accumulator of i+2 must be drained (backend/lowering/program.py)
+            deps.append(f"grad[L{i + mem.GRAD_ACCUMULATORS}]")
         compute.append(Op(f"bwd[L{i}]", COMPUTE, "bwd", i, tuple(deps), phase="bwd", position=bp(i)))
     compute.append(Op("bwd[L0]", COMPUTE, "bwd", 0, (), phase="bwd", position=2 * N + 2))
 
