@@ -13,6 +13,14 @@ def grad_norm(value: str) -> float | None:
     return None if value.lower() == "none" else float(value)
 
 
+def shape_hardware_arg(text: str) -> tuple[str, str]:
+    """SHAPE=PROFILE: the hardware of a benchmark shape's points (`slidedp calibrate --model ...`)."""
+    shape, _, hardware = text.partition("=")
+    if shape not in SHAPES or not hardware:
+        raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE=PROFILE, SHAPE one of {', '.join(SHAPES)}")
+    return shape, hardware
+
+
 def checkpoint_choice(value: str) -> str:
     """--baseline-checkpoint: auto, all, none or a non-negative number of leading blocks."""
     if value in ("auto", "all", "none") or (value.isdigit()):

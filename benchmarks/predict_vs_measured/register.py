@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
-from benchmarks.common.cli import grad_norm  # noqa: E402
+from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
 from benchmarks.common.model import MAX_GRAD_NORM  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
@@ -87,16 +87,6 @@ def point_arg(text: str) -> tuple[str, int, str]:
     if len(parts) != 3 or parts[0] not in SHAPES or not parts[1].isdigit() or int(parts[1]) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE:TOKENS:BUDGET, SHAPE one of {', '.join(SHAPES)}")
     return parts[0], int(parts[1]), parts[2]
-
-
-def shape_hardware_arg(text: str) -> tuple[str, str]:
-    """SHAPE=PROFILE: the hardware a benchmark shape's points are solved with."""
-    from benchmarks.common.model import SHAPES
-
-    shape, _, hardware = text.partition("=")
-    if shape not in SHAPES or not hardware:
-        raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE=PROFILE, SHAPE one of {', '.join(SHAPES)}")
-    return shape, hardware
 
 
 def main(argv=None) -> int:

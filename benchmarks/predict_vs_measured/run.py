@@ -14,7 +14,9 @@ Each plan is also replayed under the hardware it holds: that must give the predi
 made before its run (`own_s`), or the replay is not the model that made it. Points whose plan is not
 found are listed as such. With --profiles (the JSON of `slidedp calibrate` on a card, with or without
 `--step-fits`), the points that ran on that card are also replayed under each: what the cost model
-says of the same decisions given that profile instead of the preset.
+says of the same decisions given that profile instead of the preset. With --profile-for SHAPE=PROFILE
+(`slidedp calibrate --model M --step-fits ...`: the fitted block rate scaled to M's block), a shape's
+points on that profile's card are replayed under it, all such profiles in one column, PER_SHAPE.
 
 This is hindsight, not prediction: the cost model changed after these runs, and a change may have
 been motivated by one of them (benchmarks/LOG.md says what motivated each). The goal of predictions
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
+from benchmarks.common.cli import shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
@@ -46,6 +49,7 @@ SAVED = HERE / "ran"
 REGISTERED = HERE / "registered"
 BULK = ("timeline", "memory_timeline", "groups", "alternatives", "critical_path")
 RESULTS = HERE.parent / "single_gpu_throughput" / "results"
+PER_SHAPE = "each shape's own profile"  # the column of --profile-for
 
 
 def plan_files(folders) -> dict[str, dict]:
@@ -77,11 +81,13 @@ def keep(sha256: str, plan: dict) -> None:
     (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed(plan)}) + "\n")
 
 
-def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list[dict]:
+def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
     under the hardware it holds (own_s), under today's preset (today_s) and under each given profile of
-    the card it ran on (profile_s: {profile name: seconds})."""
+    the card it ran on (profile_s: {profile name: seconds}; `profile_for`, {shape: profile}: under
+    PER_SHAPE, its shape's)."""
     profiles = [slidedp.Hardware.load(path) for path in profiles]
+    own_profile = {shape: slidedp.Hardware.load(path) for shape, path in (profile_for or {}).items()}
     models = {}
     rows = []
     for r in prediction_rows(RESULTS):
@@ -104,6 +110,9 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=()) -> list
         today = slidedp.predict(model, plan, hardware=r["preset"])
         on_card = {h.name: slidedp.predict(model, plan, hardware=h) for h in profiles
                    if card_of(h.name) in r["device_name"]}
+        shape_hw = own_profile.get(r["shape"])
+        if shape_hw is not None and card_of(shape_hw.name) in r["device_name"]:
+            on_card[PER_SHAPE] = slidedp.predict(model, plan, hardware=shape_hw)
         rows.append({**row, "own_s": own, "today_s": today, "profile_s": on_card})
         print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: measured {r['median_step_s']:.3f} s, "
               f"before the run {r['predicted_step_s']:.3f}, replayed {own:.3f}, today's model {today:.3f}"
@@ -156,11 +165,14 @@ def main() -> None:
     p.add_argument("--save-plans", action="store_true", help="keep a copy of every plan found in ran/")
     p.add_argument("--profiles", nargs="*", default=[],
                    help="`slidedp calibrate` profiles: each card's points are also replayed under its own")
+    p.add_argument("--profile-for", nargs="+", type=shape_hardware_arg, default=[], metavar="SHAPE=PROFILE",
+                   help=f"a shape's own profile: its points on that card also replayed under it ({PER_SHAPE!r})")
     p.add_argument("--out", help="the record to write")
     add_allow_dirty(p)
     args = p.parse_args()
     stamp = commit_stamp(args.allow_dirty)
-    rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles)
+    rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles,
+                       profile_for=dict(args.profile_for))
     bad = [row for row in rows if row["own_s"] is not None
            and abs(row["own_s"] / row["predicted_before_s"] - 1) > 1e-6]
     for row in bad:

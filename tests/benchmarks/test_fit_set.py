@@ -84,3 +84,26 @@ def test_phases_set_each_points_pass_beside_its_replayed_compute(monkeypatch):
     assert 0 < row["predicted_compute_s"] < row["predicted_s"] and row["bound"] == "h2d"
     assert row["vocab_streamed"] == ["epilogue"]  # as its plan says
     assert "| llama3b | 4,096 | 12.0 | h2d | epilogue |" in phases.render([row])
+
+
+def test_each_shapes_own_profile_replays_that_shapes_points_on_its_card(monkeypatch):
+    """--profile-for SHAPE=PROFILE: a shape's points that ran on the profile's card are replayed under it,
+    in one column for every shape; other shapes' points and other cards' are not."""
+    import types
+
+    from benchmarks.predict_vs_measured import run
+
+    def point(shape, card):
+        return {"record": "r.json", "shape": shape, "tokens_per_step": 4096, "budget_bytes": 2**30,
+                "device_name": card, "preset": "p", "git_commit": "abc", "plan_sha256": shape + card,
+                "median_step_s": 1.0, "predicted_step_s": 1.0, "fitted": False}
+
+    rows = [point("1.7b", "NVIDIA H100 80GB HBM3"), point("8b", "NVIDIA H100 80GB HBM3"), point("1.7b", "NVIDIA H200")]
+    profile = types.SimpleNamespace(name="calibrated:NVIDIA H100 80GB HBM3 + h200-sxm step fits, compiled blocks x0.870 (qwen3-1.7b)")
+    monkeypatch.setattr(run, "prediction_rows", lambda results: rows)
+    monkeypatch.setattr(run.slidedp.Hardware, "load", staticmethod(lambda path: profile))
+    monkeypatch.setattr(run.slidedp.Plan, "from_dict", staticmethod(lambda data: data))
+    monkeypatch.setattr(run.bench, "empty_model", lambda shape, **kw: shape)
+    monkeypatch.setattr(run.slidedp, "predict", lambda model, plan, hardware=None: 0.5 if hardware is profile else 1.0)
+    out = run.replay_rows({r["plan_sha256"]: {} for r in rows}, profile_for={"1.7b": "own.json"})
+    assert [r["profile_s"] for r in out] == [{run.PER_SHAPE: 0.5}, {}, {}]

@@ -115,7 +115,7 @@ def test_points_registered_without_clipping_run_without_it(tmp_path):
 def test_a_shape_may_be_registered_under_its_own_profile(tmp_path):
     """--hardware-for SHAPE=PROFILE: that shape's points are solved under (and run with) its profile, the
     others under --hardware; a shape the benchmarks do not know is refused."""
-    from benchmarks.predict_vs_measured.register import shape_hardware_arg
+    from benchmarks.common.cli import shape_hardware_arg
     from slidedp.costmodel.hardware import PRESETS, with_step_fits
 
     own = tmp_path / "tiny.json"
