@@ -43,6 +43,7 @@ from benchmarks.common.records import add_allow_dirty, commit_stamp, write_recor
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
 import slidedp  # noqa: E402
+from slidedp.costmodel.hardware import PRESETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SAVED = HERE / "ran"
@@ -83,7 +84,7 @@ def keep(sha256: str, plan: dict) -> None:
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
-    under the hardware it holds (own_s), under today's preset (today_s) and under each given profile of
+    under the hardware it holds (own_s), under today's preset (today_s; a calibrated profile: the one it holds) and under each given profile of
     the card it ran on (profile_s: {profile name: seconds}; `profile_for`, {shape: profile}: under
     PER_SHAPE, its shape's)."""
     profiles = [slidedp.Hardware.load(path) for path in profiles]
@@ -107,7 +108,8 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile
             models[r["shape"]] = bench.empty_model(r["shape"], dtype=torch.bfloat16, device="cpu")
         model = models[r["shape"]]
         own = slidedp.predict(model, plan)
-        today = slidedp.predict(model, plan, hardware=r["preset"])
+        # a preset as today's code defines it; a calibrated profile is the one the plan holds
+        today = slidedp.predict(model, plan, hardware=r["preset"]) if r["preset"] in PRESETS else own
         on_card = {h.name: slidedp.predict(model, plan, hardware=h) for h in profiles
                    if card_of(h.name) in r["device_name"]}
         shape_hw = own_profile.get(r["shape"])
