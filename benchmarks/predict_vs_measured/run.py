@@ -84,9 +84,9 @@ def keep(sha256: str, plan: dict) -> None:
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
-    under the hardware it holds (own_s), under today's preset (today_s; a calibrated profile: the one it holds) and under each given profile of
-    the card it ran on (profile_s: {profile name: seconds}; `profile_for`, {shape: profile}: under
-    PER_SHAPE, its shape's)."""
+    under the hardware it holds (own_s), under today's preset (today_s; for a calibrated profile, the one
+    it holds) and under each given profile of the card it ran on (profile_s: {profile name: seconds};
+    `profile_for`, {shape: profile}: under PER_SHAPE, its shape's)."""
     profiles = [slidedp.Hardware.load(path) for path in profiles]
     own_profile = {shape: slidedp.Hardware.load(path) for shape, path in (profile_for or {}).items()}
     models = {}
