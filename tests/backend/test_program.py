@@ -234,21 +234,3 @@ def test_a_blocks_backward_waits_for_the_gradient_buffer_it_replaces(graph, wind
     with pytest.raises(ProgramError, match=f"op {third.index} .*before op {copies[bwds[0].layer_id].index} has drained"):
         verify_program(broken)
 
-
-def test_the_cpu_waits_for_the_copies_that_read_a_buffer_being_replaced(graph):
-    """The executor synchronizes, besides its stream's wait, a backward's wait for the gradient copy two
-    blocks earlier and a free's wait for a block input's copy down (the buffers the caching allocator
-    hands back only once the CPU has seen their reads end); no other wait."""
-    from slidedp.backend.runtime.executor import cpu_waits
-
-    program = lowered(graph, 1, ("recompute_offload",) * 3)
-    ops = program.ops
-    waits = cpu_waits(program)
-    copies = {op.record: op for op in ops if op.record is not None}
-    frees = [op for op in ops if op.kind == FREE and op.waits]
-    assert frees and all(waits[op.index] == set(op.waits) for op in frees)
-    assert all(copies[e].kind == "d2h_input" for op in frees for e in op.waits)
-    bwds = [op for op in ops if op.kind == BWD]
-    assert [len(waits[op.index]) for op in bwds] == [0, 0] + [1] * (len(bwds) - 2)
-    assert all(copies[e].kind == D2H_GRAD for op in bwds for e in waits[op.index])
-    assert not any(waits[op.index] for op in ops if op.kind not in (FREE, BWD))

@@ -1,8 +1,9 @@
 """A device tensor that another stream reads is recorded on that stream (Tensor.record_stream), so that
 the caching allocator does not give its memory to the stream that made it before the read has run.
-The gradient buffer of a block is made on the compute stream and read on the D2H stream (its cast to
-bf16, its copies, its reductions); the next block's buffer, the same size, is made on the compute
-stream right after. On a GPU the race cannot be forced from a test; these stand-ins check the calls."""
+A gradient is made on the compute stream and read on the D2H stream (its cast to bf16, its copies,
+its reductions). The blocks' gradient buffers are kept instead and refilled only after the compute
+stream has waited for their copies (grad_buffers.py). On a GPU the race cannot be forced from a test;
+these stand-ins check the calls."""
 
 import contextlib
 import types
@@ -52,22 +53,13 @@ def test_every_route_of_a_gradient_has_it_recorded_on_the_d2h_stream_first():
     assert log == [("record", "d2h")] and taken == [3]
 
 
-class _Event:
-    """A CUDA event stand-in: what it was recorded after, and its synchronizations in the log."""
-
-    def __init__(self, after, log):
-        self.after, self.log = after, log
-
-    def synchronize(self):
-        self.log.append(("sync", self.after))
-
-
-def test_a_blocks_backward_waits_on_the_cpu_for_the_gradient_buffer_it_replaces(monkeypatch):
-    """The caching allocator reuses a gradient buffer read on the D2H stream only once the CPU has seen
-    that read end: before each backward from the third block on, the executor synchronizes the copy of
-    the gradient two blocks earlier (the plan's two buffers), so the CPU does not run ahead of the copies
-    and the allocator does not reserve a new buffer per block."""
+def test_the_blocks_gradient_buffers_are_two_kept_and_each_refilled_after_its_copy_drained(monkeypatch):
+    """The plan's two gradient buffers, kept across blocks and steps: each block's backward fills one, the
+    compute stream having waited for the event recorded after the copy of the gradient it held last (the
+    block two backwards earlier, or in the step before); the caching allocator hands out no buffer per
+    block, so it cannot reserve one per block the CPU runs ahead of the copies."""
     import slidedp
+    from slidedp.costmodel.memory import GRAD_ACCUMULATORS
     from tests.engine.test_exactness import BATCH, SEQ, random_batch
     from tests.models import make_model
 
@@ -75,28 +67,40 @@ def test_a_blocks_backward_waits_on_the_cpu_for_the_gradient_buffer_it_replaces(
     engine = slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
                              optimizer=slidedp.AdamW(lr=1e-3))
     executor = engine.executor
+    runner = executor.block_runner
     n = executor.n_blocks
     assert n >= 3
-    log = []
-    monkeypatch.setattr(executor.streams, "record", lambda name: _Event(log[-1] if log else None, log))
-    backward, send = executor.block_runner.backward, executor._op_d2h_grad
+    log, made = [], []
 
-    def logged_backward(k, *args):
-        log.append(("bwd", k))
-        return backward(k, *args)
+    def record(name):
+        made.append((name, log[-1] if log else None))  # what the event comes after
+        return types.SimpleNamespace(id=len(made) - 1, synchronize=lambda: None)
+
+    monkeypatch.setattr(executor.streams, "record", record)
+    monkeypatch.setattr(executor.streams, "wait", lambda name, event: log.append(("wait", name, event)))
+    take, send = runner.grads.take, executor._op_d2h_grad
+
+    def logged_take(layer_id, numel):
+        buffer = take(layer_id, numel)
+        log.append(("take", layer_id, buffer.data_ptr()))
+        return buffer
 
     def logged_send(op, st):
-        log.append(("d2h", op.layer_id))
+        log.append(("sent", op.layer_id))
         return send(op, st)
 
-    monkeypatch.setattr(executor.block_runner, "backward", logged_backward)
+    monkeypatch.setattr(runner.grads, "take", logged_take)
     monkeypatch.setattr(executor, "_op_d2h_grad", logged_send)
-    engine.step(*random_batch(torch.Generator().manual_seed(0), BATCH))
-    layer_of = [layer.id for layer in executor.block_layers]
-    for k in range(n - 1, -1, -1):
-        i = log.index(("bwd", k))
-        synced = [entry[1] for entry in log[log.index(("bwd", k + 1)) if k + 1 < n else 0 : i] if entry[0] == "sync"]
-        if k + 2 < n:
-            assert ("d2h", layer_of[k + 2]) in synced, (k, synced)
-        else:  # the first two of the backward: nothing to replace
-            assert not any(after and after[0] == "d2h" and after[1] in layer_of for after in synced), (k, synced)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        engine.step(*random_batch(gen, BATCH))
+    takes = [i for i, entry in enumerate(log) if entry[0] == "take"]
+    assert len(takes) == 2 * n and len({log[i][2] for i in takes}) == GRAD_ACCUMULATORS
+    for j, i in enumerate(takes):
+        waited = log[i - 1]
+        if j < GRAD_ACCUMULATORS:  # the first two of the first step: nothing to wait for
+            assert waited == ("wait", "compute", None)
+            continue
+        before = log[takes[j - GRAD_ACCUMULATORS]][1]  # the layer whose gradient the buffer held
+        assert waited[:2] == ("wait", "compute") and made[waited[2].id] == ("d2h", ("sent", before))
+        assert log[i][2] == log[takes[j - GRAD_ACCUMULATORS]][2]

@@ -6,8 +6,8 @@ the forward and back before the backward (the program's d2h_input / h2d_input op
 input another graph holds keeps it on the device: plan.input_offloaded). keep / offload: the forward
 runs with autograd and its graph lives until the backward, its saved tensors packed by
 `SavedActivations` (offload: to the host arena).
-The backward sums the block's gradient over the micro-batches in one fp32 buffer by the packing
-kernel, which also gives its sum of squares.
+The backward sums the block's gradient over the micro-batches in one fp32 buffer (grad_buffers.py) by
+the packing kernel, which also gives its sum of squares.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slidedp.backend.kernels.grad_pack import pack_grads
+from slidedp.backend.runtime.grad_buffers import GradientBuffers
 from slidedp.backend.runtime.pass_state import KeptForward, PassState
 from slidedp.backend.runtime.saved_activations import HostArena, SavedActivations
 from slidedp.backend.runtime.streams import Streams
@@ -37,6 +38,7 @@ class BlockRunner:
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
         self.offloaded_bytes = 0  # activation and block input bytes offloaded to the host in the last pass
         self.arena: HostArena | None = None  # host memory of offloaded activations, made on first use
+        self.grads = GradientBuffers(max(layer.numel for layer in block_layers), device, streams)
 
     def start_pass(self, micro_batches: int) -> None:
         """Count offloaded bytes from zero and hand out the arena from its start."""
@@ -70,7 +72,7 @@ class BlockRunner:
         fp32 buffer by the packing kernel, which also gives the gradient's sum of squares (for exact clipping)."""
         layer = self.block_layers[k]
         module = self.blocks[k]
-        acc = torch.empty(layer.numel, dtype=torch.float32, device=self.device)
+        acc = self.grads.take(layer.id, layer.numel)
         spans = self.weights.block_spans(k)
         if policy in RECOMPUTED:
             params = self.weights.block_params(k, slot, requires_grad=True)

@@ -60,18 +60,6 @@ from slidedp.ir.graph import BLOCK, LayerGraph
 __all__ = ["MicroBatch", "StreamedExecutor"]
 
 
-def cpu_waits(program: Program) -> list[set[int]]:
-    """Per op, the waits the CPU makes too (the event's `synchronize`), not only its stream: those for
-    the copy that reads a device buffer the op's memory replaces. Such a buffer is freed with its read
-    pending on the D2H stream (Tensor.record_stream), and the caching allocator reuses its memory only
-    once the CPU has seen that read end; until then it reserves new memory, a buffer for each block the
-    CPU runs ahead of the copies (GiBs above the budget). They are a backward's wait for the gradient
-    copy it replaces (the plan's gradient buffers) and a free's wait for a block input's copy down."""
-    drains = {op.record for op in program.ops if op.kind == D2H_GRAD}
-    return [set(op.waits) if op.kind == FREE else {e for e in op.waits if e in drains} if op.kind == BWD else set()
-            for op in program.ops]
-
-
 class StreamedExecutor:
     """Owns the device-side buffers of one rank and runs passes over the weights."""
 
@@ -91,7 +79,6 @@ class StreamedExecutor:
         self.n_blocks = len(self.block_layers)
         self.window = program.n_slots
         self.activation = [op.policy for op in program.ops if op.kind == FWD]
-        self.cpu_waits = cpu_waits(program)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.compile_blocks = compile_blocks
         self.weights = WeightWindow(model, graph, host, self.routes, self.streams, blocks=self.blocks,
@@ -169,8 +156,6 @@ class StreamedExecutor:
         }
         for op in self.program.ops:
             for e in op.waits:
-                if e in self.cpu_waits[op.index] and events[e] is not None:
-                    events[e].synchronize()
                 self.streams.wait(op.stream, events[e])
             handler = handlers[op.kind]
             if handler is not None:
@@ -213,3 +198,4 @@ class StreamedExecutor:
     def _op_d2h_grad(self, op, st: PassState) -> None:
         """The layer's fp32 gradient to the host by its reduction route (pass_gradients.py)."""
         st.grads.send(self.routes, op.layer_id)
+        self.block_runner.grads.drain(op.layer_id, self.streams.record("d2h"))  # a block's buffer, read
