@@ -215,7 +215,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
             waits += (input_up[k],) if k in offloaded else ()
             # the plan has GRAD_ACCUMULATORS block gradients on the device: this one's buffer is the one
-            # drained GRAD_ACCUMULATORS backwards earlier (the executor also waits for it on the CPU)
+            # drained GRAD_ACCUMULATORS backwards earlier (backend/runtime/grad_buffers.py)
             waits += (drains[-mem.GRAD_ACCUMULATORS],) if len(drains) >= mem.GRAD_ACCUMULATORS else ()
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
