@@ -422,6 +422,12 @@ def _records(path: Path) -> list[dict]:
 MIN_POINT_S = 60.0  # with --time-left-s: a point needs at least this long (a child's start and a model's build)
 
 
+def registered_point_s(point: dict, steps: int) -> float:
+    """About how long a registered point takes: a child's start, its build and the warm-up's compilations
+    (75 s), then the warm-up and timed steps at its predicted step with a quarter to spare."""
+    return 75.0 + (steps + 1) * point["predicted_step_s"] * 1.25
+
+
 def run_registered(args) -> int:
     """Every point of the registration record `args.registered` not yet measured in this study's results,
     in its order: the point's own command (its shape, tokens, budget, hardware and registered plan) into
@@ -446,7 +452,13 @@ def run_registered(args) -> int:
         argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
         argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
         if args.time_left_s is not None:
-            argv += ["--time-left-s", str(args.time_left_s - (time.monotonic() - start))]
+            left = args.time_left_s - (time.monotonic() - start)
+            need = registered_point_s(point, int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 12)
+            if left < need:  # a point cut by the time limit measures nothing: the next one may fit
+                print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: not started, about {need:.0f} s "
+                      f"needed, {left:.0f} s left", file=sys.stderr, flush=True)
+                continue
+            argv += ["--time-left-s", str(left)]
         if args.allow_dirty:
             argv.append("--allow-dirty")
         main(argv)
@@ -481,8 +493,8 @@ def main(argv=None) -> int:
     p.add_argument("--remeasure", action="store_true", help="with --registered: also the points measured already "
                    "(after a change of the runtime that leaves their plans as they were)")
     p.add_argument("--time-left-s", type=float, help="seconds this run may take: a point starts only with "
-                   f"{MIN_POINT_S:.0f} s left and its timeout is cut to what is left (a point not run is said, "
-                   "not recorded)")
+                   f"{MIN_POINT_S:.0f} s left (a registered one: with about its build and steps at its predicted "
+                   "step) and its timeout is cut to what is left (a point not run is said, not recorded)")
     # worker side (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)

@@ -32,7 +32,7 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
                            "--out", str(out), "--allow-dirty", "--time-left-s", "1"], capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 0 and "not run, 1 s left" in proc.stderr and not out.exists()  # no time: not run
+    assert proc.returncode == 0 and "not started, about" in proc.stderr and not out.exists()  # no time: not run
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
                            "--out", str(out), "--allow-dirty", "--timeout-s", "120"], capture_output=True, text=True,
                           timeout=300)
@@ -58,13 +58,13 @@ def test_points_measured_already_are_not_run_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1.7b, 8192 tokens/step: measured already" in proc.stdout
     points = len(json.loads(registration.read_text())["points"])
-    assert proc.stdout.count("measured already") + proc.stderr.count("not run") == points and not out.exists()
+    assert proc.stdout.count("measured already") + proc.stderr.count("not started") == points and not out.exists()
     # --remeasure: every point again (here none starts, in no time)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
                            "--allow-dirty", "--time-left-s", "0", "--remeasure"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "measured already" not in proc.stdout and proc.stderr.count("not run") == points and not out.exists()
+    assert "measured already" not in proc.stdout and proc.stderr.count("not started") == points and not out.exists()
 
 
 def test_points_are_named_shape_tokens_budget():
@@ -132,3 +132,26 @@ def test_a_shape_may_be_registered_under_its_own_profile(tmp_path):
     for bad in ("nope=x.json", "1.7b=", "1.7b"):
         with pytest.raises(argparse.ArgumentTypeError):
             shape_hardware_arg(bad)
+
+
+def test_a_registered_point_that_cannot_finish_in_the_time_left_is_not_started(tmp_path, monkeypatch, capsys):
+    """With --time-left-s, a point whose build and steps (at its predicted step) would not fit is passed
+    over, not started and cut off, and a later, shorter point still runs, with the time then left."""
+    import benchmarks.single_gpu_throughput.run as bench
+
+    def point(shape, step_s):
+        return {"shape": shape, "tokens_per_step": 4096, "budget": "8GiB", "hardware": "h100-sxm",
+                "plan_sha256": shape * 8, "predicted_step_s": step_s,
+                "command": f"python run.py --shape {shape} --tokens 4096 --out OUT.json"}
+
+    registration = tmp_path / "2026-01-01-registered-x.json"
+    registration.write_text(json.dumps({"points": [point("8b", 20.0), point("1.7b", 0.5)]}))
+    started = []
+    monkeypatch.setattr(bench, "main", lambda argv: started.append(argv) or 0)
+    args = argparse.Namespace(registered=str(registration), device="cpu", out=str(tmp_path / "r.json"),
+                              timeout_s=600.0, time_left_s=200.0, remeasure=False, allow_dirty=False)
+    assert bench.run_registered(args) == 0
+    assert "8b, 4096 tokens/step: not started, about 400 s needed, 200 s left" in capsys.readouterr().err
+    (argv,) = started
+    assert argv[argv.index("--shape") + 1] == "1.7b" and 190 < float(argv[argv.index("--time-left-s") + 1]) <= 200
+    assert bench.registered_point_s(point("x", 1.0), 12) == 75 + 13 * 1.25
