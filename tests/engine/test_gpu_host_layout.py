@@ -1,7 +1,7 @@
 """On a GPU (skipped without one): the host-layout decisions on CUDA. A vocabulary-streamed embedding
 and head (tied or not) train like GPU-resident PyTorch; delivery copies made on load (the device casts the fp32
 master it receives) and gradients streamed into the update train bit for bit as the same plan with
-every copy and gradient kept."""
+every copy and gradient kept; the blocks' gradient buffers wait for their slow copies."""
 
 import copy
 from dataclasses import replace
@@ -109,3 +109,35 @@ def test_a_non_finite_streamed_gradient_applies_nothing_on_the_gpu():
             engine.step(*random_batch(gen, 2 * BATCH))
         after = [t for layer in engine.host.layers for t in (layer.master, layer.exp_avg, layer.exp_avg_sq)]
         assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_slow_gradient_copies_hold_back_the_backward_that_reuses_their_buffer():
+    """The blocks' two gradient buffers are refilled only after their copies to the host (grad_buffers.py):
+    with every gradient copy held back on the D2H stream (a sleep queued before it), the backward would
+    overwrite a buffer still being copied if it did not wait; the step is bit for bit the step without
+    the delay, and the same two buffers serve every block."""
+    model = make_model("qwen3")
+    kw = dict(KW, max_grad_norm=1.0)
+    plan = slidedp.plan(model, "1GiB", solver_options=VOCAB_STREAMED, **kw)
+    delayed = plan.replace(early_order=plan.early_order)  # the same plan, run with slow copies
+    buffers = set()
+
+    def slow_copies(e):
+        routes, take = e.executor.routes, e.executor.block_runner.grads.take
+        gradient = routes.gradient
+
+        def held_back(layer_id, acc, sumsq):
+            with routes.streams.on("d2h"):
+                torch.cuda._sleep(20_000_000)  # about 10 ms of the D2H stream
+            return gradient(layer_id, acc, sumsq)
+
+        def noted(layer_id, numel):
+            buffer = take(layer_id, numel)
+            buffers.add(buffer.data_ptr())
+            return buffer
+
+        routes.gradient = held_back
+        e.executor.block_runner.grads.take = noted
+
+    train_bit_for_bit(model, plan, delayed, kw, 5, slow_copies)
+    assert len(buffers) == 2
