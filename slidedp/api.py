@@ -336,12 +336,16 @@ def predict(model: nn.Module, plan, *, hardware=None) -> float:
     the_plan = _given_plan(plan)
     if the_plan is None:
         raise TypeError("predict needs a plan (a slidedp.Plan or a path)")
-    w = the_plan.workload
     hw = None if hardware is None else resolve_hardware(hardware, "cpu")
+    return replay(the_plan, plan_graph(model, the_plan), hw).step_s
+
+
+def plan_graph(model: nn.Module, plan: Plan) -> LayerGraph:
+    """`model` traced into the layer IR at the plan's workload (a meta-device model will do)."""
+    w = plan.workload
     tie_meta_model(model)
-    graph = build_layer_graph(model, batch_size=w.batch_size, seq_len=w.seq_len,
-                              compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
-    return replay(the_plan, graph, hw).step_s
+    return build_layer_graph(model, batch_size=w.batch_size, seq_len=w.seq_len,
+                             compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
 
 
 def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: int | None = None,

@@ -10,6 +10,12 @@ benchmarks/README.md count them apart).
 
 POINTS are held out: shapes the step-fitted coefficients never saw (benchmarks/common/fit_set.py), at
 token counts and budgets not measured before on the card.
+
+An A/B twin of a registered plan, to run beside it: the same decisions but only some of its streamed
+updates (the others on the CPU), its step predicted by the same model before it runs (one point):
+
+    python benchmarks/predict_vs_measured/register.py --hardware PROFILE --points 1.7b:16384:8GiB \
+        --twin-of registered/PLAN.json --keep 9 none --out results/DATE-registered-WHAT.json
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
-from benchmarks.common.model import MAX_GRAD_NORM  # noqa: E402
+from benchmarks.common.model import MAX_GRAD_NORM, empty_model  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
 from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
+
+import slidedp  # noqa: E402
+import slidedp.api  # noqa: E402
+from slidedp.costmodel.hardware import resolve_hardware  # noqa: E402
+from slidedp.scheduler import replay  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REGISTERED = HERE / "registered"
@@ -53,30 +64,54 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
     point: its prediction, its plan's sha256 and the command that runs it on a GPU machine (with
     `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for). `hardware_for`: a
     shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`."""
-    folder.mkdir(parents=True, exist_ok=True)
     rows = []
-    run_options = ("" if max_grad_norm == MAX_GRAD_NORM else f" --max-grad-norm {max_grad_norm or 'none'}") + (
-        "" if nonfinite == "skip" else f" --nonfinite {nonfinite}")
     for shape, tokens, budget in points:
         hw = (hardware_for or {}).get(shape, hardware)
         plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
                            max_grad_norm=max_grad_norm, nonfinite=nonfinite)
-        text = json.dumps(trimmed(plan.to_dict())).encode()
-        sha = hashlib.sha256(text).hexdigest()
-        path = folder / f"{sha[:16]}.json"
-        path.write_bytes(text)
-        rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
-        command = (f"python benchmarks/single_gpu_throughput/run.py --shape {shape} --tokens {tokens} --budget {budget} "
-                   f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hw))} --plan {rel}"
-                   f"{run_options} --merge --out OUT.json")
-        rows.append({"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": max_grad_norm,
-                     "nonfinite": nonfinite,
-                     "plan_file": str(rel), "plan_sha256": sha, "predicted_step_s": plan.predicted_step_time_s,
-                     "hardware": plan.hardware["name"],
-                     "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]),
-                     "command": command})
-        print(f"{shape} {tokens} {budget}: predicted {plan.predicted_step_time_s:.3f} s -> {rel}", flush=True)
+        rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite))
     return rows
+
+
+def register_twin(point, hardware: str, plan_file: str, streamed_updates, folder: Path = REGISTERED, steps: int = 12,
+                  max_grad_norm: float | None = MAX_GRAD_NORM, nonfinite: str = "skip") -> dict:
+    """The A/B twin of the plan in `plan_file` (a plan of `point`, solved under `hardware`) that streams only
+    `streamed_updates` through the device (slidedp.scheduler.replay.twin), kept and registered as
+    `register` keeps a solved plan."""
+    import torch
+
+    shape = point[0]
+    plan = slidedp.Plan.load(plan_file)
+    if resolve_hardware(hardware, "cpu").name != plan.hardware["name"]:
+        raise ValueError(f"{plan_file} was solved under {plan.hardware['name']!r}, not {hardware}")
+    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
+    graph = slidedp.api.plan_graph(empty_model(shape, dtype=dtype, device="cpu"), plan)
+    twin = replay.twin(plan, graph, streamed_updates=streamed_updates,
+                       why=f"edited: only {list(streamed_updates)} of {list(plan.streamed_updates)} kept "
+                           f"(an A/B twin of {Path(plan_file).name}, register.py --twin-of)")
+    return registered_row(twin, point, hardware, folder, steps, max_grad_norm, nonfinite)
+
+
+def registered_row(plan, point, hardware: str, folder: Path, steps: int, max_grad_norm, nonfinite: str) -> dict:
+    """Keep `plan` (of `point`, SHAPE, TOKENS, BUDGET) in `folder` as <sha256[:16]>.json and return its
+    registration row: its prediction, its sha256 and the command that runs it on a GPU machine."""
+    shape, tokens, budget = point
+    folder.mkdir(parents=True, exist_ok=True)
+    run_options = ("" if max_grad_norm == MAX_GRAD_NORM else f" --max-grad-norm {max_grad_norm or 'none'}") + (
+        "" if nonfinite == "skip" else f" --nonfinite {nonfinite}")
+    text = json.dumps(trimmed(plan.to_dict())).encode()
+    sha = hashlib.sha256(text).hexdigest()
+    path = folder / f"{sha[:16]}.json"
+    path.write_bytes(text)
+    rel = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
+    command = (f"python benchmarks/single_gpu_throughput/run.py --shape {shape} --tokens {tokens} --budget {budget} "
+               f"--systems slidedp --steps {steps} --hardware {shlex.quote(str(hardware))} --plan {rel}"
+               f"{run_options} --merge --out OUT.json")
+    print(f"{shape} {tokens} {budget}: predicted {plan.predicted_step_time_s:.3f} s -> {rel}", flush=True)
+    return {"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": max_grad_norm,
+            "nonfinite": nonfinite, "plan_file": str(rel), "plan_sha256": sha,
+            "predicted_step_s": plan.predicted_step_time_s, "hardware": plan.hardware["name"],
+            "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]), "command": command}
 
 
 def point_arg(text: str) -> tuple[str, int, str]:
@@ -87,6 +122,16 @@ def point_arg(text: str) -> tuple[str, int, str]:
     if len(parts) != 3 or parts[0] not in SHAPES or not parts[1].isdigit() or int(parts[1]) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE:TOKENS:BUDGET, SHAPE one of {', '.join(SHAPES)}")
     return parts[0], int(parts[1]), parts[2]
+
+
+def layer_ids(text: str) -> tuple[int, ...]:
+    """LAYER[,LAYER...] or 'none': layer ids."""
+    if text == "none":
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated layer ids or 'none'") from None
 
 
 def main(argv=None) -> int:
@@ -102,11 +147,22 @@ def main(argv=None) -> int:
                    help="clipping of every point (default 1.0); 'none': no clipping")
     p.add_argument("--nonfinite", choices=["skip", "stop"], default="skip",
                    help="every point's rule for a non-finite gradient (stop: the plan may update in place)")
+    p.add_argument("--twin-of", metavar="PLAN", help="register A/B twins of this plan (of the one --points, "
+                   "solved under --hardware), one for each --keep")
+    p.add_argument("--keep", nargs="+", type=layer_ids, default=[()], metavar="LAYERS",
+                   help="with --twin-of: the plan's streamed updates a twin keeps on the device, comma-separated "
+                        "layer ids or 'none' (every one on the CPU; the default)")
     add_allow_dirty(p)
     args = p.parse_args(argv)
+    if args.twin_of and len(args.points or ()) != 1:
+        p.error("--twin-of needs exactly one --points (the plan's point)")
     stamp = commit_stamp(args.allow_dirty)
-    rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
-                    nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for))
+    if args.twin_of:
+        rows = [register_twin(args.points[0], args.hardware, args.twin_of, keep, max_grad_norm=args.max_grad_norm,
+                              nonfinite=args.nonfinite) for keep in args.keep]
+    else:
+        rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
+                        nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for))
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -21,6 +21,7 @@ from slidedp.scheduler.decisions import (
 from slidedp.scheduler.oracles.timeline import Simulation, simulate
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.solve import plan_for
 
 UNBOUNDED_BYTES = 1 << 62  # early updates' spare state: the plan already fits where it was made
 
@@ -68,6 +69,31 @@ def plan_costs(plan: Plan, graph: LayerGraph, hardware: Hardware | None = None) 
 def replay(plan: Plan, graph: LayerGraph, hardware: Hardware | None = None, *, record: bool = False) -> Simulation:
     """The plan's decisions laid out under `hardware` (None: the one it was solved for)."""
     return simulate(plan_costs(plan, graph, hardware), plan_decisions(plan), record=record)
+
+
+def twin(plan: Plan, graph: LayerGraph, *, streamed_updates, why: str) -> Plan:
+    """The plan with only `streamed_updates` (some of its own) updated through the device, its other
+    streamed layers updated on the CPU at the step boundary, every other decision its own: laid out and
+    explained afresh under the hardware it holds. The solver record credits the streamed updates to `why`,
+    an edit and not a search: one decision's A/B twin, to run beside the plan itself. Plans with early
+    updates or streamed gradients are refused (their CPU updates of those layers would change kind)."""
+    s = plan.schedule
+    kept = tuple(i for i in s.streamed_updates if i in set(streamed_updates))
+    if set(streamed_updates) - set(kept):
+        raise ValueError(f"layers {sorted(set(streamed_updates) - set(kept))} are not among the plan's streamed "
+                         f"updates {list(s.streamed_updates)}")
+    if s.early_order or s.streamed_gradients:
+        raise ValueError("a plan with early updates or streamed gradients has no twin here")
+    edited = plan.replace(streamed_updates=kept)
+    costs = plan_costs(edited, graph)
+    searches = {**plan.solver.get("searches", {}), "streamed updates": why}
+    solver = {**plan.solver, "chosen_by": f"{plan.solver.get('chosen_by', 'unknown')}, streamed updates edited",
+              "searches": searches}
+    out = plan_for(costs, plan_decisions(edited), budget_bytes=plan.budget_bytes, precision=plan.workload.precision,
+                   version=plan.slidedp_version, solver=solver)
+    if out.peak_device_bytes > plan.budget_bytes:
+        raise ValueError(f"the twin needs {out.peak_device_bytes} B of device memory, over the plan's budget")
+    return out
 
 
 def _with_vocab_rows(problem: Problem, rows: int) -> Problem:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks.common.fit_set import registered_before, registrations
-from benchmarks.predict_vs_measured.register import point_arg, register
+from benchmarks.predict_vs_measured.register import layer_ids, point_arg, register, register_twin
 from tests.benchmarks.test_single_gpu_throughput import SCRIPT
 
 
@@ -65,6 +65,24 @@ def test_points_measured_already_are_not_run_again(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "measured already" not in proc.stdout and proc.stderr.count("not started") == points and not out.exists()
+
+
+def test_a_twin_is_registered_with_its_own_prediction_and_credited_to_the_edit(tmp_path):
+    """register.py --twin-of: the twin's plan is kept beside the others under its sha256, its prediction is
+    the cost model's for it (made here, before any run), and its command runs that plan; a plan solved under
+    other hardware is refused. --keep takes comma-separated ids or 'none'."""
+    (row,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path, steps=3, precision="fp32")
+    plan_file = tmp_path / f"{row['plan_sha256'][:16]}.json"
+    twin = register_twin(("tiny", 64, "1GiB"), "cpu", str(plan_file), (), folder=tmp_path, steps=3)
+    kept = json.loads((tmp_path / f"{twin['plan_sha256'][:16]}.json").read_text())
+    assert kept["explanation"]["predicted"]["step_s"] == twin["predicted_step_s"] > 0
+    assert "edited" in kept["explanation"]["solver"]["searches"]["streamed updates"]
+    assert twin["plan_file"] in twin["command"] and twin["plan_sha256"] != row["plan_sha256"]
+    with pytest.raises(ValueError, match="was solved under"):
+        register_twin(("tiny", 64, "1GiB"), "h100-sxm", str(plan_file), (), folder=tmp_path)
+    assert layer_ids("9") == (9,) and layer_ids("0,9") == (0, 9) and layer_ids("none") == ()
+    with pytest.raises(argparse.ArgumentTypeError):
+        layer_ids("prologue")
 
 
 def test_points_are_named_shape_tokens_budget():

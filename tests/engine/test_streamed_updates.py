@@ -137,3 +137,34 @@ def test_a_plan_streaming_a_layer_twice_is_refused():
     for bad in [plan.replace(streamed_updates=(1,)), plan.replace(streamed_updates=(99,))]:
         with pytest.raises(ValueError, match="streamed_updates"):
             compiled(model, bad)
+
+
+@pytest.mark.parametrize("keep", [(1,), ()])
+def test_a_twin_keeping_some_streamed_updates_trains_exactly_and_is_predicted_afresh(keep):
+    """replay.twin (register.py --twin-of): the plan's other streamed layers go back to the CPU, every other
+    decision stays, its step is the simulator's for the twin, the edit is credited as such, and the twin
+    trains as torch.optim.AdamW does. A layer the plan does not stream, or a plan with early updates, has none."""
+    from slidedp.scheduler.replay import replay, twin
+
+    model = make_model("llama")
+    ref = copy.deepcopy(model).eval()
+    plan = streamed_plan(model, 2)
+    assert plan.streamed_updates == (0, 1)
+    graph = build_layer_graph(model, batch_size=BATCH, seq_len=SEQ, compute_dtype=torch.float32)
+    other = twin(plan, graph, streamed_updates=keep, why="edited (test)")
+    assert other.streamed_updates == keep
+    assert other.decisions == plan.decisions and other.device_state == plan.device_state
+    assert other.window == plan.window and other.window_loads == plan.window_loads
+    assert other.predicted_step_time_s == pytest.approx(replay(other, graph).step_s)
+    assert other.predicted_step_time_s != pytest.approx(plan.predicted_step_time_s)
+    assert other.solver["searches"]["streamed updates"] == "edited (test)"
+    assert "streamed updates edited" in other.solver["chosen_by"] and "edited (test)" in other.summary()
+    assert ("streamed updates" in " ".join(other.notes)) == bool(keep)
+    with compiled(model, other) as engine:
+        assert (engine.runner.streamed.order if keep else engine.runner.streamed) == (list(keep) or None)
+        assert set(engine.runner.updates.order) >= set(plan.streamed_updates) - set(keep)  # those on the CPU
+        train_side_by_side(engine, ref, steps=3, seed=7, clip=CLIP)
+    with pytest.raises(ValueError, match="not among the plan's streamed updates"):
+        twin(plan, graph, streamed_updates=(2,), why="x")
+    with pytest.raises(ValueError, match="early updates"):
+        twin(plan.replace(early_order=(2,)), graph, streamed_updates=(), why="x")
