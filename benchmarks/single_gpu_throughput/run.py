@@ -168,13 +168,14 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
 
 # The record fields that say which configuration a point measured (a missing shape is the default, 4b).
 POINT_FIELDS = ("system", "shape", "tokens_per_step", "seq_len", "budget_bytes", "max_grad_norm", "nonfinite",
-                "slidedp_micro_rows", "baseline_micro_rows", "checkpoint_setting", "device_name", "git_commit")
+                "slidedp_micro_rows", "baseline_micro_rows", "checkpoint_setting", "device_name", "git_commit",
+                "plan_sha256")
 
 
 def _point(record: dict) -> tuple:
     """What a record measured: a rerun of the same configuration on the same card and commit replaces it
-    in a --merge; any other point (another shape, budget, clipping, micro-batching, card or commit) is
-    kept beside it."""
+    in a --merge; any other point (another shape, budget, clipping, micro-batching, card, commit or plan:
+    an A/B twin) is kept beside it."""
     return tuple(record.get(k, "4b" if k == "shape" else None) for k in POINT_FIELDS)
 
 

@@ -262,11 +262,12 @@ def test_a_merge_keeps_another_commits_point_and_replaces_a_rerun():
 
 def test_a_merge_keeps_every_other_configuration():
     """Points of the same system, tokens, budget and commit but another shape (or clipping, micro-batching,
-    card) are not reruns of each other: a --merge keeps both."""
+    card, plan) are not reruns of each other: a --merge keeps both."""
     bench = load_script()
     point = {"system": "slidedp", "tokens_per_step": 4096, "git_commit": "048aa07", "budget_bytes": 40 * 2**30,
              "shape": "8b", "max_grad_norm": 1.0, "slidedp_micro_rows": 1, "device_name": "NVIDIA H100 80GB HBM3"}
     for change in ({"shape": "llama8b"}, {"max_grad_norm": None}, {"slidedp_micro_rows": 2},
-                   {"device_name": "NVIDIA H200"}, {"nonfinite": "stop"}, {"checkpoint_setting": "all"}):
+                   {"device_name": "NVIDIA H200"}, {"nonfinite": "stop"}, {"checkpoint_setting": "all"},
+                   {"plan_sha256": "f2dc8c62"}):
         assert bench._point(point) != bench._point({**point, **change}), change
     assert bench._point({k: v for k, v in point.items() if k != "shape"}) == bench._point({**point, "shape": "4b"})
