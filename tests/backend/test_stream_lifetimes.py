@@ -104,3 +104,48 @@ def test_the_blocks_gradient_buffers_are_two_kept_and_each_refilled_after_its_co
         before = log[takes[j - GRAD_ACCUMULATORS]][1]  # the layer whose gradient the buffer held
         assert waited[:2] == ("wait", "compute") and made[waited[2].id] == ("d2h", ("sent", before))
         assert log[i][2] == log[takes[j - GRAD_ACCUMULATORS]][2]
+
+
+class _Tensor:
+    """A stand-in tensor that logs its casts, moves and copies."""
+
+    def __init__(self, dtype, is_cuda, log, name):
+        self.dtype, self.is_cuda, self.log, self.name = dtype, is_cuda, log, name
+        self.device = "cuda" if is_cuda else "cpu"
+
+    def to(self, where, non_blocking=False):
+        if isinstance(where, torch.dtype):
+            self.log.append(("cast", self.name, where))
+            return _Tensor(where, self.is_cuda, self.log, self.name + "'")
+        self.log.append(("move", self.name, where, non_blocking))
+        return _Tensor(self.dtype, where == "cuda", self.log, self.name + "'")
+
+    def copy_(self, src, non_blocking=False):
+        self.log.append(("copy", self.name, src.name, src.dtype, src.is_cuda, non_blocking))
+
+    def record_stream(self, stream):
+        self.log.append(("record", self.name, stream))
+
+
+def test_a_copy_between_host_and_device_in_two_dtypes_casts_on_the_device(monkeypatch):
+    """Streams.copy: the fp32 master into a bf16 slot (a delivery copy made on load) lands in fp32 on the
+    device and is cast there, and a device tensor going down in another dtype is cast before it leaves
+    (torch's copy_ would cast on the CPU through pageable memory); a copy in one dtype is left alone."""
+    from slidedp.backend.runtime.streams import Streams
+
+    streams = Streams(torch.device("cpu"))
+    streams.cuda, streams.h2d, streams.d2h = True, "h2d", "d2h"
+    monkeypatch.setattr(Streams, "on", lambda self, name: contextlib.nullcontext())
+    log = []
+    streams.copy("h2d", _Tensor(torch.bfloat16, True, log, "slot"), _Tensor(torch.float32, False, log, "master"))
+    assert log[0] == ("move", "master", "cuda", True)
+    assert log[1] == ("copy", "slot", "master'", torch.float32, True, True)  # cast on the device
+    assert {entry[1] for entry in log[2:]} == {"slot", "master'"}  # both recorded on the stream
+    log.clear()
+    streams.copy("d2h", _Tensor(torch.bfloat16, False, log, "host"), _Tensor(torch.float32, True, log, "grad"))
+    assert log[0] == ("cast", "grad", torch.bfloat16)
+    assert log[1] == ("copy", "host", "grad'", torch.bfloat16, True, True)
+    log.clear()
+    streams.copy("h2d", _Tensor(torch.bfloat16, True, log, "slot"), _Tensor(torch.bfloat16, False, log, "copy"))
+    assert log[0] == ("copy", "slot", "copy", torch.bfloat16, False, True) and not any(e[0] in ("move", "cast")
+                                                                                         for e in log)

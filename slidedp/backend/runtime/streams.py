@@ -47,8 +47,16 @@ class Streams:
             yield
 
     def copy(self, stream_name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src, enqueued on `stream_name` (asynchronous on CUDA from pinned host memory)."""
+        """dst <- src, enqueued on `stream_name` (asynchronous on CUDA from pinned host memory).
+
+        Between host and device in two dtypes (the fp32 master into a bf16 slot: a delivery copy made
+        on load) the cast runs on the device: the source lands in its own dtype and is cast there (or,
+        down, is cast before it leaves). torch's copy_ would cast on the CPU, on this thread, through
+        pageable memory. The landing buffer is allocated on this stream and freed once enqueued, so
+        only this stream's later work reuses it (the cost model charges it to the load)."""
         with self.on(stream_name):
+            if self.cuda and dst.dtype != src.dtype and dst.is_cuda != src.is_cuda:
+                src = src.to(dst.device, non_blocking=True) if dst.is_cuda else src.to(dst.dtype)
             dst.copy_(src, non_blocking=self.cuda)
             if self.cuda:
                 # The caching allocator must not hand dst's or src's memory to another stream's
