@@ -31,7 +31,9 @@ FLOORS = (
 )
 # sub-stages inside a stage, bottom up
 SUB_FLOORS = {
-    "scheduler": (("plan", "decisions"), ("problem",), ("oracles",), ("search",), ("explain",), ("solve", "replay")),
+    # replay above solve: a plan's edited twin is laid out and explained by solve.plan_for
+    "scheduler": (("plan", "decisions"), ("problem",), ("oracles",), ("search",), ("explain",), ("solve",),
+                  ("replay",)),
     "backend": (("kernels", "state"), ("lowering",), ("runtime",)),
 }
 
