@@ -37,6 +37,10 @@ class StepInfo:
     tokens: int  # tokens that carried a label in this step
     wait_s: float = 0.0  # waiting for the previous step's CPU update before this step's pass could finish it
     pass_s: float = 0.0  # from the call to the whole gradient's norm on the host (forward + backward)
+    # wall time of the CPU's round of updates after the previous step's boundary, which this step's loads
+    # waited on (one process, no early updates); None: not timed (the first step, early or streamed
+    # updates, ranks in worker processes)
+    update_s: float | None = None
 
 
 class Engine:
@@ -83,8 +87,13 @@ class Engine:
             log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far",
                         result.grad_norm, self.skipped_steps)
         self.last_step = StepInfo(self.host.step, result.loss, result.grad_norm, result.clip_coef, result.skipped,
-                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s)
+                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s, update_s=self._round_s())
         return result.loss
+
+    def _round_s(self) -> float | None:
+        """StepInfo.update_s: the last finished round of updates after a step boundary, where timed."""
+        timed = isinstance(self.runner, Rank) and not self.plan.early_order and not self.plan.streamed_gradients
+        return self.runner.last_duration_s or None if timed else None
 
     def _run(self, input_ids, labels, attention_mask, optimizer: AdamW | None):
         input_ids, labels, attention_mask = self._validate(input_ids, labels, attention_mask)

@@ -339,3 +339,24 @@ def test_the_planner_writes_early_updates_in_place_where_nonfinite_stops():
     assert "they would write in place" not in plans["stop"].summary()
     stop = plans["stop"]
     assert stop.streamed_gradients or (stop.early_in_place and stop.host_memory["spare"] == 0)
+
+
+def test_each_step_says_how_long_the_cpu_round_it_waited_on_took():
+    """StepInfo.update_s: the wall time of the CPU's round of updates after the previous step's boundary
+    (none before the first); a plan whose host updates run early has its rounds untimed (None)."""
+    model = make_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    with slidedp.compile(model, "1GiB", batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32",
+                         optimizer=slidedp.AdamW(lr=LR), max_grad_norm=1.0) as engine:
+        assert not engine.plan.early_order
+        rounds = []
+        for _ in range(3):
+            engine.step(*random_batch(gen, BATCH))
+            rounds.append(engine.last_step.update_s)
+        assert rounds[0] is None and all(s is not None and 0 < s < 60 for s in rounds[1:])
+    model = make_model("llama")
+    with compiled(model, early_plan(model)) as engine:
+        assert engine.plan.early_order
+        for _ in range(2):
+            engine.step(*random_batch(gen, BATCH))
+            assert engine.last_step.update_s is None
