@@ -13,7 +13,8 @@ benchmarks/single_gpu_throughput/run.py does (benchmarks/common/model.py)
 * `isolated`: the previous update finished first, so `pass_s` is the forward + backward alone;
 * `synced`: isolated, with `torch.cuda.synchronize()` after every program operation, timed per
   operation kind (the sum is the serial time of the pass; each kind's share says what is slow);
-* `profile` (with --profile): torch.profiler tables and trace of one overlapped step, and the
+* `profile` (with --profile): torch.profiler tables and trace of --profile-steps overlapped steps (the
+  first follows a flushed update; the later ones are steady: each overlaps the previous CPU round), and the
   plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`), and each CUDA
   stream's kernel time, busy time and span in that step (`gpu_lanes`);
 * `memory_peak` (with --memory-snapshot): what is allocated at the first step's peak, by source line
@@ -147,6 +148,7 @@ def main() -> None:
     p.add_argument("--policy", choices=["plan", "keep", "recompute"], default="plan")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=2, help="overlapped steps profiled (default 2)")
     p.add_argument("--no-synced", action="store_true")
     p.add_argument("--plan", help="a saved plan to run (its budget and workload); else solved here")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
@@ -194,7 +196,7 @@ def main() -> None:
                  "activation": [d.activation for d in engine.plan.decisions], "window": engine.plan.window,
                  "update_threads": getattr(engine.updates, "num_threads", None)}
         print(engine.plan.summary(), flush=True)
-        data = bench.batches(shape["vocab"], rows, shape["seq"], args.steps + 1, seed=0)
+        data = bench.batches(shape["vocab"], rows, shape["seq"], max(args.steps, args.profile_steps) + 1, seed=0)
         torch.cuda.reset_peak_memory_stats()
         point["warmup"] = timed_steps(engine, data[:1], isolated=False)
         if args.memory_snapshot:
@@ -221,7 +223,7 @@ def main() -> None:
         if args.profile:
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as prof:
-                timed_steps(engine, data[1:2], isolated=False)
+                timed_steps(engine, data[1:1 + args.profile_steps], isolated=False)
                 torch.cuda.synchronize()
             avg = prof.key_averages()
             for key in ("self_cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
