@@ -7,7 +7,8 @@ first and the last) give the pass (`pass_s`: the forward and backward, with what
 previous step's updates, `wait_s`). A compute-bound point whose pass less its wait is longer than the
 predicted compute ran its kernels slower than the model's block rate; a shorter one, faster (the pass
 also holds copies and waits the compute lane does not count, so "pass - wait" over "compute" is an
-upper bound of the compute's own error).
+upper bound of the compute's own error). Where the steps say how long the CPU round of updates they
+waited on took (`update_s`: one rank, updates at the step boundary), it is shown beside the replay's CPU lane.
 
     python benchmarks/predict_vs_measured/phases.py [--out results/DATE-phases.json]
 """
@@ -48,12 +49,15 @@ def phase_rows() -> list[dict]:
                                   compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
         sim = replay(plan, graph)
         wait, pass_s = (statistics.median(s[k] for s in steps) for k in ("wait_s", "pass_s"))
+        rounds = [s["update_s"] for s in steps if s.get("update_s") is not None]
         compute = sim.lane_busy["compute"] * sim.tick_s
         rows.append({"record": r["record"], "shape": r["shape"], "tokens_per_step": r["tokens_per_step"],
                      "budget_bytes": r["budget_bytes"], "preset": r["preset"], "fitted": r["fitted"],
                      "measured_median_s": r["median_step_s"], "predicted_s": r["predicted_step_s"],
                      "wait_s": wait, "pass_s": pass_s, "predicted_compute_s": compute,
                      "predicted_first_compute_s": sim.compute_starts[0] * sim.tick_s,
+                     "update_s": statistics.median(rounds) if rounds else None,
+                     "predicted_update_s": sim.lane_busy["cpu_update"] * sim.tick_s,
                      "bound": max(sim.lane_busy, key=sim.lane_busy.get),
                      "vocab_streamed": [name for name, d in (("prologue", plan.decisions[0]),
                                                              ("epilogue", plan.decisions[-1]))
@@ -67,11 +71,12 @@ def render(rows: list[dict]) -> str:
               f"{r['measured_median_s']:.3f} / {r['predicted_s']:.3f}", f"{r['wait_s']:.3f}",
               f"{r['pass_s'] - r['wait_s']:.3f}", f"{r['predicted_first_compute_s']:.3f}", f"{r['predicted_compute_s']:.3f}",
               f"{(r['pass_s'] - r['wait_s']) / r['predicted_compute_s']:.2f}",
+              "–" if r.get("update_s") is None else f"{r['update_s']:.3f}", f"{r['predicted_update_s']:.3f}",
               "fitted" if r["fitted"] else "held out", f"`{r['record']}`"] for r in rows]
     return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "vocabulary streamed",
                            "step s measured / predicted",
                            "wait s", "pass - wait s", "first compute s predicted", "compute s predicted",
-                           "(pass - wait) / compute",
+                           "(pass - wait) / compute", "CPU round s", "CPU round s predicted",
                            "fit", "record"], table)
 
 
