@@ -17,6 +17,7 @@ from slidedp.optim import AdamW
 from slidedp.errors import NonFiniteGradientError
 from slidedp.backend.state.host_state import host_runs
 from slidedp.budget import format_bytes
+from slidedp.run.device_memory import DeviceMemoryWatch, local_peaks
 from slidedp.run.preflight import host_available_bytes
 from slidedp.run.checkpoint import (
     CheckpointError, apply_engine_meta, atomic_checkpoint, check_engine_checkpoint,
@@ -66,6 +67,9 @@ class Engine:
         self.precision = precision
         self.skipped_steps = 0
         self.last_step: StepInfo | None = None
+        self._memory = None if device.type != "cuda" else DeviceMemoryWatch(
+            local_peaks(device) if isinstance(runner, Rank) else runner.device_memory, budget_bytes=plan.budget_bytes,
+            predicted_peak_bytes=plan.explanation.peak_device_bytes, every_step=isinstance(runner, Rank))
         self._closed = False
 
     @property
@@ -88,6 +92,8 @@ class Engine:
                         result.grad_norm, self.skipped_steps)
         self.last_step = StepInfo(self.host.step, result.loss, result.grad_norm, result.clip_coef, result.skipped,
                                   tokens, wait_s=result.wait_s, pass_s=result.pass_s, update_s=self._round_s())
+        if self._memory is not None:
+            self._memory.after_step(self.host.step)
         return result.loss
 
     def _round_s(self) -> float | None:
