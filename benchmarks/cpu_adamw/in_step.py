@@ -1,0 +1,199 @@
+"""The CPU AdamW's rate in the conditions of a training step, one condition added at a time.
+
+`slidedp calibrate` times the AdamW on NumPy arrays, on every core, with the copies it measures beside
+it queued in advance and the calling thread otherwise idle. A rank's round of updates runs on the
+update thread with one core fewer (backend/runtime/rank.py `update_threads`), over the host state (one
+memfd shared file, backend/state/host_state.py), while the main thread issues and waits for the
+device's work and the copies go both ways. Each row below adds one of those conditions; the rate is the
+median of --repeats AdamW steps over --params parameters (bf16 gradient in, bf16 weights out), timed on
+the thread that runs them.
+
+    python benchmarks/cpu_adamw/in_step.py [--params 256M] [--repeats 7] [--out results/DATE-WHAT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
+from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
+from benchmarks.cpu_adamw.run import parse_count  # noqa: E402
+
+from slidedp.backend.kernels.cpu_adamw import adamw_step  # noqa: E402
+
+DTYPES = (np.float32, np.uint16, np.float32, np.float32, np.uint16)  # master, grad, exp_avg, exp_avg_sq, bf16 out
+
+
+class State:
+    """The arrays of one AdamW over `numel` parameters, in NumPy's memory or in one memfd file."""
+
+    def __init__(self, numel: int, memfd: bool):
+        self.numel, self.memfd, self.registered = numel, memfd, None
+        sizes = [numel * np.dtype(d).itemsize for d in DTYPES]
+        if memfd:
+            page = mmap.PAGESIZE
+            offsets, total = [], 0
+            for s in sizes:
+                offsets.append(total)
+                total += -(-s // page) * page
+            self.fd = os.memfd_create("in-step", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, total)
+            self.map = mmap.mmap(self.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.arrays = [np.frombuffer(self.map, dtype=d, count=numel, offset=o) for d, o in zip(DTYPES, offsets)]
+            self.nbytes = total
+        else:
+            self.arrays = [np.empty(numel, dtype=d) for d in DTYPES]
+        for a, value in zip(self.arrays, (0.02, 0x3C23, 0.0, 0.0, 0)):
+            a[:] = value
+
+    def register(self) -> None:
+        """Pin the memfd file for DMA, as HostState.pin does."""
+        ptr = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({int(err)})")
+        self.registered = ptr
+
+    def master_as_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.arrays[0])
+
+    def step(self, threads: int) -> None:
+        p, g, m, v, out = self.arrays
+        adamw_step(p, g, m, v, out, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1,
+                   num_threads=threads)
+
+
+def adamw_rate(state: State, threads: int, repeats: int) -> float:
+    """Parameters per second of the AdamW on `threads` threads, run and timed on a thread of its own."""
+    times: list[float] = []
+
+    def work() -> None:
+        state.step(threads)  # compiled or loaded from the cache outside the timings
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            state.step(threads)
+            times.append(time.perf_counter() - t0)
+
+    worker = threading.Thread(target=work, name="in-step-adamw")
+    worker.start()
+    worker.join()
+    return state.numel / statistics.median(times)
+
+
+class Copies:
+    """Copies both ways, queued on two streams and requeued while `running` (pinned buffers, or a
+    registered host array as the source of the H2D and the destination of the D2H)."""
+
+    def __init__(self, nbytes: int, host: torch.Tensor | None = None):
+        self.host_src = host if host is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_dst = host if host is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        n = self.host_src.numel()
+        self.dev_src = torch.empty(n, dtype=self.host_src.dtype, device="cuda")
+        self.dev_dst = torch.empty(n, dtype=self.host_src.dtype, device="cuda")
+        self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
+        self.stop = threading.Event()
+        self.bytes_moved = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with torch.cuda.stream(self.up):
+                self.dev_dst.copy_(self.host_src, non_blocking=True)
+            with torch.cuda.stream(self.down):
+                self.host_dst.copy_(self.dev_src, non_blocking=True)
+            self.bytes_moved += 2 * self.host_src.numel() * self.host_src.element_size()
+            self.up.synchronize()
+            self.down.synchronize()
+
+
+def main_thread_busy(stop: threading.Event) -> None:
+    """The main thread's part in a step: device work queued, then waited for (torch.cuda.synchronize)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    while not stop.is_set():
+        for _ in range(50):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def measure(state: State, threads: int, repeats: int, *, copies: Copies | None = None, busy_main: bool = False) -> dict:
+    stop = threading.Event()
+    helpers = []
+    if copies is not None:
+        copies.stop.clear()
+        copies.bytes_moved = 0
+        helpers.append(threading.Thread(target=copies.run, name="in-step-copies"))
+    if busy_main:
+        helpers.append(threading.Thread(target=main_thread_busy, args=(stop,), name="in-step-main"))
+    for h in helpers:
+        h.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    rate = adamw_rate(state, threads, repeats)
+    wall = time.perf_counter() - t0
+    stop.set()
+    if copies is not None:
+        copies.stop.set()
+    for h in helpers:
+        h.join()
+    out = {"params_per_s": rate}
+    if copies is not None:
+        out["copies_bytes_per_s"] = copies.bytes_moved / wall
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=parse_count, default=parse_count("256M"), help="parameters (default 256M)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out")
+    add_allow_dirty(p)
+    args = p.parse_args()
+    stamp = commit_stamp(args.allow_dirty)
+    numel = args.params
+    cores = os.cpu_count() or 2
+    cuda = torch.cuda.is_available()
+    plain, shared = State(numel, memfd=False), State(numel, memfd=True)
+    rows = []
+
+    def row(what: str, **kw) -> None:
+        r = {"condition": what, **kw}
+        rows.append(r)
+        extra = f", copies {r['copies_bytes_per_s'] / 1e9:.1f} GB/s" if "copies_bytes_per_s" in r else ""
+        print(f"{what:<75} {r['params_per_s'] / 1e9:6.3f} G params/s{extra}", flush=True)
+
+    row(f"NumPy arrays, {cores} threads (as calibrate)", threads=cores, **measure(plain, cores, args.repeats))
+    row(f"NumPy arrays, {cores - 1} threads (the update thread's)", threads=cores - 1,
+        **measure(plain, cores - 1, args.repeats))
+    row(f"memfd file (the host state), {cores - 1} threads", threads=cores - 1,
+        **measure(shared, cores - 1, args.repeats))
+    if cuda:
+        pinned = Copies(1 << 30)
+        row(f"memfd, {cores - 1} threads, copies both ways (pinned buffers)", threads=cores - 1,
+            **measure(shared, cores - 1, args.repeats, copies=pinned))
+        row(f"memfd, {cores - 1} threads, copies both ways, main thread queues and waits for the device",
+            threads=cores - 1, **measure(shared, cores - 1, args.repeats, copies=pinned, busy_main=True))
+        row(f"NumPy arrays, {cores} threads, copies both ways (as calibrate)", threads=cores,
+            **measure(plain, cores, args.repeats, copies=pinned))
+        del pinned
+        other = State(numel, memfd=True)  # a second file: the state the copies read and write
+        other.register()
+        own = Copies(0, host=other.master_as_tensor())
+        row(f"memfd, {cores - 1} threads, copies both ways of another registered memfd state (streamed updates)",
+            threads=cores - 1, **measure(shared, cores - 1, args.repeats, copies=own, busy_main=True))
+    record = {**stamp, "command": "python " + " ".join(sys.argv), "params": numel, "cores": cores,
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}
+    if args.out:
+        write_records(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
