@@ -6,7 +6,8 @@ update thread with one core fewer (backend/runtime/rank.py `update_threads`), ov
 memfd shared file, backend/state/host_state.py), while the main thread issues and waits for the
 device's work and the copies go both ways. Each row below adds one of those conditions; the rate is the
 median of --repeats AdamW steps over --params parameters (bf16 gradient in, bf16 weights out), timed on
-the thread that runs them.
+the thread that runs them. The last rows are `slidedp calibrate`'s own contended measurements (the
+fractions of its profile), taken as it takes them.
 
     python benchmarks/cpu_adamw/in_step.py [--params 256M] [--repeats 7] [--out results/DATE-WHAT.json]
 """
@@ -30,6 +31,7 @@ from benchmarks.common.records import add_allow_dirty, commit_stamp, write_recor
 from benchmarks.cpu_adamw.run import parse_count  # noqa: E402
 
 from slidedp.backend.kernels.cpu_adamw import adamw_step  # noqa: E402
+from slidedp.profiler import calibrate as cal  # noqa: E402
 
 DTYPES = (np.float32, np.uint16, np.float32, np.float32, np.uint16)  # master, grad, exp_avg, exp_avg_sq, bf16 out
 
@@ -189,6 +191,16 @@ def main() -> None:
         own = Copies(0, host=other.master_as_tensor())
         row(f"memfd, {cores - 1} threads, copies both ways of another registered memfd state (streamed updates)",
             threads=cores - 1, **measure(shared, cores - 1, args.repeats, copies=own, busy_main=True))
+        del own, other
+        # what `slidedp calibrate` measures now, as it measures it: its AdamW state and copy buffers
+        state, buffers = cal.AdamwState(numel), cal.CopyBuffers(torch.device("cuda"), 1 << 30)
+        alone = state.numel / cal.measure_adamw_s(state, [cores], repeats=args.repeats)[0][1]
+        for out_of_place, field in ((False, "cpu_adamw_contended_fraction"), (True, "cpu_adamw_backward_fraction")):
+            state.step(cores, out_of_place=out_of_place)
+            rate = state.numel / cal.measure_adamw_contended_s(state, cores, buffers, repeats=args.repeats,
+                                                               out_of_place=out_of_place)
+            row(f"calibrate's measurement of {field}, {cores} threads: fraction {rate / alone:.3f}",
+                threads=cores, field=field, fraction=rate / alone, alone_params_per_s=alone, params_per_s=rate)
     record = {**stamp, "command": "python " + " ".join(sys.argv), "params": numel, "cores": cores,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": rows}
     if args.out:

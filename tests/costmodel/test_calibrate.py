@@ -210,6 +210,32 @@ def test_copies_are_timed_while_the_cpu_adamw_runs(monkeypatch):
     assert len(steps) == n  # and stopped after
 
 
+def test_the_cpu_adamw_is_timed_while_copies_run_throughout(monkeypatch):
+    """The measurement behind cpu_adamw_contended_fraction and cpu_adamw_backward_fraction: copies
+    both ways run, requeued, for as long as the AdamW's adaptive timing lasts (copies queued in advance
+    ended before it on an H100 host, and the fraction came out 0.93 for 0.65), and stop after."""
+    buffers = cal.CopyBuffers(torch.device("cpu"), 1 << 12)
+    copies, seen = [], []
+    monkeypatch.setattr(buffers, "h2d", lambda: copies.append("h2d"))
+    monkeypatch.setattr(buffers, "d2h", lambda: copies.append("d2h") or time.sleep(0.001))
+    state = cal.AdamwState(1 << 12)
+
+    def timed(fn, cuda, *, repeats, label=None):
+        for _ in range(20):  # the adaptive timing's calls, each seeing copies made since the last
+            before = len(copies)
+            fn()
+            time.sleep(0.005)
+            seen.append(len(copies) - before)
+        return 0.25
+
+    monkeypatch.setattr(cal, "_time_s", timed)
+    assert cal.measure_adamw_contended_s(state, 1, buffers, repeats=3) == 0.25
+    assert all(n > 0 for n in seen)  # copies ran beside every call, the last included
+    n = len(copies)
+    time.sleep(0.01)
+    assert len(copies) == n  # and stopped after
+
+
 def test_profile_round_trips_and_plans(quick_cpu, tmp_path):
     hw, _ = quick_cpu
     path = tmp_path / "hardware.json"
