@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,13 +83,23 @@ def keep(sha256: str, plan: dict) -> None:
     (SAVED / f"{sha256[:16]}.json").write_text(json.dumps({"plan_sha256": sha256, "plan": trimmed(plan)}) + "\n")
 
 
-def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None) -> list[dict]:
+def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None,
+                adamw_beside_copies: tuple[float, str] | None = None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
     under the hardware it holds (own_s), under today's preset (today_s; for a calibrated profile, the one
     it holds) and under each given profile of the card it ran on (profile_s: {profile name: seconds};
-    `profile_for`, {shape: profile}: under PER_SHAPE, its shape's)."""
-    profiles = [slidedp.Hardware.load(path) for path in profiles]
-    own_profile = {shape: slidedp.Hardware.load(path) for shape, path in (profile_for or {}).items()}
+    `profile_for`, {shape: profile}: under PER_SHAPE, its shape's). `adamw_beside_copies` (fraction,
+    where it was measured): every given profile with that cpu_adamw_contended_fraction, named so."""
+    def load(path):
+        hw = slidedp.Hardware.load(path)
+        if adamw_beside_copies is None:
+            return hw
+        fraction, source = adamw_beside_copies
+        return replace(hw, cpu_adamw_contended_fraction=fraction,
+                       name=f"{hw.name}, AdamW beside copies {fraction:.3f} ({source})")
+
+    profiles = [load(path) for path in profiles]
+    own_profile = {shape: load(path) for shape, path in (profile_for or {}).items()}
     models = {}
     rows = []
     for r in prediction_rows(RESULTS):
@@ -169,12 +180,21 @@ def main() -> None:
                    help="`slidedp calibrate` profiles: each card's points are also replayed under its own")
     p.add_argument("--profile-for", nargs="+", type=shape_hardware_arg, default=[], metavar="SHAPE=PROFILE",
                    help=f"a shape's own profile: its points on that card also replayed under it ({PER_SHAPE!r})")
+    p.add_argument("--adamw-beside-copies", metavar="RECORD",
+                   help="a cpu_adamw/in_step.py record: the given profiles with the fraction of the CPU AdamW's rate "
+                        "it measured beside copies both ways, as `slidedp calibrate` measures it now")
     p.add_argument("--out", help="the record to write")
     add_allow_dirty(p)
     args = p.parse_args()
     stamp = commit_stamp(args.allow_dirty)
+    beside = None
+    if args.adamw_beside_copies:
+        from benchmarks.cpu_adamw.in_step import calibrate_fraction
+
+        beside = (calibrate_fraction(json.loads(Path(args.adamw_beside_copies).read_text())),
+                  Path(args.adamw_beside_copies).name)
     rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles,
-                       profile_for=dict(args.profile_for))
+                       profile_for=dict(args.profile_for), adamw_beside_copies=beside)
     bad = [row for row in rows if row["own_s"] is not None
            and abs(row["own_s"] / row["predicted_before_s"] - 1) > 1e-6]
     for row in bad:
