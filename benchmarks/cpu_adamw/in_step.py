@@ -15,6 +15,7 @@ fractions of its profile), taken as it takes them.
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
 import statistics
@@ -93,8 +94,8 @@ def adamw_rate(state: State, threads: int, repeats: int) -> float:
 
 
 class Copies:
-    """Copies both ways, queued on two streams and requeued while `running` (pinned buffers, or a
-    registered host array as the source of the H2D and the destination of the D2H)."""
+    """Copies both ways on two streams, requeued until told to stop (pinned buffers, or a registered
+    host array as the source of the H2D and the destination of the D2H); counts the bytes moved."""
 
     def __init__(self, nbytes: int, host: torch.Tensor | None = None):
         self.host_src = host if host is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -103,11 +104,10 @@ class Copies:
         self.dev_src = torch.empty(n, dtype=self.host_src.dtype, device="cuda")
         self.dev_dst = torch.empty(n, dtype=self.host_src.dtype, device="cuda")
         self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
-        self.stop = threading.Event()
         self.bytes_moved = 0
 
-    def run(self) -> None:
-        while not self.stop.is_set():
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             with torch.cuda.stream(self.up):
                 self.dev_dst.copy_(self.host_src, non_blocking=True)
             with torch.cuda.stream(self.down):
@@ -127,25 +127,19 @@ def main_thread_busy(stop: threading.Event) -> None:
 
 
 def measure(state: State, threads: int, repeats: int, *, copies: Copies | None = None, busy_main: bool = False) -> dict:
-    stop = threading.Event()
-    helpers = []
-    if copies is not None:
-        copies.stop.clear()
-        copies.bytes_moved = 0
-        helpers.append(threading.Thread(target=copies.run, name="in-step-copies"))
-    if busy_main:
-        helpers.append(threading.Thread(target=main_thread_busy, args=(stop,), name="in-step-main"))
-    for h in helpers:
-        h.start()
-    time.sleep(0.2)
-    t0 = time.perf_counter()
-    rate = adamw_rate(state, threads, repeats)
-    wall = time.perf_counter() - t0
-    stop.set()
-    if copies is not None:
-        copies.stop.set()
-    for h in helpers:
-        h.join()
+    """The AdamW's rate (`adamw_rate`) with the copies running and the main thread busy, as asked."""
+    def timed() -> tuple[float, float]:
+        if copies is not None:
+            copies.bytes_moved = 0  # counted from here (give or take the pair under way)
+        t0 = time.perf_counter()
+        return adamw_rate(state, threads, repeats), time.perf_counter() - t0
+
+    run = timed
+    helpers = ([(main_thread_busy, "in-step-main")] if busy_main else []) + \
+        ([(copies.run, "in-step-copies")] if copies is not None else [])
+    for loop, name in helpers:  # each runs on a thread of its own while the ones inside it and the AdamW run
+        run = functools.partial(cal.beside, loop, run, name=name, settle_s=0.2)
+    rate, wall = run()
     out = {"params_per_s": rate}
     if copies is not None:
         out["copies_bytes_per_s"] = copies.bytes_moved / wall

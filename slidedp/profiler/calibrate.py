@@ -204,7 +204,7 @@ def measure(fn: Callable[[], None], cuda: bool, *, label: str, warmup: int = 1,
     """Median and spread of `fn()` by torch.utils.benchmark's adaptive_autorange: blocks of calls
     are timed until their IQR / median is under SPREAD_WARN (at least 4 blocks) or `max_run_s` has
     passed. On CUDA the timer synchronizes the device; otherwise wall clock alone (so that copies
-    queued on the device, as the contended AdamW measurement wants, are not waited for).
+    running on the device beside it, as the contended AdamW measurement wants, are not waited for).
     num_threads: torch's intra-op threads while timing; default torch.get_num_threads() at the call,
     the count the caller set (the Timer's own default would run `fn` on 1 thread)."""
     threads = torch.get_num_threads() if num_threads is None else num_threads
@@ -522,78 +522,73 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
 
     The copies were once queued in advance, sized by `repeats`; the adaptive timing outlasted them, and
     most of its calls ran alone: 0.93 of the AdamW's rate on an H100 host where copies running throughout
-    leave it 0.65 (benchmarks/cpu_adamw/in_step.py), as a step's round of updates measured."""
+    leave it 0.70 (benchmarks/cpu_adamw/in_step.py) and a step's round of updates ran at 0.66."""
     torch_threads = torch.get_num_threads()
     try:
-        seconds, _ = beside_copies(buffers, lambda: _time_s(lambda: state.step(threads, out_of_place), False,
-                                                             repeats=repeats, label="CPU AdamW contended"))
+        seconds = beside_copies(buffers, lambda: _time_s(lambda: state.step(threads, out_of_place), False,
+                                                          repeats=repeats, label="CPU AdamW contended"))
     finally:
         torch.set_num_threads(torch_threads)
     return seconds
 
 
-def beside_copies(buffers: CopyBuffers, fn: Callable[[], T]) -> tuple[T, int]:
-    """`fn()` while copies of the large buffers run both ways at once, requeued by a thread of their own
-    until `fn` returns (CUDA: two streams, a pair queued ahead of the one waited for; CPU: the copies one
-    after the other on that thread). Returns `fn`'s result and the pairs of copies that ended meanwhile."""
-    stop, ended = threading.Event(), [0]
+def beside(loop: Callable[[threading.Event], None], fn: Callable[[], T], *, name: str, settle_s: float = 0.05) -> T:
+    """`fn()` while `loop(stop)` runs on a thread of its own (started `settle_s` before `fn`), which must
+    return once `stop` is set; it has returned when this does."""
+    stop = threading.Event()
+    worker = threading.Thread(target=loop, args=(stop,), name=name, daemon=True)
+    worker.start()
+    try:
+        time.sleep(settle_s)
+        return fn()
+    finally:
+        stop.set()
+        worker.join()
 
-    def pump() -> None:
+
+def beside_copies(buffers: CopyBuffers, fn: Callable[[], T]) -> T:
+    """`fn()` while copies of the large buffers run both ways at once, requeued until `fn` returns (CUDA:
+    two streams, a pair queued ahead of the one waited for; CPU: the copies one after the other)."""
+    def pump(stop: threading.Event) -> None:
         if not buffers.cuda:
             while not stop.is_set():
                 buffers.h2d()
                 buffers.d2h()
-                ended[0] += 1
             return
         up, down = torch.cuda.Stream(), torch.cuda.Stream()
 
-        def queue() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        def queue() -> list[torch.cuda.Event]:
             ends = []
             for stream, copy in ((up, buffers.h2d), (down, buffers.d2h)):
                 with torch.cuda.stream(stream):
                     copy()
                 ends.append(torch.cuda.Event())
                 ends[-1].record(stream)
-            return ends[0], ends[1]
+            return ends
 
         pending = queue()
         while not stop.is_set():
             ahead = queue()
             for end in pending:
                 end.synchronize()
-            ended[0] += 1
             pending = ahead
         for end in pending:
             end.synchronize()
 
-    worker = threading.Thread(target=pump, name="slidedp-calibrate-copies", daemon=True)
-    worker.start()
-    try:
-        time.sleep(0.05)  # the copies under way
-        return fn(), ended[0]
-    finally:
-        stop.set()
-        worker.join()
+    return beside(pump, fn, name="slidedp-calibrate-copies")
 
 
 def beside_adamw(state: AdamwState, threads: int, fn: Callable[[], T]) -> T:
     """`fn()` while the CPU AdamW runs on `threads` threads, over and over on a thread of its own (it
     has stopped when this returns)."""
-    stop = threading.Event()
-
-    def hammer() -> None:
+    def hammer(stop: threading.Event) -> None:
         while not stop.is_set():
             state.step(threads)
 
-    worker = threading.Thread(target=hammer, name="slidedp-calibrate-adamw", daemon=True)
     torch_threads = torch.get_num_threads()
-    worker.start()
     try:
-        time.sleep(0.1)  # the AdamW under way
-        return fn()
+        return beside(hammer, fn, name="slidedp-calibrate-adamw", settle_s=0.1)  # the AdamW under way
     finally:
-        stop.set()
-        worker.join()
         torch.set_num_threads(torch_threads)
 
 
