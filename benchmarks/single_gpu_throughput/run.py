@@ -111,6 +111,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 if str(HERE.parents[1]) not in sys.path:  # run as a script: the repository root, for `benchmarks.common`
     sys.path.insert(0, str(HERE.parents[1]))
 
@@ -423,10 +424,21 @@ def _records(path: Path) -> list[dict]:
 MIN_POINT_S = 60.0  # with --time-left-s: a point needs at least this long (a child's start and a model's build)
 
 
-def registered_point_s(point: dict, steps: int) -> float:
-    """About how long a registered point takes: a child's start, its build and the warm-up's compilations
-    (75 s), then the warm-up and timed steps at its predicted step with a quarter to spare."""
-    return 75.0 + (steps + 1) * point["predicted_step_s"] * 1.25
+def registered_point_s(point: dict, steps: int, host_bytes: int = 0) -> float:
+    """About how long a registered point takes: a child's start (20 s), the model's build (15 s and 0.5 s
+    per GiB of the plan's host memory, which the host state's first writes take), the warm-up's
+    compilations (25 s), then the warm-up and timed steps at its predicted step with a quarter to spare.
+    The records of 2026-12-05/06 ran within a few seconds of it or under (a Qwen3-8B point of 108 GiB of
+    host memory built in 81 s and was cut off after two steps when 75 s was all a build was given)."""
+    return 60.0 + 0.5 * host_bytes / 2**30 + (steps + 1) * point["predicted_step_s"] * 1.25
+
+
+def plan_host_bytes(point: dict) -> int:
+    """The host memory of a registered point's plan (0 where its file is not in the repository)."""
+    path = REPO / point.get("plan_file", "")
+    if not point.get("plan_file") or not path.is_file():
+        return 0
+    return int(json.loads(path.read_text()).get("explanation", {}).get("peak_host_bytes", 0))
 
 
 def run_registered(args) -> int:
@@ -454,7 +466,8 @@ def run_registered(args) -> int:
         argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
         if args.time_left_s is not None:
             left = args.time_left_s - (time.monotonic() - start)
-            need = registered_point_s(point, int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 12)
+            need = registered_point_s(point, int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 12,
+                                      plan_host_bytes(point))
             if left < need:  # a point cut by the time limit measures nothing: the next one may fit
                 print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: not started, about {need:.0f} s "
                       f"needed, {left:.0f} s left", file=sys.stderr, flush=True)
