@@ -106,3 +106,27 @@ def test_make_readme_renders_a_like_for_like_record(tmp_path, monkeypatch):
     table = make_readme.table_cpu_adamw()
     assert "| 8 | bf16 | yes | 16 | 1 | 0.9 | – | 50.0 | 0.90x | torch fused |" in table
     assert "('5+', True, 'bf16')" in table
+
+
+def test_the_in_step_rows_run_on_the_cpu_and_give_calibrates_fraction(tmp_path):
+    """in_step.py: on the CPU the three rows without a device (the record's rates positive, one thread fewer
+    in the second and third); `calibrate_fraction` reads calibrate's own row where the record has one,
+    else the ratio of the rows in calibrate's setting."""
+    from benchmarks.cpu_adamw.in_step import calibrate_fraction
+
+    out = tmp_path / "2026-01-01-in-step.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_adamw" / "in_step.py"), "--params", "1M",
+                           "--repeats", "2", "--allow-dirty", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    cores = os.cpu_count()
+    assert rec["params"] == 2**20 and rec["device"] == "cpu" and len(rec["rows"]) == 3
+    assert [r["threads"] for r in rec["rows"]] == [cores, cores - 1, cores - 1]
+    assert all(r["params_per_s"] > 0 for r in rec["rows"])
+    rows = [{"condition": "NumPy arrays, 16 threads (as calibrate)", "params_per_s": 4.0},
+            {"condition": "NumPy arrays, 16 threads, copies both ways (as calibrate)", "params_per_s": 2.8}]
+    assert calibrate_fraction({"cores": 16, "rows": rows}) == pytest.approx(0.7)
+    own = {"condition": "calibrate's measurement", "field": "cpu_adamw_contended_fraction", "fraction": 0.66,
+           "params_per_s": 2.6}
+    assert calibrate_fraction({"cores": 16, "rows": rows + [own]}) == 0.66
