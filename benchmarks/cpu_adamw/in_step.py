@@ -146,19 +146,6 @@ def measure(state: State, threads: int, repeats: int, *, copies: Copies | None =
     return out
 
 
-def calibrate_fraction(record: dict) -> float:
-    """The fraction of its rate the AdamW keeps beside copies both ways in calibrate's setting (NumPy
-    arrays, every core): `slidedp calibrate`'s own measurement where the record has it, else the rows
-    that reproduce it."""
-    own = [r["fraction"] for r in record["rows"] if r.get("field") == "cpu_adamw_contended_fraction"]
-    if own:
-        return own[0]
-    cores = record["cores"]
-    rate = {r["condition"]: r["params_per_s"] for r in record["rows"]}
-    return (rate[f"NumPy arrays, {cores} threads, copies both ways (as calibrate)"]
-            / rate[f"NumPy arrays, {cores} threads (as calibrate)"])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=parse_count, default=parse_count("256M"), help="parameters (default 256M)")

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
 from benchmarks.common.model import MAX_GRAD_NORM, empty_model  # noqa: E402
+from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
 from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
@@ -114,6 +115,16 @@ def registered_row(plan, point, hardware: str, folder: Path, steps: int, max_gra
             "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]), "command": command}
 
 
+def derived_profile(hardware: str, record: str, folder: Path = REGISTERED / "profiles") -> str:
+    """`hardware` (a preset or profile path) with the CPU AdamW's share beside copies that the in_step.py
+    `record` measured (common/profiles.py), saved in `folder` for the runs to load; its path."""
+    hw = with_adamw_beside_copies(hardware, record)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{Path(hardware).stem}-adamw-beside-copies-{hw.cpu_adamw_contended_fraction:.3f}.json"
+    hw.save(path)
+    return str(path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
+
+
 def point_arg(text: str) -> tuple[str, int, str]:
     """SHAPE:TOKENS:BUDGET (a benchmark shape of benchmarks/common/model.py, tokens per step, a budget)."""
     from benchmarks.common.model import SHAPES
@@ -152,8 +163,14 @@ def main(argv=None) -> int:
     p.add_argument("--keep", nargs="+", type=layer_ids, default=[()], metavar="LAYERS",
                    help="with --twin-of: the plan's streamed updates a twin keeps on the device, comma-separated "
                         "layer ids or 'none' (every one on the CPU; the default)")
+    p.add_argument("--adamw-beside-copies", metavar="RECORD",
+                   help="a cpu_adamw/in_step.py record: --hardware and each --hardware-for with the CPU AdamW's share "
+                        "beside copies it measured (saved in registered/profiles/, which the runs load)")
     add_allow_dirty(p)
     args = p.parse_args(argv)
+    if args.adamw_beside_copies:
+        args.hardware = derived_profile(args.hardware, args.adamw_beside_copies)
+        args.hardware_for = [(shape, derived_profile(hw, args.adamw_beside_copies)) for shape, hw in args.hardware_for]
     if args.twin_of and len(args.points or ()) != 1:
         p.error("--twin-of needs exactly one --points (the plan's point)")
     stamp = commit_stamp(args.allow_dirty)

@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.cli import shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
+from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
@@ -84,19 +84,15 @@ def keep(sha256: str, plan: dict) -> None:
 
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None,
-                adamw_beside_copies: tuple[float, str] | None = None) -> list[dict]:
+                adamw_beside_copies: str | None = None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
     under the hardware it holds (own_s), under today's preset (today_s; for a calibrated profile, the one
     it holds) and under each given profile of the card it ran on (profile_s: {profile name: seconds};
-    `profile_for`, {shape: profile}: under PER_SHAPE, its shape's). `adamw_beside_copies` (fraction,
-    where it was measured): every given profile with that cpu_adamw_contended_fraction, named so."""
+    `profile_for`, {shape: profile}: under PER_SHAPE, its shape's). `adamw_beside_copies` (a cpu_adamw/in_step.py
+    record): every given profile with the AdamW's share beside copies it measured (common/profiles.py)."""
     def load(path):
         hw = slidedp.Hardware.load(path)
-        if adamw_beside_copies is None:
-            return hw
-        fraction, source = adamw_beside_copies
-        return replace(hw, cpu_adamw_contended_fraction=fraction,
-                       name=f"{hw.name}, AdamW beside copies {fraction:.3f} ({source})")
+        return hw if adamw_beside_copies is None else with_adamw_beside_copies(hw, adamw_beside_copies)
 
     profiles = [load(path) for path in profiles]
     own_profile = {shape: load(path) for shape, path in (profile_for or {}).items()}
@@ -187,14 +183,8 @@ def main() -> None:
     add_allow_dirty(p)
     args = p.parse_args()
     stamp = commit_stamp(args.allow_dirty)
-    beside = None
-    if args.adamw_beside_copies:
-        from benchmarks.cpu_adamw.in_step import calibrate_fraction
-
-        beside = (calibrate_fraction(json.loads(Path(args.adamw_beside_copies).read_text())),
-                  Path(args.adamw_beside_copies).name)
     rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles,
-                       profile_for=dict(args.profile_for), adamw_beside_copies=beside)
+                       profile_for=dict(args.profile_for), adamw_beside_copies=args.adamw_beside_copies)
     bad = [row for row in rows if row["own_s"] is not None
            and abs(row["own_s"] / row["predicted_before_s"] - 1) > 1e-6]
     for row in bad:

@@ -112,7 +112,7 @@ def test_the_in_step_rows_run_on_the_cpu_and_give_calibrates_fraction(tmp_path):
     """in_step.py: on the CPU the three rows without a device (the record's rates positive, one thread fewer
     in the second and third); `calibrate_fraction` reads calibrate's own row where the record has one,
     else the ratio of the rows in calibrate's setting."""
-    from benchmarks.cpu_adamw.in_step import calibrate_fraction
+    from benchmarks.common.profiles import calibrate_fraction
 
     out = tmp_path / "2026-01-01-in-step.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_adamw" / "in_step.py"), "--params", "1M",

@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,26 @@ def test_a_registered_point_that_cannot_finish_in_the_time_left_is_not_started(t
     eight_b = next(p for p in registered["points"] if p["plan_sha256"].startswith("743c8d11"))
     assert 107 * 2**30 < bench.plan_host_bytes(eight_b) < 108 * 2**30  # its plan's 107.56 GiB
     assert bench.plan_host_bytes(point("x", 1.0)) == 0  # no plan file: no build term
+
+
+def test_a_profile_with_the_adamw_share_measured_beside_copies(tmp_path):
+    """register.py --adamw-beside-copies: the profile saved beside the registrations holds the share an
+    in_step.py record measured in calibrate's setting, and its name says so (the card and the fit it came
+    from still read from it)."""
+    from benchmarks.common.fit_set import card_of, used_in_fitting
+    from benchmarks.predict_vs_measured.register import derived_profile
+    from slidedp.costmodel.hardware import Hardware
+
+    source = Path(__file__).resolve().parents[2] / "benchmarks/predict_vs_measured/results"
+    record = tmp_path / "2026-01-01-in-step.json"
+    record.write_text(json.dumps({"cores": 8, "rows": [
+        {"condition": "NumPy arrays, 8 threads (as calibrate)", "params_per_s": 4e9},
+        {"condition": "NumPy arrays, 8 threads, copies both ways (as calibrate)", "params_per_s": 2.6e9}]}))
+    path = derived_profile(str(source / "2026-12-06-h100-profile-qwen3-8b.json"), str(record), tmp_path / "profiles")
+    hw = Hardware.load(path)
+    original = Hardware.load(source / "2026-12-06-h100-profile-qwen3-8b.json")
+    assert hw.cpu_adamw_contended_fraction == pytest.approx(0.65)
+    assert hw.name == original.name + ", AdamW beside copies 0.650 (2026-01-01-in-step.json)"
+    assert hw.cpu_adamw_params_per_s == original.cpu_adamw_params_per_s  # the rest is the profile's own
+    assert card_of(hw.name) == "NVIDIA H100 80GB HBM3"
+    assert not used_in_fitting({"shape": "8b"}, hw.name) and used_in_fitting({"shape": "4b"}, hw.name)
