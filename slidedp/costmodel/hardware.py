@@ -236,9 +236,9 @@ PRESETS: dict[str, Hardware] = {
 # Coefficients of a preset that only whole steps (or kernels inside them) fit, which no micro-benchmark of
 # `slidedp calibrate` gives: the host's time to issue a block, the fused head's rate, and a compiled block's
 # rate inside a step (calibrate times one alone, on an idle card). The CPU AdamW's shares beside copies (in
-# place, and out of place as early updates write) are calibrate's own since it keeps the copies running for
-# as long as it times the AdamW: an H100 host's 0.70 there, where a step's round of updates ran at 0.66 and
-# the H200's step fit says 0.78 (benchmarks/cpu_adamw/README.md).
+# place, and out of place as early updates write) are calibrate's own: it keeps the copies running for as
+# long as it times the AdamW (an H100 host: 0.70, where a step's round of updates runs at 0.66 and the
+# H200's step fit says 0.78; benchmarks/cpu_adamw/README.md).
 STEP_FITTED = ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "compiled_block_efficiency")
 
 

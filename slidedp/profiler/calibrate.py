@@ -520,9 +520,9 @@ def measure_adamw_contended_s(state: AdamwState, threads: int, buffers: CopyBuff
     """Seconds of the CPU AdamW (as `measure_adamw_s`; `out_of_place`: as an early update writes it)
     while H2D and D2H copies run at once (CUDA), for as long as its timing lasts (`beside_copies`).
 
-    The copies were once queued in advance, sized by `repeats`; the adaptive timing outlasted them, and
-    most of its calls ran alone: 0.93 of the AdamW's rate on an H100 host where copies running throughout
-    leave it 0.70 (benchmarks/cpu_adamw/in_step.py) and a step's round of updates ran at 0.66."""
+    Copies queued in advance end before the adaptive timing does, and most of its calls then run alone:
+    0.93 of the AdamW's rate on an H100 host, where copies running throughout leave it 0.70
+    (benchmarks/cpu_adamw/in_step.py) and a step's round of updates runs at 0.66."""
     torch_threads = torch.get_num_threads()
     try:
         seconds = beside_copies(buffers, lambda: _time_s(lambda: state.step(threads, out_of_place), False,

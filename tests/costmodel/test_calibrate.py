@@ -212,8 +212,8 @@ def test_copies_are_timed_while_the_cpu_adamw_runs(monkeypatch):
 
 def test_the_cpu_adamw_is_timed_while_copies_run_throughout(monkeypatch):
     """The measurement behind cpu_adamw_contended_fraction and cpu_adamw_backward_fraction: copies
-    both ways run, requeued, for as long as the AdamW's adaptive timing lasts (copies queued in advance
-    ended before it on an H100 host, and the fraction came out 0.93 for 0.65), and stop after."""
+    both ways run, requeued, for as long as the AdamW's adaptive timing lasts (copies queued in advance end
+    before it: 0.93 on an H100 host for 0.70), and stop after."""
     buffers = cal.CopyBuffers(torch.device("cpu"), 1 << 12)
     copies, seen = [], []
     monkeypatch.setattr(buffers, "h2d", lambda: copies.append("h2d"))
