@@ -30,7 +30,7 @@ from benchmarks.common.tables import markdown_table  # noqa: E402
 from benchmarks.predict_vs_measured.run import RESULTS, plan_files  # noqa: E402
 
 import slidedp  # noqa: E402
-from slidedp.api import COMPUTE_DTYPES, build_layer_graph, tie_meta_model  # noqa: E402
+from slidedp.api import plan_graph  # noqa: E402
 from slidedp.scheduler.replay import replay  # noqa: E402
 
 
@@ -43,10 +43,7 @@ def phase_rows() -> list[dict]:
         plan = slidedp.Plan.from_dict(data)
         if r["shape"] not in models:
             models[r["shape"]] = bench.empty_model(r["shape"], dtype=torch.bfloat16, device="cpu")
-        model, w = models[r["shape"]], plan.workload
-        tie_meta_model(model)
-        graph = build_layer_graph(model, batch_size=w.batch_size, seq_len=w.seq_len,
-                                  compute_dtype=COMPUTE_DTYPES[w.precision], compiled_blocks=w.compiled_blocks)
+        graph = plan_graph(models[r["shape"]], plan)
         sim = replay(plan, graph)
         wait, pass_s = (statistics.median(s[k] for s in steps) for k in ("wait_s", "pass_s"))
         rounds = [s["update_s"] for s in steps if s.get("update_s") is not None]
