@@ -487,7 +487,8 @@ def worker(args, record: dict, point_cls=None, sampler=None) -> int:
         record.update(torch=torch.__version__, transformers=transformers.__version__, device=args.device,
                       device_name=(torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
                                    else host_description()["host_cpu"]),
-                      cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                      cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                      slidedp_cap_reserved=os.environ.get("SLIDEDP_CAP_RESERVED") == "1")
         try:
             import slidedp
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slidedp.backend.lowering.program import Program
-from slidedp.backend.runtime.allocator import expandable_segments
+from slidedp.backend.runtime import allocator
 from slidedp.backend.runtime.comm import RankComm
 from slidedp.backend.runtime.rank import build_rank
 from slidedp.backend.runtime.workers import WorkerPool, job_skeleton
@@ -142,7 +142,7 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
         raise ValueError(f"world_size={world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     in_process = in_engine_process(world_size)
     if in_process or rank is not None:
-        expandable_segments(dev)  # before this process's first CUDA allocation (the device state's)
+        allocator.configure(dev, plan.budget_bytes)  # before this process's first CUDA allocation (the device state's)
     # the ranks that share this process's host state: all of them, or (several hosts) this host's
     local = comm.local_world_size if comm is not None else world_size
     leader = comm is None or comm.leader

@@ -1,4 +1,5 @@
-"""The CUDA caching allocator of a rank: expandable segments, unless the user configured it.
+"""The CUDA caching allocator of a rank: expandable segments, unless the user configured it, and a
+cap at the plan's device budget.
 
 A plan's device budget bounds what the rank allocates; the caching allocator reserves more, in
 fixed-size segments that the step's mix of slots, stashes and workspaces splits and cannot give
@@ -8,6 +9,15 @@ expandable ones, segments mapped in pages that grow and shrink (1.904 s). So a r
 where PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) does not configure the allocator already, before
 its first allocation (run/launch.py: the device state is allocated before the rank is built); segments
 made before keep their fixed size.
+
+The cap (torch.cuda.set_per_process_memory_fraction, with SLIDEDP_CAP_RESERVED=1 in the environment)
+makes the budget bound what the rank reserves, not only what it allocates: an allocation that would
+take the reserve past it first makes the allocator give back its cached, unused pages and try again,
+and fails only if the live tensors themselves need more. Without it a 40 GiB plan of the
+Llama-3.2-3B shape at 16,384 tokens (H100) allocated 38.8 GiB and reserved 41.7 GiB, and a 5.3 GiB
+plan of the Qwen3-4B shape allocated 4.1 GiB and reserved 6.3 GiB. It is off by default: its first
+GPU run slowed the step and ended in an illegal memory access, before a buffer read on a second
+stream was recorded there (benchmarks/LOG.md); until GPU runs show what it costs and that it holds.
 """
 
 from __future__ import annotations
@@ -36,3 +46,30 @@ def expandable_segments(device: torch.device) -> bool:
     setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setting("expandable_segments:True")
     return True
+
+
+def cap_reserved(device: torch.device, budget_bytes: int) -> float | None:
+    """Cap what the caching allocator of `device` reserves at `budget_bytes`. Returns the fraction of
+    the device's memory it set; None where there is nothing to cap (not CUDA, or a budget of the
+    whole device or more)."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda": the current one
+    total = torch.cuda.get_device_properties(index).total_memory
+    if budget_bytes >= total:
+        return None
+    fraction = budget_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    log.info("slidedp: CUDA allocator capped at the plan's budget, %.1f%% of the device", 100 * fraction)
+    return fraction
+
+
+CAP_SETTING = "SLIDEDP_CAP_RESERVED"  # "1": cap the reserve at the plan's budget (the module docstring)
+
+
+def configure(device: torch.device, budget_bytes: int) -> None:
+    """A rank's allocator, before its first allocation: expandable segments and, where the environment
+    asks for it (CAP_SETTING), the budget's cap."""
+    expandable_segments(device)
+    if os.environ.get(CAP_SETTING, "") == "1":
+        cap_reserved(device, budget_bytes)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from slidedp.backend.kernels import cpu_adamw
-from slidedp.backend.runtime.allocator import expandable_segments
+from slidedp.backend.runtime import allocator
 from slidedp.backend.state.device_state import DeviceState
 from slidedp.backend.runtime.early_updates import EarlyUpdates
 from slidedp.backend.runtime.executor import StreamedExecutor
@@ -357,7 +357,7 @@ def build_rank(*, model, graph: LayerGraph, plan, program, host: HostState, devi
     """A rank on `device`: its executor (streams, buffers, routes) and its step. The same for the
     engine's own process, a worker process and a torchrun process. `device_state`: the state kept on
     the device, when the caller made it (lean layers, loaded there); else made here from the host's."""
-    expandable_segments(device)
+    allocator.configure(device, plan.budget_bytes)
     executor = StreamedExecutor(
         model, graph, host, program, device=device, compute_dtype=compute_dtype, loss_chunk_tokens=loss_chunk_tokens,
         compile_blocks=compile_blocks,
