@@ -8,7 +8,10 @@ previous step's updates, `wait_s`). A compute-bound point whose pass less its wa
 predicted compute ran its kernels slower than the model's block rate; a shorter one, faster (the pass
 also holds copies and waits the compute lane does not count, so "pass - wait" over "compute" is an
 upper bound of the compute's own error). Where the steps say how long the CPU round of updates they
-waited on took (`update_s`: one rank, updates at the step boundary), it is shown beside the replay's CPU lane.
+waited on took (`update_s`: one rank, updates at the step boundary), it is shown beside the replay's CPU lane,
+with the share of that lane's busy time during which the replay also runs copies both ways (`copies_share`:
+the condition in which `slidedp calibrate` measures the AdamW's contended rate; 1 where the model's
+charge of that rate for the whole round is exact).
 
     python benchmarks/predict_vs_measured/phases.py [--out results/DATE-phases.json]
 """
@@ -34,6 +37,42 @@ from slidedp.api import plan_graph  # noqa: E402
 from slidedp.scheduler.replay import replay  # noqa: E402
 
 
+def _intervals(events, lane: str) -> list[list[int]]:
+    """The busy intervals of `lane` on rank 0, overlapping ones merged, in order."""
+    out: list[list[int]] = []
+    for start, end in sorted((e.start, e.end) for e in events if e.rank == 0 and e.lane == lane and e.end > e.start):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _overlap(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    """The intersection of two lists of merged, ordered intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append([lo, hi])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def copies_share(events) -> float | None:
+    """The share of the CPU lane's busy time (rank 0) during which both copy lanes are busy too; None
+    without CPU updates."""
+    cpu = _intervals(events, "cpu_update")
+    busy = sum(b - a for a, b in cpu)
+    if not busy:
+        return None
+    both = _overlap(_intervals(events, "h2d"), _intervals(events, "d2h"))
+    return sum(b - a for a, b in _overlap(cpu, both)) / busy
+
+
 def phase_rows() -> list[dict]:
     plans, models, rows = plan_files([]), {}, []
     for r in prediction_rows(RESULTS):
@@ -44,7 +83,7 @@ def phase_rows() -> list[dict]:
         if r["shape"] not in models:
             models[r["shape"]] = bench.empty_model(r["shape"], dtype=torch.bfloat16, device="cpu")
         graph = plan_graph(models[r["shape"]], plan)
-        sim = replay(plan, graph)
+        sim = replay(plan, graph, record=True)
         wait, pass_s = (statistics.median(s[k] for s in steps) for k in ("wait_s", "pass_s"))
         rounds = [s["update_s"] for s in steps if s.get("update_s") is not None]
         compute = sim.lane_busy["compute"] * sim.tick_s
@@ -55,6 +94,7 @@ def phase_rows() -> list[dict]:
                      "predicted_first_compute_s": sim.compute_starts[0] * sim.tick_s,
                      "update_s": statistics.median(rounds) if rounds else None,
                      "predicted_update_s": sim.lane_busy["cpu_update"] * sim.tick_s,
+                     "copies_share": copies_share(sim.events),
                      "bound": max(sim.lane_busy, key=sim.lane_busy.get),
                      "vocab_streamed": [name for name, d in (("prologue", plan.decisions[0]),
                                                              ("epilogue", plan.decisions[-1]))
@@ -69,11 +109,13 @@ def render(rows: list[dict]) -> str:
               f"{r['pass_s'] - r['wait_s']:.3f}", f"{r['predicted_first_compute_s']:.3f}", f"{r['predicted_compute_s']:.3f}",
               f"{(r['pass_s'] - r['wait_s']) / r['predicted_compute_s']:.2f}",
               "–" if r.get("update_s") is None else f"{r['update_s']:.3f}", f"{r['predicted_update_s']:.3f}",
+              "–" if r.get("copies_share") is None else f"{r['copies_share']:.2f}",
               "fitted" if r["fitted"] else "held out", f"`{r['record']}`"] for r in rows]
     return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "vocabulary streamed",
                            "step s measured / predicted",
                            "wait s", "pass - wait s", "first compute s predicted", "compute s predicted",
                            "(pass - wait) / compute", "CPU round s", "CPU round s predicted",
+                           "copies both ways in the CPU round (predicted share)",
                            "fit", "record"], table)
 
 

@@ -1,6 +1,8 @@
 """Prediction tables say which rows were used in fitting the preset and score the held-out ones, before the
 run and with today's model on the same plans."""
 
+import pytest
+
 from benchmarks.common.fit_set import used_in_fitting
 from benchmarks.predict_vs_measured.run import render
 
@@ -88,7 +90,25 @@ def test_phases_set_each_points_pass_beside_its_replayed_compute(monkeypatch):
     assert row["wait_s"] == statistics.median(s["wait_s"] for s in steady)
     assert 0 < row["predicted_compute_s"] < row["predicted_s"] and row["bound"] == "h2d"
     assert row["vocab_streamed"] == ["epilogue"]  # as its plan says
+    assert 0 <= row["copies_share"] <= 1
     assert "| llama3b | 4,096 | 12.0 | h2d | epilogue |" in phases.render([row])
+
+
+def test_the_copies_share_of_the_cpu_round_counts_only_time_both_copy_lanes_run():
+    """phases.copies_share: of the CPU lane's 10 busy ticks, 3 have H2D and D2H running at once (H2D alone,
+    D2H alone and another rank's copies do not count); a replay without CPU updates has no share."""
+    from slidedp.scheduler.oracles.timeline import Event
+    from benchmarks.predict_vs_measured.phases import copies_share
+
+    def ev(lane, start, end, rank=0):
+        return Event(rank, lane, "op", 0, 0, start, end)
+
+    events = [ev("cpu_update", 0, 4), ev("cpu_update", 10, 16),
+              ev("h2d", 0, 3), ev("h2d", 2, 6), ev("d2h", 1, 2), ev("d2h", 5, 12),  # both: 1-2 and 5-6
+              ev("h2d", 12, 20), ev("d2h", 14, 15), ev("d2h", 15, 16),  # both: 14-16
+              ev("d2h", 0, 16, rank=1), ev("h2d", 0, 16, rank=1)]
+    assert copies_share(events) == pytest.approx(3 / 10)
+    assert copies_share([ev("h2d", 0, 3), ev("d2h", 0, 3)]) is None
 
 
 def test_each_shapes_own_profile_replays_that_shapes_points_on_its_card(monkeypatch):
