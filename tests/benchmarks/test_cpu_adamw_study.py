@@ -130,3 +130,18 @@ def test_the_in_step_rows_run_on_the_cpu_and_give_calibrates_fraction(tmp_path):
     own = {"condition": "calibrate's measurement", "field": "cpu_adamw_contended_fraction", "fraction": 0.66,
            "params_per_s": 2.6}
     assert calibrate_fraction({"cores": 16, "rows": rows + [own]}) == 0.66
+
+
+def test_the_engine_round_study_times_a_round_over_every_parameter(tmp_path):
+    """engine_round.py: each step's round of host updates beside a flat AdamW call over as many parameters as
+    the model has (its tied vocabulary counted once), both timed for every step."""
+    import benchmarks.cpu_adamw.engine_round as engine_round
+
+    out = tmp_path / "2026-01-01-round.json"
+    assert engine_round.main(["--hidden", "256", "--layers", "1", "--vocab", "512", "--steps", "2",
+                              "--allow-dirty", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    model = engine_round.qwen3_like(256, 1, 512)
+    assert rec["params"] == sum(p.numel() for p in model.parameters())
+    assert len(rec["round_s"]) == len(rec["flat_call_s"]) == 2 and min(rec["round_s"] + rec["flat_call_s"]) > 0
+    assert rec["round_over_call"] == pytest.approx(rec["round_s"][1] / rec["flat_call_s"][1])
