@@ -3,8 +3,9 @@ budget (what the caching allocator reserved) or the plan's predicted peak (what 
 
 A plan fits its budget by the cost model's count of the step's buffers; the rank allocates what the
 program and torch's kernels ask for, and the caching allocator reserves more (allocator.py). Where
-either passes the plan's figure, a device with only the budget free runs out of memory, and nothing
-said so before: this says it once, with by how much, after the first step that shows it.
+either passes the plan's figure, a device with only the budget free makes the allocator give back
+cached memory mid-step (slower) or run out: this says it once, with by how much, after the first step
+that shows it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def overruns(*, reserved_bytes: int, allocated_bytes: int, budget_bytes: int,
         out["reserved"] = (
             f"the CUDA caching allocator reserved {format_bytes(reserved_bytes)}, "
             f"{format_bytes(reserved_bytes - budget_bytes)} over the budget of {format_bytes(budget_bytes)} "
-            f"({format_bytes(allocated_bytes)} allocated at the peak): a device with only the budget free "
-            f"would have run out of memory; leave that much headroom or lower the budget")
+            f"({format_bytes(allocated_bytes)} allocated at the peak): on a device with only the budget free "
+            f"the allocator would have had to give back cached memory mid-step, or run out; leave that much "
+            f"headroom or lower the budget")
     if predicted_peak_bytes and allocated_bytes > predicted_peak_bytes * (1 + ALLOCATED_SLACK):
         over = allocated_bytes - predicted_peak_bytes
         out["allocated"] = (
@@ -43,7 +45,8 @@ def overruns(*, reserved_bytes: int, allocated_bytes: int, budget_bytes: int,
 
 
 class DeviceMemoryWatch:
-    """Reads the devices' peaks after a step and warns once per kind of overrun.
+    """Reads the devices' peaks after a step and warns once per kind of overrun, and again each time that
+    overrun has at least doubled since it was last told (a reserve that keeps growing over the steps).
 
     `read()` gives each rank's peaks ({"max_allocated_bytes", "max_reserved_bytes"}, None on a CPU
     rank) since the allocator's counters were last reset; `every_step` False reads them only after this
@@ -55,23 +58,27 @@ class DeviceMemoryWatch:
         self.budget_bytes = budget_bytes
         self.predicted_peak_bytes = predicted_peak_bytes
         self.every_step = every_step
-        self.told: set[str] = set()
+        self.told: dict[str, int] = {}  # kind of overrun -> the excess last told [bytes]
         self.steps = 0  # taken since the watch began
 
     def after_step(self, step: int) -> None:
         """`step`: the optimizer's step count, for the message."""
         self.steps += 1
-        if len(self.told) == 2 or not (self.every_step or self.steps & (self.steps - 1) == 0):
+        if not (self.every_step or self.steps & (self.steps - 1) == 0):
             return
         for rank, peaks in enumerate(self.read()):
             if peaks is None:
                 continue
             found = overruns(reserved_bytes=peaks["max_reserved_bytes"], allocated_bytes=peaks["max_allocated_bytes"],
                              budget_bytes=self.budget_bytes, predicted_peak_bytes=self.predicted_peak_bytes)
+            excess = {"reserved": peaks["max_reserved_bytes"] - self.budget_bytes,
+                      "allocated": peaks["max_allocated_bytes"] - self.predicted_peak_bytes}
             for kind, text in found.items():
-                if kind not in self.told:
-                    self.told.add(kind)
-                    log.warning("slidedp: device memory by step %d (rank %d): %s", step, rank, text)
+                told = self.told.get(kind)
+                if told is None or excess[kind] >= 2 * told:
+                    self.told[kind] = excess[kind]
+                    log.warning("slidedp: device memory by step %d (rank %d)%s: %s", step, rank,
+                                "" if told is None else ", grown since last told", text)
 
 
 def local_peaks(device: torch.device) -> Callable[[], list[dict | None]]:

@@ -31,9 +31,9 @@ def test_overruns_name_each_kind_and_the_excess():
                         predicted_peak_bytes=0)) == set()
 
 
-def test_watch_warns_once_per_kind(caplog):
-    reads = iter([[peaks(4 * GiB, 5 * GiB)], [None, peaks(4 * GiB, 7 * GiB)], [peaks(6 * GiB, 8 * GiB)],
-                  [peaks(6 * GiB, 8 * GiB)]])
+def test_watch_warns_once_per_kind_and_again_when_the_overrun_doubles(caplog):
+    reads = iter([[peaks(4 * GiB, 5 * GiB)], [None, peaks(4 * GiB, 7 * GiB)], [peaks(6 * GiB, 7.5 * GiB)],
+                  [peaks(6 * GiB, 7.9 * GiB)], [peaks(6 * GiB, 8 * GiB)]])
     watch = DeviceMemoryWatch(lambda: next(reads), budget_bytes=6 * GiB, predicted_peak_bytes=5 * GiB)
     with caplog.at_level(logging.WARNING, logger="slidedp"):
         watch.after_step(1)
@@ -43,8 +43,12 @@ def test_watch_warns_once_per_kind(caplog):
         assert "by step 2 (rank 1)" in caplog.records[0].getMessage() and "reserved 7.00 GiB" in caplog.records[0].getMessage()
         watch.after_step(3)  # now allocated over the plan as well: only that one is new
         assert len(caplog.records) == 2 and "6.00 GiB allocated at the peak" in caplog.records[1].getMessage()
-        watch.after_step(4)
+        watch.after_step(4)  # the reserve grew, but by less than twice its excess (1.9 GiB against 1)
         assert len(caplog.records) == 2
+        watch.after_step(5)  # twice the excess told: told again, with the new figure
+        assert len(caplog.records) == 3
+        message = caplog.records[2].getMessage()
+        assert "by step 5 (rank 0), grown since last told" in message and "reserved 8.00 GiB" in message
 
 
 def test_watch_of_worker_ranks_reads_after_steps_one_two_four_eight():
