@@ -53,9 +53,14 @@ class Hardware:
     # 0: block_efficiency.
     head_efficiency: float = 0.0
     # Fraction of matmul_flops_per_s that a block run through torch.compile reaches (forward,
-    # recompute and backward; its few fused kernels leave the host no floor); 0: not measured, the
-    # eager figures above apply.
+    # recompute and backward); 0: not measured, the eager figures above apply.
     compiled_block_efficiency: float = 0.0
+    # Host time to issue one micro-batch's compiled forward of a block (without autograd, as a
+    # recomputed block's forward pass runs), and its compiled backward after a forward with autograd,
+    # the calls alone with the device held back (`slidedp calibrate`): a compiled block takes at least
+    # this long (ops.block_forward_time_s). 0: not measured, no floor.
+    host_compiled_fwd_s: float = 0.0
+    host_compiled_bwd_s: float = 0.0
     # Device memory bandwidth reached by an optimizer kernel (reads and writes together); 0: not
     # known, and the optimizer state of a layer is never planned on the device (ops.device_update_time_s).
     gpu_memory_bytes_per_s: float = 0.0
@@ -167,8 +172,9 @@ _POSITIVE_RATES = ("matmul_flops_per_s", "block_efficiency", "h2d_bytes_per_s", 
                    "cpu_adamw_contended_fraction")
 # 0 means "none" (no GPU peer-to-peer) or "not known" (the field's comment says which figure stands in)
 _ZERO_MEANS_UNKNOWN = ("gpu_p2p_bytes_per_s", "host_block_fwd_s", "host_block_bwd_s", "head_efficiency",
-                       "compiled_block_efficiency", "gpu_memory_bytes_per_s", "cpu_adamw_backward_fraction",
-                       "attention_flops_per_s", "duplex_contended_fraction")
+                       "compiled_block_efficiency", "host_compiled_fwd_s", "host_compiled_bwd_s",
+                       "gpu_memory_bytes_per_s", "cpu_adamw_backward_fraction", "attention_flops_per_s",
+                       "duplex_contended_fraction")
 # fractions of a rate left under contention (the efficiencies may exceed 1: calibrate measures them
 # against one matmul's rate)
 _FRACTIONS = ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "duplex_contended_fraction")

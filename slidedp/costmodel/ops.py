@@ -107,8 +107,8 @@ def backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, reco
 
 
 def _compiled(hw: Hardware, compiled: bool) -> bool:
-    """A compiled block whose rate was measured (compiled_block_efficiency > 0): its own rate, and
-    its few fused kernels leave the host no floor; else the eager figures apply."""
+    """A compiled block whose rate was measured (compiled_block_efficiency > 0): its own rate and its
+    own host floor (host_compiled_fwd_s / host_compiled_bwd_s); else the eager figures apply."""
     return compiled and hw.compiled_block_efficiency > 0
 
 
@@ -133,25 +133,26 @@ def block_forward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *,
 
     t = m * max(block_flops_time_s, host_block_fwd_s): each micro-batch's kernels run no faster than
     the host thread issues them (host_block_fwd_s, measured; 0 ignores the host). Compiled (and
-    measured: compiled_block_efficiency > 0): its few fused kernels leave the host no floor.
+    measured: compiled_block_efficiency > 0): the compiled calls' own floor, host_compiled_fwd_s (a
+    small block's kernels finish before the host has issued the next ones).
     """
     gpu_s = block_flops_time_s(costs, hw, forwards=1, backward=False, compiled=compiled)
-    if _compiled(hw, compiled):
-        return micro_batches * gpu_s
-    return micro_batches * max(gpu_s, hw.host_block_fwd_s)
+    host = hw.host_compiled_fwd_s if _compiled(hw, compiled) else hw.host_block_fwd_s
+    return micro_batches * max(gpu_s, host)
 
 
 def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *, recompute: bool,
                           compiled: bool = False) -> float:
     """Backward of one block for every micro-batch (recomputing its forward first if asked) [s]:
 
-    t = m * max(block_flops_time_s, host_block_bwd_s + [recompute] host_block_fwd_s), or compiled
-    (every policy: executor.py) m * block_flops_time_s.
+    t = m * max(block_flops_time_s, host_block_bwd_s + [recompute] host_block_fwd_s); compiled, with
+    host_compiled_bwd_s + [recompute] host_compiled_fwd_s.
     """
     gpu_s = block_flops_time_s(costs, hw, forwards=int(recompute), backward=True, compiled=compiled)
     if _compiled(hw, compiled):
-        return micro_batches * gpu_s
-    host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
+        host = hw.host_compiled_bwd_s + (hw.host_compiled_fwd_s if recompute else 0.0)
+    else:
+        host = hw.host_block_bwd_s + (hw.host_block_fwd_s if recompute else 0.0)
     return micro_batches * max(gpu_s, host)
 
 

@@ -281,13 +281,10 @@ def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bflo
     return float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
 
 
-def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
-    """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
-    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
-
-    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
-    without autograd, then forward and backward, each through `torch.compile` (compiled before the
-    timing)."""
+def _block_calls(device: torch.device, shape: BlockShape, compiled: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, forward_backward) of a Qwen3 decoder layer of `shape` (causal SDPA, no mask) on `device`:
+    the forward without autograd, and a forward with autograd then the gradients of the input and of
+    every parameter; each block call through `torch.compile` if `compiled` (not yet compiled)."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = qwen3_block_config(shape)
@@ -304,16 +301,97 @@ def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats:
     kwargs = dict(attention_mask=None, position_embeddings=(cos, sin))
     block = torch.compile(run_block, dynamic=False) if compiled else run_block
 
-    def step():
-        if compiled:
-            with torch.no_grad():
-                block(layer, params, (hidden,), kwargs)
+    def forward():
+        with torch.no_grad():
+            block(layer, params, (hidden,), kwargs)
+
+    def forward_backward():
         out = block(layer, params, (hidden,), kwargs)
         torch.autograd.grad(out[0] if isinstance(out, tuple) else out, inputs, grad_out)
 
+    return forward, forward_backward
+
+
+def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
+    """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
+    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
+
+    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
+    without autograd, then forward and backward, each through `torch.compile` (compiled before the
+    timing)."""
+    forward, forward_backward = _block_calls(device, shape, compiled)
+
+    def step():
+        if compiled:
+            forward()
+        forward_backward()
+
     if compiled:
         step()  # compile outside the timing
-    return _time_s(step, cuda, repeats=repeats, label="block fwd+bwd")
+    return _time_s(step, device.type == "cuda", repeats=repeats, label="block fwd+bwd")
+
+
+HOLD_CYCLES = 1 << 30  # the device held back this many of its clock cycles (about half a second) to start
+
+
+def host_issue_s(fn: Callable[[], None], *, hold: Callable[[], None], held: Callable[[], bool],
+                 release: Callable[[], None], calls: int = 4, repeats: int = 5, tries: int = 6) -> float:
+    """Median seconds the host takes to issue one `fn()`: `calls` calls timed right after `hold()` holds
+    the device back, a repeat kept only where `held()` says it still was when the last call returned
+    (else the calls waited for the device: fewer calls, then a longer hold, are tried); `release()` waits
+    for the device after each repeat. RuntimeError after `tries` failed repeats in a row."""
+    times, failed = [], 0
+    while len(times) < repeats:
+        hold()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        kept = held()
+        release()
+        if kept:
+            times.append(elapsed / calls)
+            failed = 0
+            continue
+        failed += 1
+        if failed >= tries:
+            raise RuntimeError(f"the device could not be held back while {calls} call(s) were issued")
+        calls = max(1, calls // 2)
+    return statistics.median(times)
+
+
+def measure_compiled_block_host_s(device: torch.device, shape: BlockShape) -> tuple[float, float]:
+    """(host_compiled_fwd_s, host_compiled_bwd_s): the host's time to issue a compiled block's forward
+    without autograd, and its backward after a forward with autograd (that pair's time less the
+    forward's), with the device held back by a sleeping kernel so that no call waits for it (CUDA)."""
+    forward, forward_backward = _block_calls(device, shape, compiled=True)
+    forward()
+    forward_backward()  # compiled outside the timing
+    torch.cuda.synchronize(device)
+    cycles = [HOLD_CYCLES]
+    end = torch.cuda.Event()
+
+    def hold() -> None:
+        torch.cuda._sleep(cycles[0])
+        end.record()
+
+    def held() -> bool:
+        still = not end.query()
+        if not still:
+            cycles[0] *= 2  # the next repeat holds the device longer
+        return still
+
+    def release() -> None:
+        torch.cuda.synchronize(device)
+
+    try:
+        fwd = host_issue_s(forward, hold=hold, held=held, release=release)
+        pair = host_issue_s(forward_backward, hold=hold, held=held, release=release)
+    except RuntimeError as e:  # a call that waits for the device: no floor rather than a wrong one
+        warn_once(("calibrate", "compiled host"), "slidedp calibrate: the compiled block's host time is not "
+                  "measured (%s); host_compiled_fwd_s and host_compiled_bwd_s stay 0 (no floor)", e)
+        return 0.0, 0.0
+    return fwd, max(pair - fwd, 0.0)
 
 
 def rest_flops_per_s(shape: BlockShape, seconds: float, forwards: int, attention_flops_per_s: float,
@@ -711,6 +789,7 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         f"{block_s * 1e3:.4g} ms for {flops / 1e12:.4g} TFLOP = {flops / block_s / 1e12:.4g} TFLOP/s, "
         f"block_efficiency {efficiency:.3f}" + (" (of the FLOPs but attention's)" if attention else ""))
     compiled_efficiency = 0.0  # the CPU backend does not compile blocks by default (api.compile)
+    host_compiled = (0.0, 0.0)
     if cuda:
         torch.cuda.empty_cache()
         recompute_flops = 2 * flops_fwd + flops_bwd
@@ -719,6 +798,10 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         say(f"compiled block  forward, recompute + backward (torch.compile): {compiled_s * 1e3:.4g} ms for "
             f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
             f"compiled_block_efficiency {compiled_efficiency:.3f}")
+        torch.cuda.empty_cache()
+        host_compiled = measure_compiled_block_host_s(dev, shape)
+        say(f"compiled host   issuing the compiled block with the device held back: forward "
+            f"{host_compiled[0] * 1e3:.3g} ms, backward {host_compiled[1] * 1e3:.3g} ms, host_compiled_fwd_s / _bwd_s")
         torch.cuda.empty_cache()
 
     buffers = CopyBuffers(dev, sizes.transfer_bytes[-1])
@@ -799,7 +882,8 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, host_dram_bytes_per_s=host_dram,
         cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
         gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
-        compiled_block_efficiency=compiled_efficiency, gpu_memory_bytes_per_s=device_adamw,
+        compiled_block_efficiency=compiled_efficiency, host_compiled_fwd_s=host_compiled[0],
+        host_compiled_bwd_s=host_compiled[1], gpu_memory_bytes_per_s=device_adamw,
         attention_flops_per_s=attention, duplex_contended_fraction=copies_contended,
         cpu_adamw_backward_fraction=backward,
     )

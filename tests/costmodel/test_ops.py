@@ -100,9 +100,21 @@ def test_block_times_are_bounded_below_by_the_host_and_the_head_has_its_own_rate
         6e12 / (750e12 * 0.8) + 3e12 / 1e15)
     with pytest.raises(ValueError, match="attention_flops_per_s"):
         replace(hw, attention_flops_per_s=-1.0)
+    # a compiled block's own host floor: not the eager one; none where not measured (0)
+    tiny = LayerCosts(flops_fwd=3e9, flops_bwd=6e9)  # microseconds on the GPU
+    assert ops.block_forward_time_s(tiny, compiled, 3, compiled=True) == pytest.approx(3 * 3e9 / (750e12 * 0.8))
+    floored = replace(compiled, host_compiled_fwd_s=1e-3, host_compiled_bwd_s=1.5e-3)
+    assert ops.block_forward_time_s(tiny, floored, 3, compiled=True) == pytest.approx(3 * 1e-3)
+    assert ops.block_backward_time_s(tiny, floored, 3, recompute=False, compiled=True) == pytest.approx(3 * 1.5e-3)
+    assert ops.block_backward_time_s(tiny, floored, 3, recompute=True, compiled=True) == pytest.approx(3 * 2.5e-3)
+    assert ops.block_backward_time_s(big, floored, 2, recompute=True, compiled=True) == pytest.approx(
+        ops.block_backward_time_s(big, compiled, 2, recompute=True, compiled=True))  # the GPU bounds
+    with pytest.raises(ValueError, match="host_compiled_bwd_s"):
+        replace(plain, host_compiled_bwd_s=-1.0)
     # profiles written before these fields existed still load (defaults)
     data = plain.to_dict()
-    for key in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "attention_flops_per_s"):
+    for key in ("host_block_fwd_s", "host_block_bwd_s", "head_efficiency", "attention_flops_per_s",
+                "host_compiled_fwd_s", "host_compiled_bwd_s"):
         data.pop(key)
     assert Hardware.from_dict(data) == plain
 
