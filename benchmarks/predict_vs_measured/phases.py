@@ -7,9 +7,10 @@ first and the last) give the pass (`pass_s`: the forward and backward, with what
 previous step's updates, `wait_s`). A compute-bound point whose pass less its wait is longer than the
 predicted compute ran its kernels slower than the model's block rate; a shorter one, faster (the pass
 also holds copies and waits the compute lane does not count, so "pass - wait" over "compute" is an
-upper bound of the compute's own error). Where the steps say how long the CPU round of updates they
-waited on took (`update_s`: one rank, updates at the step boundary), it is shown beside the replay's CPU lane,
-with the share of that lane's busy time during which the replay also runs copies both ways (`copies_share`:
+upper bound of the compute's own error; where the steps say how long the host took to issue the blocks'
+forwards and backwards, `block_issue_s`, a pass close to it was set by the host). Where the steps say how
+long the CPU round of updates they waited on took (`update_s`: one rank, updates at the step boundary), it
+is shown beside the replay's CPU lane, with the share of that lane's busy time during which the replay also runs copies both ways (`copies_share`:
 the condition in which `slidedp calibrate` measures the AdamW's contended rate; 1 where the model's
 charge of that rate for the whole round is exact).
 
@@ -86,11 +87,13 @@ def phase_rows() -> list[dict]:
         sim = replay(plan, graph, record=True)
         wait, pass_s = (statistics.median(s[k] for s in steps) for k in ("wait_s", "pass_s"))
         rounds = [s["update_s"] for s in steps if s.get("update_s") is not None]
+        issued = [s["block_issue_s"] for s in steps if s.get("block_issue_s")]  # records from before: none
         compute = sim.lane_busy["compute"] * sim.tick_s
         rows.append({"record": r["record"], "shape": r["shape"], "tokens_per_step": r["tokens_per_step"],
                      "budget_bytes": r["budget_bytes"], "preset": r["preset"], "fitted": r["fitted"],
                      "measured_median_s": r["median_step_s"], "predicted_s": r["predicted_step_s"],
                      "wait_s": wait, "pass_s": pass_s, "predicted_compute_s": compute,
+                     "block_issue_s": statistics.median(issued) if issued else None,
                      "predicted_first_compute_s": sim.compute_starts[0] * sim.tick_s,
                      "update_s": statistics.median(rounds) if rounds else None,
                      "predicted_update_s": sim.lane_busy["cpu_update"] * sim.tick_s,
@@ -108,13 +111,15 @@ def render(rows: list[dict]) -> str:
               f"{r['measured_median_s']:.3f} / {r['predicted_s']:.3f}", f"{r['wait_s']:.3f}",
               f"{r['pass_s'] - r['wait_s']:.3f}", f"{r['predicted_first_compute_s']:.3f}", f"{r['predicted_compute_s']:.3f}",
               f"{(r['pass_s'] - r['wait_s']) / r['predicted_compute_s']:.2f}",
+              "–" if r.get("block_issue_s") is None else f"{r['block_issue_s']:.3f}",
               "–" if r.get("update_s") is None else f"{r['update_s']:.3f}", f"{r['predicted_update_s']:.3f}",
               "–" if r.get("copies_share") is None else f"{r['copies_share']:.2f}",
               "fitted" if r["fitted"] else "held out", f"`{r['record']}`"] for r in rows]
     return markdown_table(["shape", "tokens/step", "budget GiB", "busiest lane (predicted)", "vocabulary streamed",
                            "step s measured / predicted",
                            "wait s", "pass - wait s", "first compute s predicted", "compute s predicted",
-                           "(pass - wait) / compute", "CPU round s", "CPU round s predicted",
+                           "(pass - wait) / compute", "host issuing the blocks s", "CPU round s",
+                           "CPU round s predicted",
                            "copies both ways in the CPU round (predicted share)",
                            "fit", "record"], table)
 

@@ -38,6 +38,9 @@ class StepInfo:
     tokens: int  # tokens that carried a label in this step
     wait_s: float = 0.0  # waiting for the previous step's CPU update before this step's pass could finish it
     pass_s: float = 0.0  # from the call to the whole gradient's norm on the host (forward + backward)
+    # of pass_s, the host's time issuing the blocks' forwards and backwards (the busiest rank's): close
+    # to pass_s less wait_s, the host set the pace, not the device
+    block_issue_s: float = 0.0
     # wall time of the CPU's round of updates after the previous step's boundary, which this step's loads
     # waited on (one process, no early updates); None: not timed (the first step, early or streamed
     # updates, ranks in worker processes)
@@ -91,7 +94,8 @@ class Engine:
             log.warning("step skipped: non-finite gradient (norm %s); %d skipped so far",
                         result.grad_norm, self.skipped_steps)
         self.last_step = StepInfo(self.host.step, result.loss, result.grad_norm, result.clip_coef, result.skipped,
-                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s, update_s=self._round_s())
+                                  tokens, wait_s=result.wait_s, pass_s=result.pass_s,
+                                  block_issue_s=result.block_issue_s, update_s=self._round_s())
         if self._memory is not None:
             self._memory.after_step(self.host.step)
         return result.loss

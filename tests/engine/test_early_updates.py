@@ -341,7 +341,7 @@ def test_the_planner_writes_early_updates_in_place_where_nonfinite_stops():
     assert stop.streamed_gradients or (stop.early_in_place and stop.host_memory["spare"] == 0)
 
 
-def test_each_step_says_how_long_the_cpu_round_it_waited_on_took():
+def test_each_step_says_how_long_the_cpu_round_it_waited_on_and_its_blocks_issue_took():
     """StepInfo.update_s: the wall time of the CPU's round of updates after the previous step's boundary
     (none before the first); a plan whose host updates run early has its rounds untimed (None)."""
     model = make_model("llama")
@@ -353,6 +353,8 @@ def test_each_step_says_how_long_the_cpu_round_it_waited_on_took():
         for _ in range(3):
             engine.step(*random_batch(gen, BATCH))
             rounds.append(engine.last_step.update_s)
+            # the host's time issuing the blocks is part of the pass (on the CPU it is their compute)
+            assert 0 < engine.last_step.block_issue_s < engine.last_step.pass_s
         assert rounds[0] is None and all(s is not None and 0 < s < 60 for s in rounds[1:])
     model = make_model("llama")
     with compiled(model, early_plan(model)) as engine:

@@ -37,6 +37,8 @@ ops is a PassState (pass_state.py).
 
 from __future__ import annotations
 
+import time
+
 from typing import Callable
 
 import torch
@@ -95,6 +97,9 @@ class StreamedExecutor:
         self.resident, self.slots = w.resident, w.slots
         self.top_constants, self.block_constants = w.top_constants, w.block_constants
         self.head, self.epilogue_names = self.epilogue.head, self.epilogue.names
+        # host time spent issuing the blocks' forwards and backwards (every micro-batch), since the rank
+        # began [s]: where it is close to a pass, the host, not the device, set its pace
+        self.block_issue_s = 0.0
 
     # -- what others read and set on the executor, held by its collaborators -------------------
     @property
@@ -159,8 +164,11 @@ class StreamedExecutor:
                 self.streams.wait(op.stream, events[e])
             handler = handlers[op.kind]
             if handler is not None:
+                t0 = time.perf_counter()
                 with self.streams.range(op.text().split(None, 1)[1]):
                     handler(op, st)
+                if op.kind in (FWD, BWD):
+                    self.block_issue_s += time.perf_counter() - t0
             if op.record is not None:
                 events[op.record] = self.streams.record(op.stream)
         return st.loss_sum

@@ -57,6 +57,7 @@ class RankStep:
     skipped: bool  # non-finite gradient: nothing was updated
     wait_s: float  # this rank's wait for the previous step's updates
     pass_s: float  # this rank's passes, reduction and norm
+    block_issue_s: float = 0.0  # of pass_s, the host's time issuing the blocks' forwards and backwards
 
 
 class Rank:
@@ -97,7 +98,7 @@ class Rank:
         if self.broken is not None:
             error, why = self.broken
             raise error(f"{why}; load a checkpoint before the next step")
-        t0 = time.perf_counter()
+        t0, issued = time.perf_counter(), self.executor.block_issue_s
         share = input_ids.shape[0] // self.world_size
         rows = slice(self.rank * share, (self.rank + 1) * share)
         input_ids, labels = input_ids[rows], labels[rows]
@@ -147,7 +148,8 @@ class Rank:
         if self.comm is not None:
             self.comm.all_reduce_host(totals)
         loss_value, norm = float(totals[0]), math.sqrt(float(totals[1]))
-        timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0)
+        timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0,
+                      block_issue_s=self.executor.block_issue_s - issued)
         if streaming and (nonfinite or not math.isfinite(norm)):
             self.host.step += 1  # the step the applied chunks counted in their bias correction
             self.routes.rounds += 1

@@ -170,7 +170,8 @@ class WorkerPool:
         if kw.get("optimizer") is not None and not first.skipped:
             self.host.step += 1  # the controller's count; each rank keeps its own
         return RankStep(first.loss, first.grad_norm, first.clip_coef, first.skipped,
-                        wait_s=max(r.wait_s for r in replies), pass_s=max(r.pass_s for r in replies))
+                        wait_s=max(r.wait_s for r in replies), pass_s=max(r.pass_s for r in replies),
+                        block_issue_s=max(r.block_issue_s for r in replies))
 
     def flush(self) -> None:
         if not self._closed:
