@@ -8,7 +8,8 @@ previous step's updates, `wait_s`). A compute-bound point whose pass less its wa
 predicted compute ran its kernels slower than the model's block rate; a shorter one, faster (the pass
 also holds copies and waits the compute lane does not count, so "pass - wait" over "compute" is an
 upper bound of the compute's own error; where the steps say how long the host took to issue the blocks'
-forwards and backwards, `block_issue_s`, a pass close to it was set by the host). Where the steps say how
+forwards and backwards, `block_issue_s`, a pass close to it was set by the host, or by a full launch
+queue: the device's busy time in a profile tells which). Where the steps say how
 long the CPU round of updates they waited on took (`update_s`: one rank, updates at the step boundary), it
 is shown beside the replay's CPU lane, with the share of that lane's busy time during which the replay also runs copies both ways (`copies_share`:
 the condition in which `slidedp calibrate` measures the AdamW's contended rate; 1 where the model's

@@ -38,8 +38,9 @@ class StepInfo:
     tokens: int  # tokens that carried a label in this step
     wait_s: float = 0.0  # waiting for the previous step's CPU update before this step's pass could finish it
     pass_s: float = 0.0  # from the call to the whole gradient's norm on the host (forward + backward)
-    # of pass_s, the host's time issuing the blocks' forwards and backwards (the busiest rank's): close
-    # to pass_s less wait_s, the host set the pace, not the device
+    # of pass_s, the host's time issuing the blocks' forwards and backwards (the busiest rank's), wall
+    # time: it holds the waits of a full launch queue too, so it tells a host-bound pass (close to
+    # pass_s less wait_s) only beside the device's busy time (diagnose_step's profile)
     block_issue_s: float = 0.0
     # wall time of the CPU's round of updates after the previous step's boundary, which this step's loads
     # waited on (one process, no early updates); None: not timed (the first step, early or streamed

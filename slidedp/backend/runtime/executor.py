@@ -98,7 +98,7 @@ class StreamedExecutor:
         self.top_constants, self.block_constants = w.top_constants, w.block_constants
         self.head, self.epilogue_names = self.epilogue.head, self.epilogue.names
         # host time spent issuing the blocks' forwards and backwards (every micro-batch), since the rank
-        # began [s]: where it is close to a pass, the host, not the device, set its pace
+        # began [s], wall time (a full launch queue's waits included)
         self.block_issue_s = 0.0
 
     # -- what others read and set on the executor, held by its collaborators -------------------
