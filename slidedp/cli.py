@@ -228,30 +228,12 @@ def _calibrate(args) -> int:
               + (f"; its compiled block rate times {ratio:.4f}, {args.model}'s block over the fitted one's"
                  if shape is not None else "") + "): "
               + ", ".join(f"{f} {getattr(profile, f):.4g}" for f in STEP_FITTED))
-    if args.base and shape is not None:
-        profile = _with_compiled_host(profile, shape, args.device)
     profile.save(args.out)  # the JSON goes to the file only; stdout gets the measurements above and this
     print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
           f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
           f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
     print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     return 0
-
-
-def _with_compiled_host(profile, shape, device: str):
-    """calibrate --base --model: the base profile's host floor of a compiled block (its reference block's)
-    measured again on `shape`'s block (CUDA; the CPU device does not compile blocks)."""
-    from dataclasses import replace
-
-    from slidedp.profiler.calibrate import measure_compiled_block_host_s, resolve_device
-
-    dev = resolve_device(device)
-    if dev.type != "cuda":
-        return profile
-    fwd, bwd = measure_compiled_block_host_s(dev, shape)
-    print(f"compiled host   issuing the model's compiled block with the device held back: forward {fwd * 1e3:.3g} ms, "
-          f"backward {bwd * 1e3:.3g} ms, host_compiled_fwd_s / _bwd_s", flush=True)
-    return replace(profile, host_compiled_fwd_s=fwd, host_compiled_bwd_s=bwd)
 
 
 def _base_profile(path: str, device: str):

@@ -55,10 +55,10 @@ class Hardware:
     # Fraction of matmul_flops_per_s that a block run through torch.compile reaches (forward,
     # recompute and backward); 0: not measured, the eager figures above apply.
     compiled_block_efficiency: float = 0.0
-    # Host time to issue one micro-batch's compiled forward of a block (without autograd, as a
-    # recomputed block's forward pass runs), and its compiled backward after a forward with autograd,
-    # the calls alone with the device held back (`slidedp calibrate`): a compiled block takes at least
-    # this long (ops.block_forward_time_s). 0: not measured, no floor.
+    # The engine's host time to issue one micro-batch's compiled forward of a block, and its backward
+    # (without recompute), as `slidedp calibrate` times it in the steps of a model narrow enough that the
+    # device keeps up: a compiled block takes at least this long (ops.block_forward_time_s). 0: not
+    # measured, no floor.
     host_compiled_fwd_s: float = 0.0
     host_compiled_bwd_s: float = 0.0
     # Device memory bandwidth reached by an optimizer kernel (reads and writes together); 0: not

@@ -281,10 +281,13 @@ def count_block_flops_fwd_bwd(shape: BlockShape, dtype: torch.dtype = torch.bflo
     return float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops())
 
 
-def _block_calls(device: torch.device, shape: BlockShape, compiled: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(forward, forward_backward) of a Qwen3 decoder layer of `shape` (causal SDPA, no mask) on `device`:
-    the forward without autograd, and a forward with autograd then the gradients of the input and of
-    every parameter; each block call through `torch.compile` if `compiled` (not yet compiled)."""
+def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
+    """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
+    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
+
+    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
+    without autograd, then forward and backward, each through `torch.compile` (compiled before the
+    timing)."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = qwen3_block_config(shape)
@@ -301,97 +304,54 @@ def _block_calls(device: torch.device, shape: BlockShape, compiled: bool) -> tup
     kwargs = dict(attention_mask=None, position_embeddings=(cos, sin))
     block = torch.compile(run_block, dynamic=False) if compiled else run_block
 
-    def forward():
-        with torch.no_grad():
-            block(layer, params, (hidden,), kwargs)
-
-    def forward_backward():
+    def step():
+        if compiled:
+            with torch.no_grad():
+                block(layer, params, (hidden,), kwargs)
         out = block(layer, params, (hidden,), kwargs)
         torch.autograd.grad(out[0] if isinstance(out, tuple) else out, inputs, grad_out)
 
-    return forward, forward_backward
-
-
-def measure_block_fwd_bwd_s(device: torch.device, shape: BlockShape, *, repeats: int, compiled: bool = False) -> float:
-    """Seconds of one forward + backward of a Qwen3 decoder layer (causal SDPA, no mask), computing
-    the gradients of the input and of every parameter; bf16 on CUDA, fp32 on the CPU.
-
-    compiled: as the executor runs a recomputed block with `compile_blocks` instead: the forward
-    without autograd, then forward and backward, each through `torch.compile` (compiled before the
-    timing)."""
-    forward, forward_backward = _block_calls(device, shape, compiled)
-
-    def step():
-        if compiled:
-            forward()
-        forward_backward()
-
     if compiled:
         step()  # compile outside the timing
-    return _time_s(step, device.type == "cuda", repeats=repeats, label="block fwd+bwd")
+    return _time_s(step, cuda, repeats=repeats, label="block fwd+bwd")
 
 
-HOLD_CYCLES = 1 << 30  # the device held back this many of its clock cycles (about half a second) to start
+def measure_engine_block_host_s(device: torch.device, *, layers: int = 8, micro_batches: int = 4,
+                                steps: int = 3) -> tuple[float, float]:
+    """(forward, backward) seconds the engine's host takes to issue one block for one micro-batch: a
+    narrow Qwen3 model (head size 128, hidden 256) trained by slidedp (blocks compiled on CUDA) for
+    `steps` steps after two warm-up ones; its kernels are short enough that the device keeps up, so the
+    time in the blocks' forward and backward ops is the host's (the executor's work and the compiled
+    calls; `StreamedExecutor.block_issue_s`), a recomputed block's second forward taken out of its
+    backward."""
+    from transformers import Qwen3ForCausalLM
 
+    from slidedp import api
 
-def host_issue_s(fn: Callable[[], None], *, hold: Callable[[], None], held: Callable[[], bool],
-                 release: Callable[[], None], calls: int = 4, repeats: int = 5, tries: int = 6) -> float:
-    """Median seconds the host takes to issue one `fn()`: `calls` calls timed right after `hold()` holds
-    the device back, a repeat kept only where `held()` says it still was when the last call returned
-    (else the calls waited for the device: fewer calls, then a longer hold, are tried); `release()` waits
-    for the device after each repeat. RuntimeError after `tries` failed repeats in a row."""
-    times, failed = [], 0
-    while len(times) < repeats:
-        hold()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - t0
-        kept = held()
-        release()
-        if kept:
-            times.append(elapsed / calls)
-            failed = 0
-            continue
-        failed += 1
-        if failed >= tries:
-            raise RuntimeError(f"the device could not be held back while {calls} call(s) were issued")
-        calls = max(1, calls // 2)
-    return statistics.median(times)
-
-
-def measure_compiled_block_host_s(device: torch.device, shape: BlockShape) -> tuple[float, float]:
-    """(host_compiled_fwd_s, host_compiled_bwd_s): the host's time to issue a compiled block's forward
-    without autograd, and its backward after a forward with autograd (that pair's time less the
-    forward's), with the device held back by a sleeping kernel so that no call waits for it (CUDA)."""
-    forward, forward_backward = _block_calls(device, shape, compiled=True)
-    forward()
-    forward_backward()  # compiled outside the timing
-    torch.cuda.synchronize(device)
-    cycles = [HOLD_CYCLES]
-    end = torch.cuda.Event()
-
-    def hold() -> None:
-        torch.cuda._sleep(cycles[0])
-        end.record()
-
-    def held() -> bool:
-        still = not end.query()
-        if not still:
-            cycles[0] *= 2  # the next repeat holds the device longer
-        return still
-
-    def release() -> None:
-        torch.cuda.synchronize(device)
-
+    cuda = device.type == "cuda"
+    config = Qwen3Config(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=128, num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    engine = api.compile(model, "8GiB" if cuda else "1GiB", batch_size=1, seq_len=256, device=str(device),
+                         micro_batches=micro_batches, compile_blocks=cuda, optimizer=AdamW(lr=1e-5))
     try:
-        fwd = host_issue_s(forward, hold=hold, held=held, release=release)
-        pair = host_issue_s(forward_backward, hold=hold, held=held, release=release)
-    except RuntimeError as e:  # a call that waits for the device: no floor rather than a wrong one
-        warn_once(("calibrate", "compiled host"), "slidedp calibrate: the compiled block's host time is not "
-                  "measured (%s); host_compiled_fwd_s and host_compiled_bwd_s stay 0 (no floor)", e)
-        return 0.0, 0.0
-    return fwd, max(pair - fwd, 0.0)
+        blocks = [d for d in engine.plan.decisions if d.layer_id not in (0, len(engine.plan.decisions) - 1)]
+        recomputed = sum(d.activation.startswith("recompute") for d in blocks)
+        ids = torch.randint(0, config.vocab_size, (micro_batches, 256))
+        issued = engine.executor.block_issue_s
+        per_step = []
+        for k in range(steps + 2):
+            before = dict(issued)
+            engine.step(ids)
+            if k >= 2:  # the first steps compile
+                per_step.append({kind: issued[kind] - before[kind] for kind in issued})
+        fwd = statistics.median(s["fwd"] for s in per_step) / (len(blocks) * micro_batches)
+        bwd = statistics.median(s["bwd"] for s in per_step) / (len(blocks) * micro_batches)
+        bwd -= fwd * recomputed / len(blocks)  # a recomputed block's backward issues its forward again
+    finally:
+        engine.close()
+    return fwd, max(bwd, 0.0)
 
 
 def rest_flops_per_s(shape: BlockShape, seconds: float, forwards: int, attention_flops_per_s: float,
@@ -799,9 +759,10 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
             f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
             f"compiled_block_efficiency {compiled_efficiency:.3f}")
         torch.cuda.empty_cache()
-        host_compiled = measure_compiled_block_host_s(dev, shape)
-        say(f"compiled host   issuing the compiled block with the device held back: forward "
-            f"{host_compiled[0] * 1e3:.3g} ms, backward {host_compiled[1] * 1e3:.3g} ms, host_compiled_fwd_s / _bwd_s")
+        host_compiled = measure_engine_block_host_s(dev)
+        say(f"compiled host   the engine issuing a narrow model's compiled blocks: forward "
+            f"{host_compiled[0] * 1e3:.3g} ms, backward {host_compiled[1] * 1e3:.3g} ms a block and micro-batch, "
+            f"host_compiled_fwd_s / _bwd_s")
         torch.cuda.empty_cache()
 
     buffers = CopyBuffers(dev, sizes.transfer_bytes[-1])

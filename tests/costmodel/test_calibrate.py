@@ -438,41 +438,8 @@ def test_cli_scales_the_step_fits_by_the_models_block_on_a_base_profile(monkeypa
 # -- the host's floor of a compiled block ---------------------------------------------------------
 
 
-def test_host_issue_time_keeps_only_repeats_issued_while_the_device_was_held():
-    """host_issue_s: the calls timed after hold(); a repeat whose calls outlasted the hold (held() False:
-    they may have waited for the device) is dropped and the next issues half as many; all dropped: refused."""
-    calls, verdicts = [], iter([False, False] + [True] * 5)
-
-    def fn():
-        calls.append(1)
-        time.sleep(0.002)
-
-    released = []
-    seconds = cal.host_issue_s(fn, hold=lambda: None, held=lambda: next(verdicts),
-                               release=lambda: released.append(1), calls=4, repeats=5)
-    assert len(calls) == 4 + 2 + 5 * 1 and len(released) == 7  # 4, then 2, then 1 a repeat
-    assert 0.002 <= seconds < 0.05
-    with pytest.raises(RuntimeError, match="could not be held back"):
-        cal.host_issue_s(fn, hold=lambda: None, held=lambda: False, release=lambda: None, tries=3)
-
-
-def test_cli_measures_the_models_compiled_block_host_floor_on_a_base_profile(monkeypatch, tmp_path, capsys):
-    """--base --model on a GPU: the model's block's host floor replaces the base profile's (the reference
-    block's); the CPU device compiles no blocks and keeps the base's."""
-    base = tmp_path / "cpu.json"
-    Hardware.from_dict({**PRESETS["rtx4090"].to_dict(), "name": "calibrated:cpu", "host_compiled_fwd_s": 5e-4,
-                        "host_compiled_bwd_s": 9e-4}).save(base)
-    monkeypatch.setattr(cal, "block_rate_ratio", lambda **kw: 0.9)
-    argv = ["calibrate", "--device", "cpu", "--model", "qwen3-1.7b", "--step-fits", "h200-sxm", "--base", str(base),
-            "--out", str(tmp_path / "hw.json")]
-    assert main(argv) == 0
-    kept = Hardware.load(tmp_path / "hw.json")
-    assert (kept.host_compiled_fwd_s, kept.host_compiled_bwd_s) == (5e-4, 9e-4)
-    shapes = []
-    monkeypatch.setattr(cal, "resolve_device", lambda device: torch.device("cuda", 0))
-    monkeypatch.setattr(cal, "measure_compiled_block_host_s", lambda dev, shape: shapes.append(shape) or (1e-3, 2e-3))
-    monkeypatch.setattr("slidedp.cli._base_profile", lambda path, device: Hardware.load(path))
-    assert main(argv) == 0
-    measured = Hardware.load(tmp_path / "hw.json")
-    assert (measured.host_compiled_fwd_s, measured.host_compiled_bwd_s) == (1e-3, 2e-3)
-    assert shapes[0].hidden_size == 2048 and "host_compiled_fwd_s" in capsys.readouterr().out
+def test_the_engines_host_time_per_block_is_timed_in_its_steps():
+    """measure_engine_block_host_s: the host's time in the blocks' forward and backward ops of a narrow
+    model's steps, per block and micro-batch (on the CPU the blocks' compute is the host's too)."""
+    fwd, bwd = cal.measure_engine_block_host_s(torch.device("cpu"), layers=2, micro_batches=2, steps=1)
+    assert 0 < fwd < 1 and 0 < bwd < 1

@@ -98,8 +98,8 @@ class StreamedExecutor:
         self.top_constants, self.block_constants = w.top_constants, w.block_constants
         self.head, self.epilogue_names = self.epilogue.head, self.epilogue.names
         # host time spent issuing the blocks' forwards and backwards (every micro-batch), since the rank
-        # began [s], wall time (a full launch queue's waits included)
-        self.block_issue_s = 0.0
+        # began [s], wall time (a full launch queue's waits included): {"fwd": s, "bwd": s}
+        self.block_issue_s = {FWD: 0.0, BWD: 0.0}
 
     # -- what others read and set on the executor, held by its collaborators -------------------
     @property
@@ -167,8 +167,8 @@ class StreamedExecutor:
                 t0 = time.perf_counter()
                 with self.streams.range(op.text().split(None, 1)[1]):
                     handler(op, st)
-                if op.kind in (FWD, BWD):
-                    self.block_issue_s += time.perf_counter() - t0
+                if op.kind in self.block_issue_s:
+                    self.block_issue_s[op.kind] += time.perf_counter() - t0
             if op.record is not None:
                 events[op.record] = self.streams.record(op.stream)
         return st.loss_sum

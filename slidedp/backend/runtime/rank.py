@@ -98,7 +98,7 @@ class Rank:
         if self.broken is not None:
             error, why = self.broken
             raise error(f"{why}; load a checkpoint before the next step")
-        t0, issued = time.perf_counter(), self.executor.block_issue_s
+        t0, issued = time.perf_counter(), sum(self.executor.block_issue_s.values())
         share = input_ids.shape[0] // self.world_size
         rows = slice(self.rank * share, (self.rank + 1) * share)
         input_ids, labels = input_ids[rows], labels[rows]
@@ -149,7 +149,7 @@ class Rank:
             self.comm.all_reduce_host(totals)
         loss_value, norm = float(totals[0]), math.sqrt(float(totals[1]))
         timing = dict(wait_s=self.routes.wait_s, pass_s=time.perf_counter() - t0,
-                      block_issue_s=self.executor.block_issue_s - issued)
+                      block_issue_s=sum(self.executor.block_issue_s.values()) - issued)
         if streaming and (nonfinite or not math.isfinite(norm)):
             self.host.step += 1  # the step the applied chunks counted in their bias correction
             self.routes.rounds += 1
