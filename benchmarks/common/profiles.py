@@ -1,4 +1,5 @@
-"""Hardware profiles derived from a machine's profile and a measurement made beside it, named so.
+"""Hardware profiles derived from a machine's profile and a measurement made beside it (or a what-if),
+named so.
 
 `with_adamw_beside_copies(profile, record)`: the profile with the CPU AdamW's share of its rate beside copies
 both ways (`cpu_adamw_contended_fraction`) that a `benchmarks/cpu_adamw/in_step.py` record measured in
@@ -35,3 +36,10 @@ def with_adamw_beside_copies(hardware: Hardware | str, record_path: str | Path) 
     fraction = calibrate_fraction(json.loads(Path(record_path).read_text()))
     return replace(hw, cpu_adamw_contended_fraction=fraction,
                    name=f"{hw.name}, AdamW beside copies {fraction:.3f} ({Path(record_path).name})")
+
+
+def with_compiled_host_floor(hardware: Hardware, fwd_s: float, bwd_s: float) -> Hardware:
+    """`hardware` with a compiled block's host floor of `fwd_s` / `bwd_s` a micro-batch (what `slidedp
+    calibrate` measures now; a what-if for profiles made before it); its name says so."""
+    return replace(hardware, host_compiled_fwd_s=fwd_s, host_compiled_bwd_s=bwd_s,
+                   name=f"{hardware.name}, compiled host floor {fwd_s * 1e3:g} / {bwd_s * 1e3:g} ms (what-if)")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.cli import shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
-from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
+from benchmarks.common.profiles import with_adamw_beside_copies, with_compiled_host_floor  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
 
@@ -84,15 +84,17 @@ def keep(sha256: str, plan: dict) -> None:
 
 
 def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile_for=None,
-                adamw_beside_copies: str | None = None) -> list[dict]:
+                adamw_beside_copies: str | None = None, host_floor_s: tuple[float, float] | None = None) -> list[dict]:
     """A row per point predicted before its run: the measured median, the prediction, the plan replayed
     under the hardware it holds (own_s), under today's preset (today_s; for a calibrated profile, the one
     it holds) and under each given profile of the card it ran on (profile_s: {profile name: seconds};
     `profile_for`, {shape: profile}: under PER_SHAPE, its shape's). `adamw_beside_copies` (a cpu_adamw/in_step.py
-    record): every given profile with the AdamW's share beside copies it measured (common/profiles.py)."""
+    record): every given profile with the AdamW's share beside copies it measured (common/profiles.py);
+    `host_floor_s` (forward, backward seconds): every given profile with that compiled-block host floor."""
     def load(path):
         hw = slidedp.Hardware.load(path)
-        return hw if adamw_beside_copies is None else with_adamw_beside_copies(hw, adamw_beside_copies)
+        hw = hw if adamw_beside_copies is None else with_adamw_beside_copies(hw, adamw_beside_copies)
+        return hw if host_floor_s is None else with_compiled_host_floor(hw, *host_floor_s)
 
     profiles = [load(path) for path in profiles]
     own_profile = {shape: load(path) for shape, path in (profile_for or {}).items()}
@@ -179,12 +181,17 @@ def main() -> None:
     p.add_argument("--adamw-beside-copies", metavar="RECORD",
                    help="a cpu_adamw/in_step.py record: the given profiles with the fraction of the CPU AdamW's rate "
                         "it measured beside copies both ways, as `slidedp calibrate` measures it now")
+    p.add_argument("--compiled-host-floor-ms", nargs=2, type=float, metavar=("FWD", "BWD"),
+                   help="what-if: the given profiles with this host floor of a compiled block, per micro-batch "
+                        "(slidedp calibrate measures it since; profiles made before it have none)")
     p.add_argument("--out", help="the record to write")
     add_allow_dirty(p)
     args = p.parse_args()
     stamp = commit_stamp(args.allow_dirty)
     rows = replay_rows(plan_files(args.plans), save=args.save_plans, profiles=args.profiles,
-                       profile_for=dict(args.profile_for), adamw_beside_copies=args.adamw_beside_copies)
+                       profile_for=dict(args.profile_for), adamw_beside_copies=args.adamw_beside_copies,
+                       host_floor_s=None if args.compiled_host_floor_ms is None
+                       else tuple(ms / 1e3 for ms in args.compiled_host_floor_ms))
     bad = [row for row in rows if row["own_s"] is not None
            and abs(row["own_s"] / row["predicted_before_s"] - 1) > 1e-6]
     for row in bad:

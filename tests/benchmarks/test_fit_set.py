@@ -132,3 +132,23 @@ def test_each_shapes_own_profile_replays_that_shapes_points_on_its_card(monkeypa
     monkeypatch.setattr(run.slidedp, "predict", lambda model, plan, hardware=None: 0.5 if hardware is profile else 1.0)
     out = run.replay_rows({r["plan_sha256"]: {} for r in rows}, profile_for={"1.7b": "own.json"})
     assert [r["profile_s"] for r in out] == [{run.PER_SHAPE: 0.5}, {}, {}]
+
+
+def test_a_what_if_host_floor_moves_only_the_blocks_it_binds():
+    """common/profiles.with_compiled_host_floor: the profile's compiled blocks take at least the floor a
+    micro-batch; a block whose GPU time is longer keeps it, a short one takes the floor; the name says so."""
+    from dataclasses import replace
+
+    from benchmarks.common.profiles import with_compiled_host_floor
+    from slidedp.costmodel import ops
+    from slidedp.costmodel.hardware import PRESETS
+    from slidedp.ir.graph import LayerCosts
+
+    hw = replace(PRESETS["h100-sxm"], compiled_block_efficiency=0.6)
+    floored = with_compiled_host_floor(hw, 1.5e-3, 3e-3)
+    assert floored.name.endswith("compiled host floor 1.5 / 3 ms (what-if)")
+    big, small = LayerCosts(flops_fwd=4e12, flops_bwd=8e12), LayerCosts(flops_fwd=4e10, flops_bwd=8e10)
+    for costs, bound in ((big, False), (small, True)):
+        before = ops.block_backward_time_s(costs, hw, 4, recompute=True, compiled=True)
+        after = ops.block_backward_time_s(costs, floored, 4, recompute=True, compiled=True)
+        assert after == (pytest.approx(4 * 4.5e-3) if bound else pytest.approx(before))
