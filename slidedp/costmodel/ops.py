@@ -156,6 +156,15 @@ def block_backward_time_s(costs: LayerCosts, hw: Hardware, micro_batches: int, *
     return micro_batches * max(gpu_s, host)
 
 
+def block_host_and_device_s(costs: LayerCosts, hw: Hardware, *, compiled: bool = False) -> tuple[float, float]:
+    """One micro-batch's forward and backward (without recompute) of a block: (the host's time to issue
+    them, 0 where not measured; the device's) [s]. The host's longer: the block is host-bound."""
+    device_s = block_flops_time_s(costs, hw, forwards=1, backward=True, compiled=compiled)
+    if _compiled(hw, compiled):
+        return hw.host_compiled_fwd_s + hw.host_compiled_bwd_s, device_s
+    return hw.host_block_fwd_s + hw.host_block_bwd_s, device_s
+
+
 def head_flops_per_s(hw: Hardware) -> float:
     """Rate the head and loss reach: matmul_flops_per_s * head_efficiency (block_efficiency if 0)."""
     return hw.matmul_flops_per_s * (hw.head_efficiency or hw.block_efficiency)

@@ -14,6 +14,7 @@ from importlib.metadata import version as package_version
 
 from slidedp.budget import format_bytes
 from slidedp.costmodel import memory as mem
+from slidedp.costmodel import ops
 from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
@@ -648,6 +649,13 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
            "last piece down"] if decisions.streamed else []),
         f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
     ]
+    if g.blocks:
+        host_s, device_s = ops.block_host_and_device_s(g.blocks[0].costs, problem.hardware,
+                                                       compiled=problem.compiled_blocks)
+        if host_s > device_s:
+            auto_notes.append(f"blocks host-bound: a block's forward and backward of one micro-batch take the host "
+                              f"{host_s * 1e3:.2f} ms to issue and the device {device_s * 1e3:.2f} ms; micro-batches "
+                              "of more rows spread the host's time over more tokens")
     if any(d.activation in (KEEP, OFFLOAD) for d in decisions.layers[1:-1]):
         auto_notes.append("kept and offloaded activations counted " + (
             "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"

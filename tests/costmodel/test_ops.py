@@ -174,3 +174,27 @@ def test_hardware_profile_round_trips_through_json_with_its_curve(tmp_path):
     with pytest.raises(ValueError, match="transfer_efficiency"):
         replace(hw, transfer_efficiency=((2**20, 0.5), (1024, 0.9)))
     assert math.isclose(ops.transfer_efficiency(2**30, hw.transfer_efficiency), 0.9)
+
+
+def test_a_block_is_host_bound_where_the_hosts_floor_passes_its_device_time():
+    """ops.block_host_and_device_s: the host's floor (compiled or eager, by the block's kind) beside the
+    device's time of one micro-batch's forward and backward; a plan whose blocks are host-bound says so."""
+    from slidedp.scheduler.decisions import SolverOptions
+    from slidedp.scheduler.solve import solve_plan
+    from tests.scheduler.graphs import synthetic_graph
+
+    hw = replace(PRESETS["h100-sxm"], compiled_block_efficiency=0.6, host_compiled_fwd_s=1e-3,
+                 host_compiled_bwd_s=2e-3, host_block_fwd_s=0.0, host_block_bwd_s=0.0)
+    small = LayerCosts(flops_fwd=3e10, flops_bwd=6e10)
+    host, device = ops.block_host_and_device_s(small, hw, compiled=True)
+    assert host == pytest.approx(3e-3) and device == pytest.approx(9e10 / (750e12 * 0.6))
+    assert ops.block_host_and_device_s(small, hw, compiled=False)[0] == 0  # eager: its own floor, 0 here
+    graph = synthetic_graph(2)
+    quick = dict(windows=(2,), chunk_multiples=(1,), activations=("recompute",), update_orders=("forward",),
+                 device_state_blocks=0)
+    notes = {}
+    for name, floors in (("none", (0.0, 0.0)), ("floored", (1.0, 2.0))):  # a floor far above any block's time
+        h = replace(hw, host_block_fwd_s=floors[0], host_block_bwd_s=floors[1])
+        plan = solve_plan(graph, budget_bytes=12 * 2**30, hardware=h, options=SolverOptions(**quick))
+        notes[name] = [n for n in plan.notes if n.startswith("blocks host-bound")]
+    assert notes["none"] == [] and len(notes["floored"]) == 1 and "3000.00 ms to issue" in notes["floored"][0]
