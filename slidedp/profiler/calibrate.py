@@ -354,6 +354,20 @@ def measure_engine_block_host_s(device: torch.device, *, layers: int = 8, micro_
     return fwd, max(bwd, 0.0)
 
 
+def compiled_host_floor(device: torch.device, say: Progress) -> tuple[float, float]:
+    """measure_engine_block_host_s, said; where it fails (a model the engine cannot compile or run here),
+    a warning and no floor (0, 0) rather than no profile."""
+    try:
+        fwd, bwd = measure_engine_block_host_s(device)
+    except Exception as e:  # noqa: BLE001 - any failure of the engine's run: the rest of the profile stands
+        warn_once(("calibrate", "compiled host"), "slidedp calibrate: the engine's host time per block was not "
+                  "measured (%s: %s); host_compiled_fwd_s and host_compiled_bwd_s stay 0 (no floor)", type(e).__name__, e)
+        return 0.0, 0.0
+    say(f"compiled host   the engine issuing a narrow model's compiled blocks: forward {fwd * 1e3:.3g} ms, "
+        f"backward {bwd * 1e3:.3g} ms a block and micro-batch, host_compiled_fwd_s / _bwd_s")
+    return fwd, bwd
+
+
 def rest_flops_per_s(shape: BlockShape, seconds: float, forwards: int, attention_flops_per_s: float,
                      cuda: bool) -> float:
     """The rate of a block's FLOPs but attention's: `forwards` forwards and one backward took `seconds`,
@@ -759,10 +773,7 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
             f"{recompute_flops / 1e12:.4g} TFLOP = {recompute_flops / compiled_s / 1e12:.4g} TFLOP/s, "
             f"compiled_block_efficiency {compiled_efficiency:.3f}")
         torch.cuda.empty_cache()
-        host_compiled = measure_engine_block_host_s(dev)
-        say(f"compiled host   the engine issuing a narrow model's compiled blocks: forward "
-            f"{host_compiled[0] * 1e3:.3g} ms, backward {host_compiled[1] * 1e3:.3g} ms a block and micro-batch, "
-            f"host_compiled_fwd_s / _bwd_s")
+        host_compiled = compiled_host_floor(dev, say)
         torch.cuda.empty_cache()
 
     buffers = CopyBuffers(dev, sizes.transfer_bytes[-1])

@@ -443,3 +443,23 @@ def test_the_engines_host_time_per_block_is_timed_in_its_steps():
     model's steps, per block and micro-batch (on the CPU the blocks' compute is the host's too)."""
     fwd, bwd = cal.measure_engine_block_host_s(torch.device("cpu"), layers=2, micro_batches=2, steps=1)
     assert 0 < fwd < 1 and 0 < bwd < 1
+
+
+def test_a_failed_host_floor_measurement_leaves_no_floor_and_says_so(monkeypatch, caplog):
+    """compiled_host_floor: the measurement's numbers, said; where the engine's run fails, a warning
+    naming the error and (0, 0), not a lost profile."""
+    from slidedp import logs
+
+    monkeypatch.setattr(logs, "_warned", set())
+    lines = []
+    monkeypatch.setattr(cal, "measure_engine_block_host_s", lambda device: (1e-3, 2e-3))
+    assert cal.compiled_host_floor(torch.device("cpu"), lines.append) == (1e-3, 2e-3)
+    assert "host_compiled_fwd_s" in lines[0]
+
+    def fail(device):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cal, "measure_engine_block_host_s", fail)
+    with caplog.at_level("WARNING", logger="slidedp"):
+        assert cal.compiled_host_floor(torch.device("cpu"), lines.append) == (0.0, 0.0)
+    assert "RuntimeError: no compiler here" in caplog.text and len(lines) == 1
