@@ -4,8 +4,8 @@ budget (what the caching allocator reserved) or the plan's predicted peak (what 
 A plan fits its budget by the cost model's count of the step's buffers; the rank allocates what the
 program and torch's kernels ask for, and the caching allocator reserves more (allocator.py). Where
 either passes the plan's figure, a device with only the budget free makes the allocator give back
-cached memory mid-step (slower) or run out: this says it once, with by how much, after the first step
-that shows it.
+cached memory mid-step (slower) or run out: this says so, with by how much, after the first step that
+shows it, and again whenever the excess has doubled.
 """
 
 from __future__ import annotations
