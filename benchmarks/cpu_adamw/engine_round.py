@@ -20,14 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.records import add_allow_dirty, commit_stamp, host_description, write_records  # noqa: E402
+from benchmarks.cpu_adamw.in_step import State  # noqa: E402
 
 import slidedp  # noqa: E402
-from slidedp.backend.kernels.cpu_adamw import adamw_step  # noqa: E402
 
 SEQ_LEN = 64  # tokens a step: the forward and backward stay short beside the round
 
@@ -61,15 +60,13 @@ def engine_rounds(model: torch.nn.Module, steps: int, device: str) -> tuple[list
 
 
 def flat_calls(numel: int, calls: int, threads: int | None) -> list[float]:
-    """The wall time of `calls` AdamW steps over `numel` parameters in one set of arrays (bf16 gradient in,
-    bf16 weights out, as a round's)."""
-    arrays = [np.full(numel, 0.02, np.float32), np.full(numel, 0x3C23, np.uint16), np.zeros(numel, np.float32),
-              np.zeros(numel, np.float32), np.zeros(numel, np.uint16)]
+    """The wall time of `calls` AdamW steps over `numel` parameters in one set of NumPy arrays (bf16
+    gradient in, bf16 weights out, as a round's: in_step.py's State)."""
+    state = State(numel, memfd=False)
     times = []
-    for step in range(1, calls + 1):
+    for _ in range(calls):
         t0 = time.perf_counter()
-        adamw_step(*arrays, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step, grad_scale=0.5,
-                   num_threads=threads)
+        state.step(threads)
         times.append(time.perf_counter() - t0)
     return times
 

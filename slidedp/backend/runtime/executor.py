@@ -38,7 +38,6 @@ ops is a PassState (pass_state.py).
 from __future__ import annotations
 
 import time
-
 from typing import Callable
 
 import torch
