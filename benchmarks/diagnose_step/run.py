@@ -17,8 +17,9 @@ benchmarks/single_gpu_throughput/run.py does (benchmarks/common/model.py)
   first follows a flushed update; the later ones are steady: each overlaps the previous CPU round), and the
   plan's predicted trace of a step beside it (`predicted_<blocks>b_<tokens>.json`), and each CUDA
   stream's kernel time, busy time and span in that step (`gpu_lanes`);
-* `memory_peak` (with --memory-snapshot): what is allocated at the first step's peak, by source line
-  (memory_peak.py; the long-context check: `--blocks 36 --tokens 262144 --seq 262144 --steps 0
+* `memory_peak` (with --memory-snapshot): what is allocated at the first step's peak, by source line,
+  and per CUDA stream the peaks of its allocations and of its reserve (with --memory-snapshot-steps N,
+  through N overlapped steps after the first) (memory_peak.py; the long-context check: `--blocks 36 --tokens 262144 --seq 262144 --steps 0
   --no-synced --memory-snapshot --plan <its plan>`).
 """
 
@@ -154,7 +155,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's, 4096)")
     p.add_argument("--memory-snapshot", action="store_true",
                    help="record the allocator's history from compile through the first step; write it and "
-                        "what is live at its peak (memory_peak.py)")
+                        "what is live at its peak, and each stream's allocations and reserve (memory_peak.py)")
+    p.add_argument("--memory-snapshot-steps", type=int, default=0,
+                   help="with --memory-snapshot: overlapped steps recorded after the first, where the reserve "
+                        "of a plan whose CPU runs ahead grows (default 0)")
     p.add_argument("--out-dir", required=True)
     add_allow_dirty(p)
     args = p.parse_args()
@@ -199,6 +203,8 @@ def main() -> None:
         data = bench.batches(shape["vocab"], rows, shape["seq"], max(args.steps, args.profile_steps) + 1, seed=0)
         torch.cuda.reset_peak_memory_stats()
         point["warmup"] = timed_steps(engine, data[:1], isolated=False)
+        if args.memory_snapshot and args.memory_snapshot_steps:
+            point["recorded_steps"] = timed_steps(engine, data[1:1 + args.memory_snapshot_steps], isolated=False)
         if args.memory_snapshot:
             import pickle
 
@@ -210,6 +216,7 @@ def main() -> None:
             with open(path, "rb") as f:
                 point["memory_peak"] = memory_peak.summary(pickle.load(f))
             point["memory_peak"]["allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
+            point["memory_peak"]["reserved_peak_bytes_allocator"] = torch.cuda.max_memory_reserved()
             print(json.dumps(point["memory_peak"], indent=1), flush=True)
             os.system(f"gzip -f {path}")
         point["overlapped"] = timed_steps(engine, data[1:], isolated=False)

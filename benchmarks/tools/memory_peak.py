@@ -10,6 +10,13 @@ moment the allocated bytes peak, and groups what is live then by the first stack
 (`benchmarks/diagnose_step/run.py --memory-snapshot` records one for a step.) Allocations made before
 recording began are not in the trace; they are reported as the difference to the allocator's own
 peak when that is given (`--allocated-peak`).
+
+The allocator caches memory per CUDA stream: a block freed on one stream is reused only by allocations
+on that stream, and each stream's expandable segment grows on its own. So `streams` gives, per stream,
+the peak of what it allocated and of what its segments reserved over the trace (segments mapped or
+allocated less those unmapped or freed; their sum over streams, `sum_of_stream_reserved_peaks_bytes`,
+against the peak of the total, `reserved_peak_bytes`, says how much the streams' peaks at different
+moments add up), and what the snapshot's segments hold at its end.
 """
 
 from __future__ import annotations
@@ -53,6 +60,54 @@ def peak_of(trace: list[dict]) -> tuple[int, int, dict[int, dict]]:
     return peak, at, live
 
 
+SEGMENT_GROWS = ("segment_alloc", "segment_map")
+SEGMENT_SHRINKS = ("segment_free", "segment_unmap")
+
+
+def by_stream(trace: list[dict]) -> dict:
+    """Per stream, the peaks of allocated and reserved bytes over `trace`, and the peak of the total
+    reserve (see the module docstring)."""
+    allocated: dict[int, int] = collections.defaultdict(int)
+    reserved: dict[int, int] = collections.defaultdict(int)
+    peaks: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
+    live: dict[int, tuple[int, int]] = {}
+    total = total_peak = 0
+    for e in trace:
+        stream, action = e.get("stream", 0), e["action"]
+        if action == "alloc":
+            live[e["addr"]] = (stream, e["size"])
+            allocated[stream] += e["size"]
+        elif action == "free_completed" and e["addr"] in live:
+            stream, size = live.pop(e["addr"])
+            allocated[stream] -= size
+        elif action in SEGMENT_GROWS:
+            reserved[stream] += e["size"]
+            total += e["size"]
+            total_peak = max(total_peak, total)
+        elif action in SEGMENT_SHRINKS:
+            reserved[stream] -= e["size"]
+            total -= e["size"]
+        peak = peaks[stream]
+        peak[0], peak[1] = max(peak[0], allocated[stream]), max(peak[1], reserved[stream])
+    return {"reserved_peak_bytes": total_peak,
+            "sum_of_stream_reserved_peaks_bytes": sum(r for _, r in peaks.values()),
+            "streams": [{"stream": k, "peak_allocated_bytes": a, "peak_reserved_bytes": r}
+                        for k, (a, r) in sorted(peaks.items(), key=lambda kv: -kv[1][1])]}
+
+
+def segments_by_stream(segments: list[dict], device: int) -> list[dict]:
+    """The snapshot's segments of `device` at its end, summed per stream: reserved and allocated bytes."""
+    out: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for seg in segments:
+        if seg.get("device", device) == device:
+            row = out[seg.get("stream", 0)]
+            row[0] += seg.get("total_size", 0)
+            row[1] += seg.get("allocated_size", 0)
+            row[2] += 1
+    return [{"stream": k, "reserved_bytes": r, "allocated_bytes": a, "segments": n}
+            for k, (r, a, n) in sorted(out.items(), key=lambda kv: -kv[1][0])]
+
+
 def summary(snapshot: dict, top: int = 25, device: int | None = None) -> dict:
     traces = snapshot["device_traces"]
     device = max(range(len(traces)), key=lambda d: len(traces[d])) if device is None else device
@@ -64,7 +119,9 @@ def summary(snapshot: dict, top: int = 25, device: int | None = None) -> dict:
         g[1] += 1
     rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
     return {"device": device, "peak_bytes": peak, "event": at, "events": len(traces[device]),
-            "live": [{"where": k, "bytes": b, "allocations": n} for k, (b, n) in rows]}
+            "live": [{"where": k, "bytes": b, "allocations": n} for k, (b, n) in rows],
+            **by_stream(traces[device]),
+            "segments_at_end": segments_by_stream(snapshot.get("segments", []), device)}
 
 
 def main(argv=None) -> int:

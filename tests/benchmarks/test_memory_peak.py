@@ -29,3 +29,36 @@ def test_peak_and_what_is_live_there(tmp_path, capsys):
     path.write_bytes(pickle.dumps({"device_traces": [trace]}))
     assert mp.main([str(path), "--allocated-peak", "200"]) == 0
     assert '"not_in_trace_bytes": 20' in capsys.readouterr().out
+
+
+def test_each_stream_reserves_for_itself():
+    mp = load()
+
+    def seg(action, size, stream):
+        return {"action": action, "addr": 0, "size": size, "stream": stream, "frames": []}
+
+    def mem(action, addr, size, stream):
+        return dict(event(action, addr, size), stream=stream)
+
+    trace = [seg("segment_map", 100, 1), mem("alloc", 1, 80, 1), seg("segment_alloc", 60, 2),
+             mem("alloc", 2, 60, 2), mem("free_completed", 1, 80, 1), seg("segment_unmap", 100, 1),
+             mem("free_completed", 2, 60, 2), seg("segment_map", 40, 1), mem("alloc", 3, 40, 1)]
+    # total reserve: 100, 160 (peak), 60, 100
+    out = mp.by_stream(trace)
+    assert out["reserved_peak_bytes"] == 160 and out["sum_of_stream_reserved_peaks_bytes"] == 160
+    assert out["streams"] == [{"stream": 1, "peak_allocated_bytes": 80, "peak_reserved_bytes": 100},
+                              {"stream": 2, "peak_allocated_bytes": 60, "peak_reserved_bytes": 60}]
+    # stream 2 grows only once stream 1 gave its pages back: the peaks, at different moments, add up to
+    # more than the total ever reached
+    apart = [seg("segment_map", 100, 1), seg("segment_unmap", 100, 1), seg("segment_map", 70, 2)]
+    assert mp.by_stream(apart)["reserved_peak_bytes"] == 100
+    assert mp.by_stream(apart)["sum_of_stream_reserved_peaks_bytes"] == 170
+    segments = [{"device": 0, "stream": 1, "total_size": 64, "allocated_size": 16},
+                {"device": 0, "stream": 1, "total_size": 32, "allocated_size": 0},
+                {"device": 0, "stream": 2, "total_size": 128, "allocated_size": 128},
+                {"device": 1, "stream": 1, "total_size": 999, "allocated_size": 0}]
+    assert mp.segments_by_stream(segments, 0) == [
+        {"stream": 2, "reserved_bytes": 128, "allocated_bytes": 128, "segments": 1},
+        {"stream": 1, "reserved_bytes": 96, "allocated_bytes": 16, "segments": 2}]
+    whole = mp.summary({"device_traces": [trace], "segments": segments[:3]})
+    assert whole["reserved_peak_bytes"] == 160 and [s["stream"] for s in whole["segments_at_end"]] == [2, 1]
