@@ -208,7 +208,7 @@ def main() -> None:
         if args.memory_snapshot:
             import pickle
 
-            import memory_peak
+            from benchmarks.tools import memory_peak
 
             path = out_dir / f"memory_{tag}_{tokens}.pickle"
             torch.cuda.memory._dump_snapshot(str(path))
