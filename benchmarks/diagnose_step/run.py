@@ -189,7 +189,7 @@ def main() -> None:
         budget = plan.budget_bytes if plan is not None else args.budget  # a saved plan's own budget
         if args.policy != "plan":
             plan = slidedp.plan(model, budget, **kwargs)
-            plan = dataclasses.replace(plan, decisions=tuple(
+            plan = plan.replace(decisions=tuple(
                 dataclasses.replace(d, activation=args.policy) if d.kind == "block" else d for d in plan.decisions))
         if args.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=2_000_000)
