@@ -442,9 +442,10 @@ def plan_host_bytes(point: dict) -> int:
 
 
 def run_registered(args) -> int:
-    """Every point of the registration record `args.registered` not yet measured in this study's results,
-    in its order: the point's own command (its shape, tokens, budget, hardware and registered plan) into
-    --out, on --device, with what is left of --time-left-s."""
+    """Every point of the registration record `args.registered` not yet measured in this study's results
+    or in --out (records of an earlier run there, merged into), in its order: the point's own command (its
+    shape, tokens, budget, hardware and registered plan) into --out, on --device, with what is left of
+    --time-left-s."""
     record = json.loads(Path(args.registered).read_text())
     cards = {card_of(point["hardware"]) for point in record["points"]}
     import torch
@@ -455,8 +456,9 @@ def run_registered(args) -> int:
             print(f"=== not run: {args.registered} was registered for {', '.join(sorted(cards))}, this is {here}",
                   file=sys.stderr, flush=True)
             return 2
-    measured = {r.get("plan_sha256") for path in (HERE / "results").glob("*.json")
-                for r in _records(path) if r.get("error") is None and r.get("median_step_s")}
+    done = [*(HERE / "results").glob("*.json"), *([Path(args.out)] if args.out and Path(args.out).exists() else [])]
+    measured = {r.get("plan_sha256") for path in done for r in _records(path)
+                if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()
     for point in record["points"]:
         if point["plan_sha256"] in measured and not args.remeasure:  # in this study's records already

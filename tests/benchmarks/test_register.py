@@ -204,3 +204,20 @@ def test_a_profile_with_the_adamw_share_measured_beside_copies(tmp_path):
     assert hw.cpu_adamw_params_per_s == original.cpu_adamw_params_per_s  # the rest is the profile's own
     assert card_of(hw.name) == "NVIDIA H100 80GB HBM3"
     assert not used_in_fitting({"shape": "8b"}, hw.name) and used_in_fitting({"shape": "4b"}, hw.name)
+
+
+def test_points_measured_in_the_out_file_are_not_run_again(tmp_path):
+    """A point whose record is in --out already (an earlier call on the same machine, its records not yet in
+    the repository) is skipped like one in the study's results."""
+    registration = SCRIPT.parents[1] / "predict_vs_measured" / "results" / "2026-12-06-registered-h200-held-out.json"
+    points = json.loads(registration.read_text())["points"]
+    later = next(p for p in points if p["shape"] == "llama3b" and p["tokens_per_step"] == 4096)
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps([{"plan_sha256": later["plan_sha256"], "error": None, "median_step_s": 0.9},
+                               {"plan_sha256": points[-1]["plan_sha256"], "error": "timeout", "median_step_s": None}]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
+                           "--allow-dirty", "--time-left-s", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "llama3b, 4096 tokens/step: measured already" in proc.stdout
+    last = f"{points[-1]['shape']}, {points[-1]['tokens_per_step']} tokens/step"
+    assert f"{last}: not started" in proc.stderr  # a failed record does not count as measured
