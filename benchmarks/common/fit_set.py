@@ -75,12 +75,29 @@ def prediction_rows(results: Path) -> list[dict]:
     return rows
 
 
+def first_runs(rows: list[dict]) -> list[dict]:
+    """Each prediction judged once: of the rows that ran the same plan (`plan_sha256`), the one measured
+    first (`measure_start_utc`); a later run of it (a repeat, or the same plan on later code) is not a
+    new held-out point. Rows without a plan's sha256 are each their own."""
+    first: dict[str, dict] = {}
+    for r in rows:
+        key = r.get("plan_sha256") or f"row {id(r)}"
+        if key not in first or r.get("measure_start_utc", "") < first[key].get("measure_start_utc", ""):
+            first[key] = r
+    return [r for r in rows if first.get(r.get("plan_sha256") or f"row {id(r)}") is r]
+
+
+def registration_records(folder: Path) -> list[tuple[str, dict]]:
+    """(file name, record) of each registration record in `folder` (predict_vs_measured/results/*-registered-*.json,
+    written by predict_vs_measured/register.py), in name order."""
+    return [(path.name, json.loads(path.read_text())) for path in sorted(Path(folder).glob("*-registered-*.json"))]
+
+
 def registrations(folder: Path) -> dict[str, str]:
     """plan sha256 -> when its prediction was registered (UTC), over the registration records in `folder`
     (predict_vs_measured/results/*-registered-*.json, written by predict_vs_measured/register.py)."""
     out = {}
-    for path in sorted(Path(folder).glob("*-registered-*.json")):
-        record = json.loads(path.read_text())
+    for _, record in registration_records(folder):
         for point in record["points"]:
             out[point["plan_sha256"]] = record["registered_utc"]
     return out

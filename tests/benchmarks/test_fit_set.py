@@ -3,7 +3,7 @@ run and with today's model on the same plans."""
 
 import pytest
 
-from benchmarks.common.fit_set import used_in_fitting
+from benchmarks.common.fit_set import first_runs, used_in_fitting
 from benchmarks.predict_vs_measured.run import render
 
 
@@ -21,6 +21,14 @@ def test_the_4b_shape_fitted_the_h200_preset_and_nothing_else():
     assert used_in_fitting({"tokens_per_step": 4096}, "h200-sxm")  # records before the shape field: 4b
     assert not used_in_fitting({"shape": "8b"}, "h200-sxm")
     assert not used_in_fitting({"shape": "4b"}, "/path/calibrated.json")  # a calibrated profile
+
+
+def test_each_plan_is_judged_once_at_its_first_run():
+    rows = [{"plan_sha256": "a", "measure_start_utc": "2026-01-02", "n": 1},
+            {"plan_sha256": "b", "measure_start_utc": "2026-01-03", "n": 2},
+            {"plan_sha256": "a", "measure_start_utc": "2026-01-01", "n": 3},  # a's first run, listed later
+            {"measure_start_utc": "2026-01-01", "n": 4}, {"measure_start_utc": "2026-01-01", "n": 5}]  # no sha: each its own
+    assert [r["n"] for r in first_runs(rows)] == [2, 3, 4, 5]
 
 
 def test_held_out_rows_are_scored_apart():
