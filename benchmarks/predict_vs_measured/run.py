@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.cli import shape_hardware_arg  # noqa: E402
-from benchmarks.common.fit_set import card_of, prediction_rows, used_in_fitting, within_goal  # noqa: E402
+from benchmarks.common.fit_set import card_of, first_runs, prediction_rows, used_in_fitting, within_goal  # noqa: E402
 from benchmarks.common.profiles import with_adamw_beside_copies, with_compiled_host_floor  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
 from benchmarks.common.tables import markdown_table  # noqa: E402
@@ -104,7 +104,8 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile
         row = {"record": r["record"], "shape": r["shape"], "tokens_per_step": r["tokens_per_step"],
                "budget_bytes": r["budget_bytes"], "max_grad_norm": r.get("max_grad_norm"),
                "device_name": r["device_name"], "preset": r["preset"], "ran_commit": r["git_commit"],
-               "plan_sha256": r.get("plan_sha256"), "measured_median_s": r["median_step_s"],
+               "plan_sha256": r.get("plan_sha256"), "measure_start_utc": r.get("measure_start_utc"),
+               "measured_median_s": r["median_step_s"],
                "predicted_before_s": r["predicted_step_s"], "fitted": r["fitted"]}
         data = plans.get(r.get("plan_sha256"))
         if data is None:
@@ -133,7 +134,8 @@ def replay_rows(plans: dict[str, dict], save: bool = False, profiles=(), profile
 
 def render(rows: list[dict]) -> str:
     """The table, a row a point, and the share of held-out points within 10%: before the run, with
-    today's model on the same plans, and under each profile on the points of its card."""
+    today's model on the same plans, and under each profile on the points of its card; each plan counted
+    once, at its first run (fit_set.first_runs)."""
     def err(seconds, row):
         return 100 * (row["measured_median_s"] / seconds - 1)
 
@@ -149,7 +151,8 @@ def render(rows: list[dict]) -> str:
                       "plan not found" if row["today_s"] is None else cell(row["today_s"], row),
                       *(cell(row.get("profile_s", {}).get(name), row) for name in names),
                       "fitted" if row["fitted"] else "held out", f"`{row['record']}`"])
-    held = [row for row in rows if not row["fitted"]]
+    counted = first_runs(rows)
+    held = [row for row in counted if not row["fitted"]]
     replayed = [row for row in held if row["today_s"] is not None]
 
     def within(seconds_of, among):
@@ -160,7 +163,7 @@ def render(rows: list[dict]) -> str:
              + (f" {len(held) - len(replayed)} held-out point(s) without their plan." if len(replayed) < len(held)
                 else ""))
     for name in names:  # held out for the profile: its own fit set (a profile with step fits has one)
-        on = [row for row in rows if name in row.get("profile_s", {}) and not used_in_fitting(row, name)]
+        on = [row for row in counted if name in row.get("profile_s", {}) and not used_in_fitting(row, name)]
         share += (f" Under `{name}`, on the {len(on)} held-out points of its card: "
                   f"{within(lambda r: r['profile_s'][name], on)} (before the run: "
                   f"{within(lambda r: r['predicted_before_s'], on)}; hindsight).")

@@ -31,6 +31,12 @@ def test_each_plan_is_judged_once_at_its_first_run():
     assert [r["n"] for r in first_runs(rows)] == [2, 3, 4, 5]
 
 
+def test_a_plan_run_twice_is_scored_once():
+    first = dict(_row("8b", 0.02, 0.02, False), plan_sha256="p", measure_start_utc="2026-01-01")
+    again = dict(_row("8b", 0.3, 0.3, False), plan_sha256="p", measure_start_utc="2026-01-02")
+    assert "within 10%: 1 of 1 as predicted before the run; 1 of 1 with today's model" in render([again, first])
+
+
 def test_held_out_rows_are_scored_apart():
     text = render([_row("4b", 0.02, 0.02, True), _row("8b", 0.175, 0.05, False), _row("8b", -0.05, -0.2, False),
                    _row("8b", 0.01, None, False)])
