@@ -70,6 +70,47 @@ def vocab_chunk_rows(vocab_size: int, hidden_size: int, chunk_numel: int = VOCAB
     return -(-vocab_size // pieces)
 
 
+# PyTorch's CUDA embedding backward sums the lookups of each row in partial sums of at most this many,
+# in an fp32 buffer sized for the most partials there can be: tokens / 10 + min(tokens, rows) rows.
+EMBEDDING_BACKWARD_ROWS_PER_PARTIAL = 10
+
+
+def embedding_backward_workspace_rows(tokens: int, rows: int) -> int:
+    """Rows of the fp32 partial sums of one embedding backward of `tokens` lookups into `rows` rows."""
+    return tokens // EMBEDDING_BACKWARD_ROWS_PER_PARTIAL + min(tokens, rows) + 1
+
+
+def embedding_grad_bytes(tokens: int, rows: int, hidden_size: int) -> int:
+    """Device memory of one resident embedding table's weight gradient over a pass
+    (backend/runtime/embedding_grads.py): the output gradients of its `tokens` lookups (every
+    micro-batch's) in fp32; the fp32 gradient of one row range of `vocab_chunk_rows(rows, hidden_size)`
+    rows plus the spare row that takes the lookups outside it, and the kernel's partial sums for it
+    (embedding_backward_workspace_rows); 64 B a lookup for the indices (theirs, each one's row within
+    the range, the kernel's sorted copies)."""
+    chunk = vocab_chunk_rows(rows, hidden_size) + 1
+    return (tokens + chunk + embedding_backward_workspace_rows(tokens, chunk)) * hidden_size * 4 + tokens * 64
+
+
+def prologue_backward_bytes(params, micro_batches: int, tokens: int, streamed_name: str | None = None,
+                            streamed_rows: int = 0) -> int:
+    """The prologue's backward beyond its resident buffers, for `micro_batches` of `tokens` tokens: the
+    largest `embedding_grad_bytes` of its [rows, hidden] parameters (`params`: ParamInfo; each a possible
+    embedding table, made one after another) over every micro-batch's lookups. A streamed table
+    (`streamed_name`, `streamed_rows` a chunk) makes its gradient in its chunk buffers (vocab_stream_bytes),
+    one micro-batch's lookups at a time: their fp32 output gradients and the kernel's partial sums."""
+    out = 0
+    for p in params:
+        if len(p.shape) != 2:
+            continue
+        rows, hidden = p.shape
+        if p.name == streamed_name:
+            need = (tokens + embedding_backward_workspace_rows(tokens, streamed_rows)) * hidden * 4 + tokens * 64
+        else:
+            need = embedding_grad_bytes(micro_batches * tokens, rows, hidden)
+        out = max(out, need)
+    return out
+
+
 def vocab_stream_bytes(chunk_rows: int, hidden_size: int, elem_bytes: int) -> int:
     """Device buffers of one vocabulary-streamed layer while it runs: two weight slots of a chunk in
     the compute dtype, the chunk's fp32 weight gradient, and its cast copy on the way down (bf16

@@ -46,3 +46,24 @@ def test_untracked_weights_and_no_grad_lookups_are_left_alone():
         with torch.no_grad():
             F.embedding(ids, weight)
     assert mode.records == {} and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("padding", [-1, 0, 7, 12])
+def test_the_backward_in_row_ranges_is_the_whole_tables_to_the_bit(monkeypatch, padding):
+    """Made one row range at a time (ranges of 5 rows here, the last shorter), every row sums the same
+    lookups in the same order as one embedding backward over the whole table; the padding row gets none."""
+    import slidedp.backend.runtime.embedding_grads as eg
+
+    monkeypatch.setattr(eg, "vocab_chunk_rows", lambda rows, hidden: 5)
+    torch.manual_seed(1)
+    rows, hidden, n = 13, 6, 200
+    ids = torch.randint(0, rows, (n,))
+    ids[:20] = 12  # the last range's one row, often
+    grad = torch.randn(n, hidden)
+    start = torch.randn(rows, hidden)
+    acc = start.clone()
+    eg.add_embedding_backward_(acc, grad, ids, padding)
+    whole = torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding, False)
+    assert torch.equal(acc, start + whole)
+    if padding >= 0:
+        assert torch.equal(acc[padding], start[padding])

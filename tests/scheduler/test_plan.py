@@ -181,3 +181,28 @@ def test_alternatives_keep_the_rest_of_the_plan(monkeypatch):
     w = int(window.runner_up.split()[-1])
     assert window.runner_up_step_s == pytest.approx(
         simulate(costs, replace(d, window=w), all_ranks=False).step_s)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_prologues_embedding_backward_is_in_the_plans_peak(tied):
+    """The prologue's backward makes its embedding table's fp32 weight gradient from every micro-batch's
+    lookups (backend/runtime/embedding_grads.py): the plan's peak holds that beside the resident layers,
+    and the lowered program allocates it there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slidedp import api
+    from slidedp.backend.lowering.verify import verify_program
+    from slidedp.costmodel import memory as mem
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                                         tie_word_embeddings=tied))
+    plan = slidedp.plan(model, "1GiB", batch_size=2, seq_len=256, micro_batches=4, precision="fp32", device="cpu")
+    graph = api.plan_graph(model, plan)
+    embedding = mem.prologue_backward_bytes(graph.prologue.params, 4, 2 * 256)
+    assert embedding >= 4 * 2 * 256 * 64 * 4  # the lookups' output gradients in fp32, at least
+    resident = sum(mem.resident_layer_bytes(graph.edge_resident_numel(()), 4))
+    prologue_backward = plan.explanation.memory_timeline[-1]  # the pass's last compute
+    assert prologue_backward.device_bytes >= resident + embedding
+    assert verify_program(api.lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes

@@ -142,6 +142,9 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                                                     loss_chunk_tokens or tokens)
     edge_policy = {layer_id: "streamed" for layer_id in vocab}
     pro = graph.prologue.id
+    table = graph.prologue.vocab_param(graph.vocab_size) if pro in vocab else None
+    prologue_bwd_bytes = mem.prologue_backward_bytes(graph.prologue.params, micro_batches, tokens,
+                                                     table.name if table is not None else None, rows)
     if pro in vocab:
         b.add("compute", ALLOC, buffer="vocab[prologue]", nbytes=vocab_bytes)
     b.add("compute", PROLOGUE, layer_id=pro, policy=edge_policy.get(pro, ""))
@@ -232,7 +235,9 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             reload_input(k - 2, op)
     if pro in vocab:
         b.add("compute", ALLOC, buffer="vocab[prologue]", nbytes=vocab_bytes)
+    b.add("compute", ALLOC, buffer="work[prologue]", nbytes=prologue_bwd_bytes)
     last = b.add("compute", PROLOGUE_BWD, record=True, layer_id=pro, policy=edge_policy.get(pro, ""))
+    b.add("compute", FREE, buffer="work[prologue]")
     if pro in vocab:
         b.add("compute", FREE, buffer="vocab[prologue]")
     b.add("compute", FREE, buffer="grad_hidden")

@@ -459,6 +459,10 @@ class ProblemCosts:
         self.max_block_numel = max(layer.numel for layer in g.blocks)
         self.grad_accumulators_bytes = mem.grad_accumulators_bytes(self.max_block_numel)
         tokens = g.batch_size * g.seq_len
+        table = g.prologue.vocab_param(g.vocab_size) if g.prologue.id in problem.vocab_streamed else None
+        self.prologue_working_bytes = mem.prologue_backward_bytes(
+            g.prologue.params, problem.micro_batches, tokens, table.name if table is not None else None,
+            min(rows, g.vocab_size))
         if self.head_reload:
             self.epilogue_working_bytes = mem.streamed_epilogue_working_bytes(
                 tokens, g.hidden_size, min(rows, g.vocab_size), self.elem, problem.effective_loss_chunk_tokens,

@@ -25,8 +25,9 @@ Its input is the output of block i - 1, which that block's graph holds until its
 keeps or offloads (its output is the root of its backward), and block 1's input is the prologue's
 output, which the prologue's backward holds: then the input stays on the device whatever the policy. The working set is the block's
 peak_workspace_bytes (in the backward plus its parameter gradients in the compute dtype, and one
-micro-batch of its saved activations while it is recomputed), and the chunked loss at the
-epilogue (costmodel.memory.epilogue_working_bytes). backend/lowering/program.py allocates the same buffers
+micro-batch of its saved activations while it is recomputed), the chunked loss at the
+epilogue (costmodel.memory.epilogue_working_bytes) and the embedding tables' weight gradients at the
+prologue's backward (costmodel.memory.prologue_backward_bytes). backend/lowering/program.py allocates the same buffers
 (from the same costmodel.memory functions), so a lowered program never needs more than this.
 
 Both the simulator (evaluating it) and the CP-SAT model (as linear constraints) use `terms`.
@@ -117,7 +118,7 @@ def _terms(costs: ProblemCosts, window: int, compute_keys: tuple[str, ...]) -> t
             i = 2 * N + 2 - x
             stash, work = i + 2, costs.blocks[i].workspace_bytes + costs.blocks[i].param_grads_bytes
         else:
-            stash, work = 2, 0
+            stash, work = 2, costs.prologue_working_bytes
         keep, offload, recompute, unstashed = [], [], [], []
         for i, b in costs.blocks.items():
             held = m * b.saved_bytes
