@@ -15,8 +15,8 @@ The backward is made one row range of the table at a time (`costmodel.memory.voc
 as one dense [vocab, hidden] fp32 tensor (2.3 GiB for the Qwen3-8B table): each range's lookups keep
 their row within it, the others (and the padding row's) go to a spare row past its end that is
 excluded as the padding index, so no range needs the device to say which lookups hit it. Each row sums
-the same lookups in the same order as over the whole table. What it holds at once is
-`costmodel.memory.embedding_grad_bytes`.
+the same lookups as over the whole table (on the CPU, to the bit: tests/backend/test_embedding_grads.py).
+What it holds at once is `costmodel.memory.embedding_grad_bytes`.
 """
 
 from __future__ import annotations
