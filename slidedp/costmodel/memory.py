@@ -80,14 +80,25 @@ def embedding_backward_workspace_rows(tokens: int, rows: int) -> int:
     return tokens // EMBEDDING_BACKWARD_ROWS_PER_PARTIAL + min(tokens, rows) + 1
 
 
+# A resident embedding table's fp32 weight gradient is made in row ranges of at most this many parameters
+# (256 MiB; backend/runtime/embedding_grads.py): each range's kernel reads every lookup's gradient, so
+# fewer, larger ranges cost less time and more memory.
+EMBEDDING_GRAD_CHUNK_NUMEL = 1 << 26
+
+
+def embedding_grad_chunk_rows(rows: int, hidden_size: int) -> int:
+    """Rows of one range of a resident embedding table's weight gradient (EMBEDDING_GRAD_CHUNK_NUMEL)."""
+    return vocab_chunk_rows(rows, hidden_size, EMBEDDING_GRAD_CHUNK_NUMEL)
+
+
 def embedding_grad_bytes(tokens: int, rows: int, hidden_size: int) -> int:
     """Device memory of one resident embedding table's weight gradient over a pass
     (backend/runtime/embedding_grads.py): the output gradients of its `tokens` lookups (every
-    micro-batch's) in fp32; the fp32 gradient of one row range of `vocab_chunk_rows(rows, hidden_size)`
-    rows plus the spare row that takes the lookups outside it, and the kernel's partial sums for it
+    micro-batch's) in fp32; the fp32 gradient of one row range of `embedding_grad_chunk_rows(rows,
+    hidden_size)` rows plus the spare row that takes the lookups outside it, and the kernel's partial sums for it
     (embedding_backward_workspace_rows); 64 B a lookup for the indices (theirs, each one's row within
     the range, the kernel's sorted copies)."""
-    chunk = vocab_chunk_rows(rows, hidden_size) + 1
+    chunk = embedding_grad_chunk_rows(rows, hidden_size) + 1
     return (tokens + chunk + embedding_backward_workspace_rows(tokens, chunk)) * hidden_size * 4 + tokens * 64
 
 

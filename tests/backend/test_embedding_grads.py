@@ -54,7 +54,7 @@ def test_the_backward_in_row_ranges_is_the_whole_tables_to_the_bit(monkeypatch, 
     lookups in the same order as one embedding backward over the whole table; the padding row gets none."""
     import slidedp.backend.runtime.embedding_grads as eg
 
-    monkeypatch.setattr(eg, "vocab_chunk_rows", lambda rows, hidden: 5)
+    monkeypatch.setattr(eg, "embedding_grad_chunk_rows", lambda rows, hidden: 5)
     torch.manual_seed(1)
     rows, hidden, n = 13, 6, 200
     ids = torch.randint(0, rows, (n,))

@@ -11,8 +11,8 @@ result into the accumulator. Same function (padding row excluded, as `F.embeddin
 rounding instead of one per micro-batch. Embeddings with `max_norm`, `scale_grad_by_freq` or
 `sparse` are left to autograd.
 
-The backward is made one row range of the table at a time (`costmodel.memory.vocab_chunk_rows`), not
-as one dense [vocab, hidden] fp32 tensor (2.3 GiB for the Qwen3-8B table): each range's lookups keep
+The backward is made one row range of the table at a time (`costmodel.memory.embedding_grad_chunk_rows`),
+not as one dense [vocab, hidden] fp32 tensor (2.3 GiB for the Qwen3-8B table): each range's lookups keep
 their row within it, the others (and the padding row's) go to a spare row past its end that is
 excluded as the padding index, so no range needs the device to say which lookups hit it. Each row sums
 the same lookups as over the whole table (on the CPU, to the bit: tests/backend/test_embedding_grads.py).
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from slidedp.costmodel.memory import vocab_chunk_rows
+from slidedp.costmodel.memory import embedding_grad_chunk_rows
 
 
 class EmbeddingGrads(TorchFunctionMode):
@@ -92,7 +92,7 @@ def add_embedding_backward_(acc: torch.Tensor, grad: torch.Tensor, ids: torch.Te
     """acc [rows, hidden] += the embedding backward of output gradients `grad` [n, hidden] (fp32) at `ids`
     [n], the `padding` row (-1: none) left out, one row range at a time (see the module docstring)."""
     rows, hidden = acc.shape
-    step = vocab_chunk_rows(rows, hidden)
+    step = embedding_grad_chunk_rows(rows, hidden)
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         spare = r1 - r0  # the range's own rows are 0 .. spare - 1
