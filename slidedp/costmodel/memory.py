@@ -57,6 +57,17 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
     return numel * (12 + elem_bytes)
 
 
+# Parameters a device-state layer's AdamW takes at once (backend/state/device_state.py): its gradient
+# is copied to fp32 one piece at a time, on the update stream, at the step boundary.
+DEVICE_STATE_PIECE_NUMEL = 1 << 24
+
+
+def device_update_piece_bytes(piece_numel: int = DEVICE_STATE_PIECE_NUMEL) -> int:
+    """The device-state update's fp32 copy of one piece's gradient (64 MiB), alive beside the next
+    step's first positions while the update stream runs: held by a plan with any device state."""
+    return piece_numel * 4
+
+
 # -- vocabulary-streamed prologue and epilogue -----------------------------------------------------
 # A prologue or epilogue whose vocabulary table (embedding, head or the table they tie, [vocab, hidden])
 # is streamed (docs/design.md §4.14) keeps only its other parameters resident; the table crosses in row

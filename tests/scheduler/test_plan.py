@@ -206,3 +206,22 @@ def test_the_prologues_embedding_backward_is_in_the_plans_peak(tied):
     prologue_backward = plan.explanation.memory_timeline[-1]  # the pass's last compute
     assert prologue_backward.device_bytes >= resident + embedding
     assert verify_program(api.lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes
+
+
+def test_a_plan_with_device_state_holds_its_updates_fp32_piece():
+    """The device-state update copies one piece of a layer's gradient to fp32 at a time
+    (backend/state/device_state.py): a plan that keeps optimizer state on the device charges that piece
+    once beside the layers' state, and the lowered program holds it."""
+    from slidedp import api
+    from slidedp.backend.lowering.verify import verify_program
+    from slidedp.costmodel import memory as mem
+    from tests.scheduler.test_replay import qwen3
+
+    model = qwen3()
+    plan = slidedp.plan(model, "2GiB", batch_size=1, seq_len=2048, micro_batches=2, precision="bf16",
+                        hardware="h200-sxm", max_grad_norm=1.0)
+    assert plan.device_state, "the case must keep some optimizer state on the device"
+    graph = api.plan_graph(model, plan)
+    layers = sum(mem.device_state_bytes(graph.layers[i].numel, 2) for i in plan.device_state)
+    assert plan.memory["device_state_bytes"] == layers + mem.device_update_piece_bytes()
+    assert verify_program(api.lower_plan(graph, plan)).peak_device_bytes <= plan.peak_device_bytes

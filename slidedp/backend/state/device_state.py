@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slidedp.costmodel.memory import DEVICE_STATE_PIECE_NUMEL
+
 from slidedp.backend.state.host_state import HostState
 from slidedp.optim import AdamW
 
@@ -52,7 +54,7 @@ class DeviceLayer:
 
 
 class DeviceState:
-    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = 1 << 24,
+    def __init__(self, host: HostState, layer_ids, *, device: torch.device, piece_numel: int = DEVICE_STATE_PIECE_NUMEL,
                  owned: dict[int, list[tuple[int, int]]] | None = None):
         """`owned` (sharded): {layer id: the (start, end) chunks this rank keeps}; None: whole layers."""
         self.host, self.device, self.piece_numel = host, device, piece_numel

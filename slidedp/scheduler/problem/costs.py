@@ -395,8 +395,11 @@ class ProblemCosts:
         return self.prologue_fwd + self.device_update(d.device_state)
 
     def device_state_bytes(self, on_device) -> int:
-        """Device bytes per rank of the optimizer state of the layers `on_device`."""
-        return sum(self.device_state_layer_bytes[i] for i in on_device)
+        """Device bytes per rank of the optimizer state of the layers `on_device`, and of their update's
+        fp32 piece where there is any (costmodel.memory.device_update_piece_bytes)."""
+        on_device = list(on_device)
+        return sum(self.device_state_layer_bytes[i] for i in on_device) + (
+            mem.device_update_piece_bytes() if on_device else 0)
 
     def device_state_shard_numel(self, layer) -> int:
         """Parameters of a device-state layer the busiest rank keeps: all of them unless sharded."""

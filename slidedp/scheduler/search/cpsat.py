@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
+from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
     FORWARD_ORDER, GPU, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, RESIDENT, STREAMED,
@@ -594,6 +595,15 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
             m.add(lit >= v.act[(i, RECOMPUTE_OFFLOAD)] + sum(before) - 1)
     program = build_lanes(costs.n_blocks, window, costs.problem.world_size > 1, costs.head_reload)
     device_state = sum(b * v.on_device[i] for i, b in costs.device_state_layer_bytes.items())
+    lits = [v.on_device[i] for i in costs.device_state_layer_bytes]
+    if any(_is(lit, 1) for lit in lits):  # an update's fp32 piece, where any layer keeps its state here
+        device_state += mem.device_update_piece_bytes()
+    elif any(not isinstance(lit, int) for lit in lits):
+        any_on = m.new_bool_var("device_state[any]")
+        for lit in lits:
+            if not isinstance(lit, int):
+                m.add_implication(lit, any_on)
+        device_state += mem.device_update_piece_bytes() * any_on
     deltas = vocab_memory_deltas(costs, window, program.compute_keys) if costs.vocab_groups else {}
     for x, t in enumerate(terms(costs, window, program.compute_keys)):
         expr = t.base_bytes + v.staging + device_state
@@ -914,8 +924,8 @@ def minimum_peak(costs: ProblemCosts, window: int, deterministic_time: float = 3
     m, v = _memory_model(costs, window, symmetric=on_device is None)
     keys = build_lanes(costs.n_blocks, window, False).compute_keys
     deltas = vocab_memory_deltas(costs, window, keys) if costs.vocab_groups else {}
-    upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + sum(
-        costs.device_state_layer_bytes.values()) + sum(
+    upper = max(o.staging_bytes for opts in costs.layer_options for o in opts) + costs.device_state_bytes(
+        costs.device_state_layer_bytes) + sum(
         t.base_bytes + sum(b for _, b in t.keep + t.offload + t.recompute) for t in terms(costs, window, keys)) + sum(
         max(0, b) for delta in deltas.values() for b in delta)
     peak = m.new_int_var(0, upper, "peak")
