@@ -63,8 +63,9 @@ DEVICE_STATE_PIECE_NUMEL = 1 << 24
 
 
 def device_update_piece_bytes(piece_numel: int = DEVICE_STATE_PIECE_NUMEL) -> int:
-    """The device-state update's fp32 copy of one piece's gradient (64 MiB), alive beside the next
-    step's first positions while the update stream runs: held by a plan with any device state."""
+    """The device-state update's fp32 copy of one piece's gradient (64 MiB for a whole piece; a smaller
+    layer's share, its numel), alive beside the next step's first positions while the update stream
+    runs: held by a plan with any device state."""
     return piece_numel * 4
 
 

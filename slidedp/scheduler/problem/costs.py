@@ -370,6 +370,9 @@ class ProblemCosts:
         capable = [layer for layer in g.layers if layer.id in problem.device_capable]
         numel = {layer.id: self.device_state_shard_numel(layer) for layer in capable}
         self.device_state_layer_bytes = {i: mem.device_state_bytes(n, self.elem) for i, n in numel.items()}
+        # the update's fp32 piece: the largest a device-state layer may need (a small layer's whole share)
+        self.device_update_piece_bytes = mem.device_update_piece_bytes(min(mem.DEVICE_STATE_PIECE_NUMEL,
+                                                                           max(numel.values(), default=0)))
         self.device_update_ticks = {i: t(ops.device_update_time_s(n, hw)) for i, n in numel.items()}
         self.prologue_fwd = t(ops.forward_time_s(g.prologue.costs, hw, m))  # without the devices' updates
         self.forward_before, elapsed = {g.prologue.id: 0}, self.prologue_fwd
@@ -396,10 +399,10 @@ class ProblemCosts:
 
     def device_state_bytes(self, on_device) -> int:
         """Device bytes per rank of the optimizer state of the layers `on_device`, and of their update's
-        fp32 piece where there is any (costmodel.memory.device_update_piece_bytes)."""
+        fp32 piece where there is any (`device_update_piece_bytes`)."""
         on_device = list(on_device)
         return sum(self.device_state_layer_bytes[i] for i in on_device) + (
-            mem.device_update_piece_bytes() if on_device else 0)
+            self.device_update_piece_bytes if on_device else 0)
 
     def device_state_shard_numel(self, layer) -> int:
         """Parameters of a device-state layer the busiest rank keeps: all of them unless sharded."""

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from slidedp.costmodel import memory as mem
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.decisions import (
     FORWARD_ORDER, GPU, GROUPS, HEAD_FIRST, KEEP, OFFLOAD, OFFLOADED, RECOMPUTE_OFFLOAD, RECOMPUTED, RESIDENT, STREAMED,
@@ -597,13 +596,13 @@ def memory_constraints(m: cp_model.CpModel, costs: ProblemCosts, window: int, v:
     device_state = sum(b * v.on_device[i] for i, b in costs.device_state_layer_bytes.items())
     lits = [v.on_device[i] for i in costs.device_state_layer_bytes]
     if any(_is(lit, 1) for lit in lits):  # an update's fp32 piece, where any layer keeps its state here
-        device_state += mem.device_update_piece_bytes()
+        device_state += costs.device_update_piece_bytes
     elif any(not isinstance(lit, int) for lit in lits):
         any_on = m.new_bool_var("device_state[any]")
         for lit in lits:
             if not isinstance(lit, int):
                 m.add_implication(lit, any_on)
-        device_state += mem.device_update_piece_bytes() * any_on
+        device_state += costs.device_update_piece_bytes * any_on
     deltas = vocab_memory_deltas(costs, window, program.compute_keys) if costs.vocab_groups else {}
     for x, t in enumerate(terms(costs, window, program.compute_keys)):
         expr = t.base_bytes + v.staging + device_state
