@@ -62,11 +62,11 @@ def device_state_bytes(numel: int, elem_bytes: int) -> int:
 DEVICE_STATE_PIECE_NUMEL = 1 << 24
 
 
-def device_update_piece_bytes(piece_numel: int = DEVICE_STATE_PIECE_NUMEL) -> int:
-    """The device-state update's fp32 copy of one piece's gradient (64 MiB for a whole piece; a smaller
-    layer's share, its numel), alive beside the next step's first positions while the update stream
-    runs: held by a plan with any device state."""
-    return piece_numel * 4
+def device_update_piece_bytes(shares) -> int:
+    """The device-state update's fp32 copy of one piece's gradient, for layers of `shares` parameters each
+    (per rank): a whole piece (64 MiB) or the largest share where smaller; 0 without device state. It is
+    alive beside the next step's first positions while the update stream runs."""
+    return 4 * min(DEVICE_STATE_PIECE_NUMEL, max(shares, default=0))
 
 
 # -- vocabulary-streamed prologue and epilogue -----------------------------------------------------
@@ -103,15 +103,20 @@ def embedding_grad_chunk_rows(rows: int, hidden_size: int) -> int:
     return vocab_chunk_rows(rows, hidden_size, EMBEDDING_GRAD_CHUNK_NUMEL)
 
 
+def _lookups_bytes(tokens: int, rows: int, hidden_size: int) -> int:
+    """One embedding backward of `tokens` lookups into `rows` rows beyond the rows themselves: their
+    output gradients in fp32, the kernel's partial sums (embedding_backward_workspace_rows), and 64 B a
+    lookup for the indices (theirs, each one's row within a range, the kernel's sorted copies)."""
+    return (tokens + embedding_backward_workspace_rows(tokens, rows)) * hidden_size * 4 + tokens * 64
+
+
 def embedding_grad_bytes(tokens: int, rows: int, hidden_size: int) -> int:
     """Device memory of one resident embedding table's weight gradient over a pass
-    (backend/runtime/embedding_grads.py): the output gradients of its `tokens` lookups (every
-    micro-batch's) in fp32; the fp32 gradient of one row range of `embedding_grad_chunk_rows(rows,
-    hidden_size)` rows plus the spare row that takes the lookups outside it, and the kernel's partial sums for it
-    (embedding_backward_workspace_rows); 64 B a lookup for the indices (theirs, each one's row within
-    the range, the kernel's sorted copies)."""
+    (backend/runtime/embedding_grads.py), from `tokens` lookups (every micro-batch's): one row range's
+    fp32 gradient of `embedding_grad_chunk_rows(rows, hidden_size)` rows plus the spare row that takes
+    the lookups outside it, and the lookups' own bytes (_lookups_bytes)."""
     chunk = embedding_grad_chunk_rows(rows, hidden_size) + 1
-    return (tokens + chunk + embedding_backward_workspace_rows(tokens, chunk)) * hidden_size * 4 + tokens * 64
+    return chunk * hidden_size * 4 + _lookups_bytes(tokens, chunk, hidden_size)
 
 
 def prologue_backward_bytes(params, micro_batches: int, tokens: int, streamed_name: str | None = None,
@@ -120,14 +125,14 @@ def prologue_backward_bytes(params, micro_batches: int, tokens: int, streamed_na
     largest `embedding_grad_bytes` of its [rows, hidden] parameters (`params`: ParamInfo; each a possible
     embedding table, made one after another) over every micro-batch's lookups. A streamed table
     (`streamed_name`, `streamed_rows` a chunk) makes its gradient in its chunk buffers (vocab_stream_bytes),
-    one micro-batch's lookups at a time: their fp32 output gradients and the kernel's partial sums."""
+    one micro-batch's lookups at a time (_lookups_bytes)."""
     out = 0
     for p in params:
         if len(p.shape) != 2:
             continue
         rows, hidden = p.shape
         if p.name == streamed_name:
-            need = (tokens + embedding_backward_workspace_rows(tokens, streamed_rows)) * hidden * 4 + tokens * 64
+            need = _lookups_bytes(tokens, streamed_rows, hidden)
         else:
             need = embedding_grad_bytes(micro_batches * tokens, rows, hidden)
         out = max(out, need)

@@ -132,9 +132,8 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                         default=0)  # cast in place there; a streamed table's casts are in its own buffers
                   + sum(mem.device_state_bytes(_device_state_numel(layer, schedule), c)
                         for layer in graph.layers if layer.id in device_state)
-                  + (mem.device_update_piece_bytes(min(mem.DEVICE_STATE_PIECE_NUMEL, max(
-                      _device_state_numel(layer, schedule) for layer in graph.layers if layer.id in device_state)))
-                     if device_state else 0)
+                  + mem.device_update_piece_bytes(_device_state_numel(layer, schedule)
+                                                  for layer in graph.layers if layer.id in device_state)
                   + (mem.streamed_update_bytes(c) if streamed else 0))
     tokens = graph.batch_size * graph.seq_len
     if epi.id in vocab:

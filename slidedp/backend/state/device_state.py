@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slidedp.costmodel.memory import DEVICE_STATE_PIECE_NUMEL
-
 from slidedp.backend.state.host_state import HostState
+from slidedp.costmodel.memory import DEVICE_STATE_PIECE_NUMEL
 from slidedp.optim import AdamW
 
 

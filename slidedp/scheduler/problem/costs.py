@@ -371,8 +371,7 @@ class ProblemCosts:
         numel = {layer.id: self.device_state_shard_numel(layer) for layer in capable}
         self.device_state_layer_bytes = {i: mem.device_state_bytes(n, self.elem) for i, n in numel.items()}
         # the update's fp32 piece: the largest a device-state layer may need (a small layer's whole share)
-        self.device_update_piece_bytes = mem.device_update_piece_bytes(min(mem.DEVICE_STATE_PIECE_NUMEL,
-                                                                           max(numel.values(), default=0)))
+        self.device_update_piece_bytes = mem.device_update_piece_bytes(numel.values())
         self.device_update_ticks = {i: t(ops.device_update_time_s(n, hw)) for i, n in numel.items()}
         self.prologue_fwd = t(ops.forward_time_s(g.prologue.costs, hw, m))  # without the devices' updates
         self.forward_before, elapsed = {g.prologue.id: 0}, self.prologue_fwd
