@@ -139,12 +139,18 @@ def prologue_backward_bytes(params, micro_batches: int, tokens: int, streamed_na
     return out
 
 
+# A streamed table's chunk gradients are made in this many fp32 buffers used in turn: a buffer is made
+# again only once the D2H stream has taken what was sent from it, so one chunk's gradient goes down
+# while the next is made, and no more are held however far the host runs ahead of the copies.
+VOCAB_GRAD_BUFFERS = 2
+
+
 def vocab_stream_bytes(chunk_rows: int, hidden_size: int, elem_bytes: int) -> int:
     """Device buffers of one vocabulary-streamed layer while it runs: two weight slots of a chunk in
-    the compute dtype, the chunk's fp32 weight gradient, and its cast copy on the way down (bf16
-    only): chunk * (2 * elem + 4 + elem) bytes, chunk = chunk_rows * hidden (none of it whole-table)."""
+    the compute dtype, VOCAB_GRAD_BUFFERS fp32 chunk gradients, and a cast copy on the way down (bf16
+    only): chunk * (2 * elem + 2 * 4 + elem) bytes, chunk = chunk_rows * hidden (none of it whole-table)."""
     chunk = chunk_rows * hidden_size
-    return chunk * (2 * elem_bytes + 4 + (elem_bytes if elem_bytes != 4 else 0))
+    return chunk * (2 * elem_bytes + VOCAB_GRAD_BUFFERS * 4 + (elem_bytes if elem_bytes != 4 else 0))
 
 
 def streamed_epilogue_working_bytes(tokens: int, hidden_size: int, chunk_rows: int, elem_bytes: int,

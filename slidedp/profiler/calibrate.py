@@ -333,7 +333,7 @@ def measure_engine_block_host_s(device: torch.device, *, layers: int = 8, micro_
                          head_dim=128, num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=256)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
-    engine = api.compile(model, "8GiB" if cuda else "1GiB", batch_size=1, seq_len=256, device=str(device),
+    engine = api.compile(model, "8GiB" if cuda else "1GiB", batch_size=1, seq_len=256, device=device.type,
                          micro_batches=micro_batches, compile_blocks=cuda, optimizer=AdamW(lr=1e-5))
     try:
         blocks = [d for d in engine.plan.decisions if d.layer_id not in (0, len(engine.plan.decisions) - 1)]

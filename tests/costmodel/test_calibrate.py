@@ -445,6 +445,23 @@ def test_the_engines_host_time_per_block_is_timed_in_its_steps():
     assert 0 < fwd < 1 and 0 < bwd < 1
 
 
+def test_the_host_floor_names_a_numbered_cuda_device_as_compile_takes_it(monkeypatch):
+    """calibrate resolves "cuda" to cuda:0; the engine it compiles for the floor is asked for "cuda"
+    (slidedp.compile takes "auto", "cuda" or "cpu")."""
+    from slidedp import api
+
+    seen = {}
+
+    def compile_(model, budget, **kw):
+        seen.update(kw)
+        raise RuntimeError("compiled")
+
+    monkeypatch.setattr(api, "compile", compile_)
+    with pytest.raises(RuntimeError, match="compiled"):
+        cal.measure_engine_block_host_s(torch.device("cuda", 0))
+    assert seen["device"] == "cuda"
+
+
 def test_a_failed_host_floor_measurement_leaves_no_floor_and_says_so(monkeypatch, caplog):
     """compiled_host_floor: the measurement's numbers, said; where the engine's run fails, a warning
     naming the error and (0, 0), not a lost profile."""

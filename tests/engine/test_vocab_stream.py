@@ -144,3 +144,38 @@ def test_checkpoints_cross_between_streamed_and_resident_tied_tables(tmp_path):
             train_side_by_side(engine, ref, steps=2, seed=k, opt=opt)
             engine.save_checkpoint(tmp_path / str(k))
             saved = engine.state_dict()
+
+
+def test_chunk_gradients_reuse_their_buffers_only_after_the_copies_they_were_sent_to():
+    """vocab_stream.ChunkGrads: the chunks' gradients take VOCAB_GRAD_BUFFERS buffers in turn; before a
+    buffer is zeroed again, the compute stream waits for the D2H point recorded when it was last sent."""
+    from slidedp.backend.runtime.vocab_stream import ChunkGrads
+    from slidedp.costmodel.memory import VOCAB_GRAD_BUFFERS
+
+    class Streams:
+        def __init__(self):
+            self.log, self.n = [], 0
+
+        def record(self, name):
+            self.n += 1
+            self.log.append(("record", name, self.n))
+            return self.n
+
+        def wait(self, name, event):
+            self.log.append(("wait", name, event))
+
+    streams = Streams()
+    grads = ChunkGrads(streams, VOCAB_GRAD_BUFFERS, rows=3, hidden=4, device=torch.device("cpu"))
+    ptrs = []
+    for k in range(5):
+        g = grads.take(3 if k < 4 else 2)
+        assert g.shape == (3 if k < 4 else 2, 4) and not g.any()
+        ptrs.append(g.data_ptr())
+        g.fill_(1.0)
+        grads.sent()
+    assert len(set(ptrs)) == VOCAB_GRAD_BUFFERS == 2 and ptrs[0] == ptrs[2] == ptrs[4]
+    waits = [e for kind, name, e in streams.log if kind == "wait"]
+    assert all(name == "compute" for kind, name, _ in streams.log if kind == "wait")
+    assert waits == [None, None, 1, 2, 3]  # the third take waits for the first send's point, and so on
+    with pytest.raises(ValueError, match="rows"):
+        grads.take(4)

@@ -47,7 +47,7 @@ CASES = {
     "early updates in place": dict(budget="1GiB", max_grad_norm=None, nonfinite="stop", hidden=1024, seq_len=256),
     "two ranks": dict(budget="2GiB", max_grad_norm=1.0, world_size=2),
     "two hosts": dict(budget="2GiB", max_grad_norm=1.0, world_size=4, hosts=2, link="ib-4x400"),
-    "tied table": dict(budget="1.1GiB", max_grad_norm=1.0, tied=True),
+    "tied table": dict(budget="2.2GiB", max_grad_norm=1.0, tied=True, vocab=131072),  # streams: 4 chunks
 }
 
 
@@ -56,7 +56,7 @@ def plans():
     out = {}
     for name, kw in CASES.items():
         kw = {"seq_len": 2048, "micro_batches": 2, **kw}
-        model = qwen3(hidden=kw.pop("hidden", 512), tied=kw.pop("tied", False))
+        model = qwen3(hidden=kw.pop("hidden", 512), tied=kw.pop("tied", False), vocab=kw.pop("vocab", 32768))
         plan = slidedp.plan(model, kw.pop("budget"), batch_size=1, precision="bf16", hardware="h200-sxm", **kw)
         out[name] = (model, plan)
     return out

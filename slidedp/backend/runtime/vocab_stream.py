@@ -33,6 +33,7 @@ import torch
 from slidedp.backend.kernels.linear_cross_entropy import IGNORE_INDEX, vocab_chunk_backward, vocab_chunk_forward
 from slidedp.backend.runtime.routes import Routes
 from slidedp.backend.runtime.streams import Streams
+from slidedp.costmodel.memory import VOCAB_GRAD_BUFFERS
 
 
 @dataclass(frozen=True)
@@ -103,14 +104,16 @@ class VocabStream:
         """Per chunk, the fp32 weight gradient of the recorded (ids, output gradient) pairs of every
         micro-batch, handed to `send(r0, r1, grad)` as soon as it is made."""
         done = [(ids.reshape(-1), g.reshape(-1, table.hidden)) for ids, g in records if g is not None]
+        grads = self._grad_buffers(table)
         for r0, r1 in table.chunks():
-            grad = torch.zeros(r1 - r0, table.hidden, dtype=torch.float32, device=self.device)
+            grad = grads.take(r1 - r0)
             pad = padding_idx - r0 if r0 <= padding_idx < r1 else -1
             for ids, g in done:
                 hit = (ids >= r0) & (ids < r1)
                 if bool(hit.any()):
                     grad += torch.ops.aten.embedding_dense_backward(g[hit].float(), ids[hit] - r0, r1 - r0, pad, False)
             send(r0, r1, grad)
+            grads.sent()
 
     # -- head and loss ----------------------------------------------------------------------------
     def head_loss(self, table: VocabTable, hidden: list[torch.Tensor], labels: list[torch.Tensor], *,
@@ -133,13 +136,49 @@ class VocabStream:
             loss = loss + torch.where(valid, lse[m] - tgt[m], 0.0).sum() * scale
             coef.append(valid.float() * scale)
         grad_hidden = [torch.zeros(h.shape, dtype=torch.float32, device=self.device) for h in hidden]
+        grads = self._grad_buffers(table)
         for r0, r1, w in self.chunks(table):
-            grad_w = torch.zeros(r1 - r0, table.hidden, dtype=torch.float32, device=self.device)
+            grad_w = grads.take(r1 - r0)
             for m, h in enumerate(hidden):
                 vocab_chunk_backward(h, w, _local_labels(labels[m], r0, r1), lse[m], coef[m], chunk_tokens,
                                      grad_hidden[m], grad_w)
             send(r0, r1, grad_w)
+            grads.sent()
         return loss, grad_hidden
+
+    def _grad_buffers(self, table: VocabTable) -> "ChunkGrads":
+        return ChunkGrads(self.streams, min(VOCAB_GRAD_BUFFERS, len(table.chunks())),
+                          table.chunk_rows, table.hidden, self.device)
+
+
+class ChunkGrads:
+    """A streamed table's chunk gradients, made in `count` fp32 buffers used in turn
+    (costmodel.memory.VOCAB_GRAD_BUFFERS). Each chunk's gradient is read by the D2H stream only (its
+    copies, casts and reductions: Routes.gradient_piece); before a buffer is zeroed again, the compute
+    stream waits for what the D2H stream was given from it. The caching allocator would otherwise keep
+    every sent chunk until its copy ran (`record_stream`): with the host adding slower than the device
+    makes chunks, most of the table's fp32 gradient at once."""
+
+    def __init__(self, streams: Streams, count: int, rows: int, hidden: int, device: torch.device):
+        self.streams, self.rows, self.hidden = streams, rows, hidden
+        self.buffers = [torch.empty(rows * hidden, dtype=torch.float32, device=device) for _ in range(max(1, count))]
+        self.taken: list = [None] * len(self.buffers)
+        self.turn = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The next buffer as a zeroed [rows, hidden] fp32 gradient, on the compute stream."""
+        if rows > self.rows:
+            raise ValueError(f"a chunk of {rows} rows in buffers of {self.rows}")
+        s = self.turn % len(self.buffers)
+        self.streams.wait("compute", self.taken[s])
+        grad = self.buffers[s][: rows * self.hidden].view(rows, self.hidden)
+        grad.zero_()
+        return grad
+
+    def sent(self) -> None:
+        """The buffer just taken has been handed to the D2H stream: its next use waits for this point."""
+        self.taken[self.turn % len(self.buffers)] = self.streams.record("d2h")
+        self.turn += 1
 
 
 def _local_labels(labels: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
