@@ -197,10 +197,11 @@ def _room_for_streamed(costs: ProblemCosts, budget_bytes: int, found: list[Found
                        min_budget: int) -> list[Found]:
     """Streamed updates hold their slots on the device (costs.streamed_update_bytes), which the searches
     may have filled with kept activations or optimizer state, a room the streamed prefix then cannot
-    make: where no pass streamed, descents within the budget less the slots, from the fastest decisions
-    that fit it and from the least-memory ones, are more starts for `_after` (without them, Qwen3-4B at
-    16,384 tokens planned 2.151 s at 6 GiB against 1.794 s at 5 GiB); none where streamed updates are
-    not allowed or no decisions leave the room."""
+    make: descents within the budget less the slots, from the fastest decisions that fit it and from the
+    least-memory ones, are more starts for `_after` (without them, Qwen3-4B at 16,384 tokens planned
+    2.151 s at 6 GiB against 1.794 s at 5 GiB, and, where the other starts streamed only a few layers,
+    1.883 s at 6 GiB against 1.855 s at 5 GiB); none where streamed updates are not allowed or no
+    decisions leave the room."""
     room = budget_bytes - costs.streamed_update_bytes
     if not costs.problem.streamed_updates or costs.options.streamed_layers == 0 or room < min_budget:
         return []
@@ -273,10 +274,10 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         if len(starts) < AFTER_STARTS and all(f.decisions != s.decisions for s in starts):
             starts.append(f)
     finals = [_after(costs, budget_bytes, f) for f in starts]
-    if not any(f[4] for f in finals):  # nothing streamed its updates: maybe for want of room for their slots
-        finals += [_after(costs, budget_bytes, f) for f in
-                   _room_for_streamed(costs, budget_bytes, candidates + solved, min_decisions, min_budget)
-                   if all(f.decisions != s.decisions for s in starts)]
+    # the searches may have filled the room that streamed updates' slots need, or left too little of it
+    finals += [_after(costs, budget_bytes, f) for f in
+               _room_for_streamed(costs, budget_bytes, candidates + solved, min_decisions, min_budget)
+               if all(f.decisions != s.decisions for s in starts)]
     for choice in costs.variants:
         own = fastest([f for f in candidates + solved if costs.vocab_set(f.decisions) == choice])
         if own is not None and costs.vocab_set(own.decisions) != costs.vocab_set(best.decisions):
