@@ -95,3 +95,26 @@ def test_no_decay_groups_exempt_norms_and_embeddings():
     assert groups["model.norm.weight"] and groups["model.embed_tokens.weight"]
     assert not groups["model.layers.0.mlp.up_proj.weight"]
     engine.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_takes_the_clipping_norm_on_the_device(family, monkeypatch):
+    """One rank, one pass, every layer's state on the host: each layer's sum of squares is the one taken
+    on the device (one rank copies its gradient down, Routes.gradient), not a pass over the host
+    gradient at the step boundary; the step still clips as torch.optim.AdamW with clip_grad_norm_ does."""
+    from slidedp.backend.runtime import routes
+
+    def no_host_pass(*args, **kwargs):
+        raise AssertionError("the host gradient was read for the norm")
+
+    monkeypatch.setattr(routes, "_sumsq", no_host_pass)
+    model = make_model(family)
+    ref = copy.deepcopy(model).eval()
+    kw = dict(batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", max_grad_norm=CLIP, micro_batches=2)
+    plan = slidedp.plan(model, "1GiB", solver_options=slidedp.SolverOptions(  # every layer's state on the host
+        device_state_blocks=0, device_state_prologue=False, streamed_layers=0), **kw)
+    engine = slidedp.compile(model, "1GiB", plan=plan, optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), **kw)
+    with engine:
+        assert not engine.plan.schedule.device_state and not engine.plan.schedule.streamed_updates
+        train_side_by_side(engine, ref, steps=3, seed=2)
+        assert engine.last_step.clip_coef < 1.0, "the test must exercise clipping"
