@@ -7,9 +7,16 @@ moment the allocated bytes peak, and groups what is live then by the first stack
 
     python benchmarks/tools/memory_peak.py snapshot.pickle --top 25
 
-(`benchmarks/diagnose_step/run.py --memory-snapshot` records one for a step.) Allocations made before
-recording began are not in the trace; they are reported as the difference to the allocator's own
-peak when that is given (`--allocated-peak`).
+(`benchmarks/diagnose_step/run.py --memory-snapshot` records one for a step, gzipped; both are read.)
+Allocations made before recording began are not in the trace; they are reported as the difference to
+the allocator's own peak when that is given (`--allocated-peak`).
+
+A block counts from its allocation until the allocator takes it back (`free_completed`): a tensor
+freed while another stream still has work queued on it (`record_stream`) stays held, out of the
+allocated bytes the allocator reports but in what it must reserve. `peak_bytes` is that held peak;
+`allocated_peak_in_trace_bytes` counts each block only until its free was asked for
+(`free_requested`), as `torch.cuda.max_memory_allocated` does; `pending_at_peak` lists, grouped as
+`live`, what was freed but still held at the held peak.
 
 The allocator caches memory per CUDA stream: a block freed on one stream is reused only by allocations
 on that stream, and each stream's expandable segment grows on its own. So `streams` gives, per stream,
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import pickle
 import sys
@@ -40,8 +48,11 @@ def where(frames: list[dict]) -> str:
     return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "(no stack)"
 
 
-def peak_of(trace: list[dict]) -> tuple[int, int, dict[int, dict]]:
-    """(peak bytes, index of the event reaching it, the allocations live then by address)."""
+def peak_of(trace: list[dict], free: str = "free_completed") -> tuple[int, int, dict[int, dict]]:
+    """(peak bytes, index of the event reaching it, the allocations live then by address), a block
+    counted until its `free` event ("free_completed": held; "free_requested": allocated, or held
+    where a trace has no request)."""
+    ends = {free, "free_completed"}
     live, total, peak, at = {}, 0, 0, -1
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
@@ -49,15 +60,40 @@ def peak_of(trace: list[dict]) -> tuple[int, int, dict[int, dict]]:
             total += e["size"]
             if total > peak:
                 peak, at = total, i
-        elif e["action"] == "free_completed" and e["addr"] in live:
+        elif e["action"] in ends and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
     live = {}
     for e in trace[: at + 1]:  # replay again up to the peak: what is live there
         if e["action"] == "alloc":
             live[e["addr"]] = e
-        elif e["action"] == "free_completed":
+        elif e["action"] in ends:
             live.pop(e["addr"], None)
     return peak, at, live
+
+
+def pending_at(trace: list[dict], at: int) -> dict[int, dict]:
+    """The allocations whose free was asked for but not yet completed after event `at`, by address."""
+    live, pending = {}, {}
+    for e in trace[: at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            pending[e["addr"]] = live[e["addr"]]
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            pending.pop(e["addr"], None)
+    return pending
+
+
+def grouped(allocations, top: int) -> list[dict]:
+    """Allocations summed by where they were made (`where`), largest first."""
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for e in allocations:
+        g = groups[where(e.get("frames", []))]
+        g[0] += e["size"]
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"where": k, "bytes": b, "allocations": n} for k, (b, n) in rows]
 
 
 SEGMENT_GROWS = ("segment_alloc", "segment_map")
@@ -111,16 +147,13 @@ def segments_by_stream(segments: list[dict], device: int) -> list[dict]:
 def summary(snapshot: dict, top: int = 25, device: int | None = None) -> dict:
     traces = snapshot["device_traces"]
     device = max(range(len(traces)), key=lambda d: len(traces[d])) if device is None else device
-    peak, at, live = peak_of(traces[device])
-    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for e in live.values():
-        g = groups[where(e.get("frames", []))]
-        g[0] += e["size"]
-        g[1] += 1
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"device": device, "peak_bytes": peak, "event": at, "events": len(traces[device]),
-            "live": [{"where": k, "bytes": b, "allocations": n} for k, (b, n) in rows],
-            **by_stream(traces[device]),
+    trace = traces[device]
+    peak, at, live = peak_of(trace)
+    return {"device": device, "peak_bytes": peak, "event": at, "events": len(trace),
+            "allocated_peak_in_trace_bytes": peak_of(trace, "free_requested")[0],
+            "live": grouped(live.values(), top),
+            "pending_at_peak": grouped(pending_at(trace, at).values(), top),
+            **by_stream(trace),
             "segments_at_end": segments_by_stream(snapshot.get("segments", []), device)}
 
 
@@ -131,10 +164,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", type=int)
     p.add_argument("--allocated-peak", type=int, help="torch.cuda.max_memory_allocated() of the same run")
     args = p.parse_args(argv)
-    with open(args.snapshot, "rb") as f:
+    opener = gzip.open if args.snapshot.endswith(".gz") else open
+    with opener(args.snapshot, "rb") as f:
         out = summary(pickle.load(f), args.top, args.device)
     if args.allocated_peak is not None:
-        out["not_in_trace_bytes"] = args.allocated_peak - out["peak_bytes"]
+        out["not_in_trace_bytes"] = args.allocated_peak - out["allocated_peak_in_trace_bytes"]
     print(json.dumps(out, indent=1))
     return 0
 

@@ -1,5 +1,6 @@
 """benchmarks/tools/memory_peak.py: the allocations live at an allocator trace's peak, grouped by source."""
 
+import gzip
 import pickle
 
 import benchmarks.tools.memory_peak as memory_peak
@@ -62,3 +63,23 @@ def test_each_stream_reserves_for_itself():
         {"stream": 1, "reserved_bytes": 96, "allocated_bytes": 16, "segments": 2}]
     whole = mp.summary({"device_traces": [trace], "segments": segments[:3]})
     assert whole["reserved_peak_bytes"] == 160 and [s["stream"] for s in whole["segments_at_end"]] == [2, 1]
+
+
+def test_a_block_freed_with_work_queued_on_another_stream_stays_held(tmp_path, capsys):
+    """A freed tensor recorded on another stream (`record_stream`) is taken back by the allocator only
+    once that stream's queued work ran: held (peak_bytes) beyond the allocated peak, and named
+    (pending_at_peak); the tool reads a gzipped snapshot too."""
+    mp = load()
+    trace = [event("alloc", 1, 100, "w.py"), event("free_requested", 1, 100), event("alloc", 2, 100, "w.py"),
+             event("free_requested", 2, 100), event("alloc", 3, 100, "w.py"), event("free_completed", 1, 100),
+             event("free_completed", 2, 100), event("free_requested", 3, 100), event("free_completed", 3, 100),
+             event("alloc", 4, 30, "x.py")]
+    out = mp.summary({"device_traces": [trace]})
+    assert out["peak_bytes"] == 300 and out["event"] == 4  # 1 and 2 still held when 3 is made
+    assert out["allocated_peak_in_trace_bytes"] == 100
+    assert out["pending_at_peak"] == [{"where": "slidedp/w.py:1 (g)", "bytes": 200, "allocations": 2}]
+    path = tmp_path / "s.pickle.gz"
+    with gzip.open(path, "wb") as f:
+        pickle.dump({"device_traces": [trace]}, f)
+    assert mp.main([str(path), "--allocated-peak", "150"]) == 0
+    assert '"not_in_trace_bytes": 50' in capsys.readouterr().out  # against the allocated peak, not the held one
