@@ -57,7 +57,7 @@ CURRENT = {
     "single_gpu_throughput": "2026-12-06-every-peer-best-config-h100.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
     "cpu_adamw": "2026-12-05-h100-host-16-cores.json",
-    "predict_vs_measured": "2026-12-06-todays-model-and-shape-profiles.json",
+    "predict_vs_measured": "2026-12-07-host-floor-profiles-in-hindsight.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
