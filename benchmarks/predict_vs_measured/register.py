@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
-from benchmarks.common.fit_set import used_in_fitting  # noqa: E402
+from benchmarks.common.fit_set import card_of, used_in_fitting  # noqa: E402
 from benchmarks.common.model import MAX_GRAD_NORM, empty_model  # noqa: E402
 from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
@@ -45,6 +45,7 @@ from slidedp.scheduler import replay  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REGISTERED = HERE / "registered"
 REPO = HERE.parents[1]
+THROUGHPUT_RESULTS = REPO / "benchmarks" / "single_gpu_throughput" / "results"
 
 # (shape, tokens per step, budget): clipping at 1.0, one-row micro-batches, 12 timed steps
 POINTS = (
@@ -72,6 +73,26 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
                            max_grad_norm=max_grad_norm, nonfinite=nonfinite)
         rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite))
     return rows
+
+
+def measured_before(points, hardware: str, hardware_for: dict[str, str] | None = None,
+                    results: Path = THROUGHPUT_RESULTS) -> list[tuple[str, int, str]]:
+    """The points (SHAPE, TOKENS, BUDGET) that slidedp already ran on the card their hardware describes (a
+    record in `results` of the same shape, tokens per step, budget and card, whatever its plan): not held
+    out there."""
+    ran = set()
+    for path in Path(results).glob("*.json"):
+        data = json.loads(path.read_text())
+        for r in data if isinstance(data, list) else ():
+            if isinstance(r, dict) and str(r.get("system", "")).startswith("slidedp") and r.get("budget_bytes"):
+                ran.add((r.get("shape"), r.get("tokens_per_step"), r["budget_bytes"], r.get("device_name", "")))
+    out = []
+    for shape, tokens, budget in points:
+        card = card_of(resolve_hardware((hardware_for or {}).get(shape, hardware), "cpu").name)
+        budget_bytes = slidedp.Budget.parse(budget).device_bytes
+        if any((s, t, b) == (shape, tokens, budget_bytes) and card in name for s, t, b, name in ran):
+            out.append((shape, tokens, budget))
+    return out
 
 
 def register_twin(point, hardware: str, plan_file: str, streamed_updates, folder: Path = REGISTERED, steps: int = 12,
@@ -166,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--adamw-beside-copies", metavar="RECORD",
                    help="a cpu_adamw/in_step.py record: --hardware and each --hardware-for with the CPU AdamW's share "
                         "beside copies it measured (saved in registered/profiles/, which the runs load)")
+    p.add_argument("--again", action="store_true",
+                   help="register points slidedp already ran on the card (refused otherwise: not held out there)")
     add_allow_dirty(p)
     args = p.parse_args(argv)
     if args.adamw_beside_copies:
@@ -173,6 +196,11 @@ def main(argv=None) -> int:
         args.hardware_for = [(shape, derived_profile(hw, args.adamw_beside_copies)) for shape, hw in args.hardware_for]
     if args.twin_of and len(args.points or ()) != 1:
         p.error("--twin-of needs exactly one --points (the plan's point)")
+    again = [] if args.again or args.twin_of else measured_before(args.points or POINTS, args.hardware,
+                                                                   dict(args.hardware_for))
+    if again:
+        p.error("already run on the card, so not held out: " + ", ".join(":".join(map(str, pt)) for pt in again)
+                + " (--again registers them anyway)")
     stamp = commit_stamp(args.allow_dirty)
     if args.twin_of:
         rows = [register_twin(args.points[0], args.hardware, args.twin_of, keep, max_grad_norm=args.max_grad_norm,

@@ -221,3 +221,22 @@ def test_points_measured_in_the_out_file_are_not_run_again(tmp_path):
     assert "llama3b, 4096 tokens/step: measured already" in proc.stdout
     last = f"{points[-1]['shape']}, {points[-1]['tokens_per_step']} tokens/step"
     assert f"{last}: not started" in proc.stderr  # a failed record does not count as measured
+
+
+def test_points_run_before_on_the_card_are_refused(tmp_path):
+    """A point slidedp already ran on the card (same shape, tokens and budget, any plan) is not held out:
+    measured_before names it, for that card only, and register.py refuses it without --again."""
+    from benchmarks.predict_vs_measured.register import main, measured_before
+
+    record = {"system": "slidedp", "shape": "1.7b", "tokens_per_step": 8192, "budget_bytes": 8 * 2**30,
+              "device_name": "NVIDIA H200"}
+    (tmp_path / "a.json").write_text(json.dumps([record, {"system": "fsdp2", "shape": "1.7b"}]))
+    points = [("1.7b", 8192, "8GiB"), ("1.7b", 8192, "12GiB"), ("1.7b", 16384, "8GiB"), ("8b", 8192, "8GiB")]
+    assert measured_before(points, "h200-sxm", results=tmp_path) == [("1.7b", 8192, "8GiB")]
+    assert measured_before(points, "h100-sxm", results=tmp_path) == []  # another card
+    assert measured_before(points, "h100-sxm", {"1.7b": "h200-sxm"}, results=tmp_path) == [("1.7b", 8192, "8GiB")]
+    # the repository's own records: Qwen3-1.7B at 8,192 tokens within 8 GiB ran on an H200
+    with pytest.raises(SystemExit):
+        main(["--hardware", "h200-sxm", "--points", "1.7b:8192:8GiB", "--out", str(tmp_path / "r.json"),
+              "--allow-dirty"])
+    assert not (tmp_path / "r.json").exists()
