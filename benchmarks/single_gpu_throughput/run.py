@@ -441,6 +441,28 @@ def plan_host_bytes(point: dict) -> int:
     return int(json.loads(path.read_text()).get("explanation", {}).get("peak_host_bytes", 0))
 
 
+def plan_refusal(point: dict) -> str | None:
+    """Why today's compile would refuse a registered point's plan (its program checked against the point's
+    budget on a meta-device model, as slidedp.compile checks it after the model's build), or None. A plan
+    registered before a change to what a program is charged may no longer fit its budget."""
+    import torch
+
+    import slidedp.api
+    from slidedp.backend.lowering.verify import ProgramError
+
+    path = REPO / point.get("plan_file", "")
+    if not point.get("plan_file") or not path.is_file():
+        return None
+    plan = slidedp.Plan.load(path)
+    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
+    graph = slidedp.api.plan_graph(empty_model(point["shape"], dtype=dtype, device="meta"), plan)
+    try:
+        slidedp.api.verify(slidedp.api.lower_plan(graph, plan), slidedp.Budget.parse(point["budget"]))
+    except ProgramError as e:
+        return str(e)
+    return None
+
+
 def run_registered(args) -> int:
     """Every point of the registration record `args.registered` not yet measured in this study's results
     or in --out (records of an earlier run there, merged into), in its order: the point's own command (its
@@ -463,6 +485,11 @@ def run_registered(args) -> int:
     for point in record["points"]:
         if point["plan_sha256"] in measured and not args.remeasure:  # in this study's records already
             print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: measured already", flush=True)
+            continue
+        refused = plan_refusal(point)
+        if refused:  # its compile would fail after the model's build: not worth the build
+            print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: not run, its plan is refused today: "
+                  f"{refused}", file=sys.stderr, flush=True)
             continue
         argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
         argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
