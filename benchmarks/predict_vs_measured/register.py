@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import card_of, used_in_fitting  # noqa: E402
-from benchmarks.common.model import MAX_GRAD_NORM, empty_model  # noqa: E402
+from benchmarks.common.model import MAX_GRAD_NORM, SHAPES, empty_model  # noqa: E402
 from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
@@ -61,30 +61,36 @@ POINTS = (
 
 def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTERED, steps: int = 12,
              precision: str = "bf16", max_grad_norm: float | None = MAX_GRAD_NORM,
-             nonfinite: str = "skip", hardware_for: dict[str, str] | None = None) -> list[dict]:
+             nonfinite: str = "skip", hardware_for: dict[str, str] | None = None, micro_rows: int = 1) -> list[dict]:
     """Solve each point, keep its plan in `folder` as registered/<sha256[:16]>.json, and return a row a
     point: its prediction, its plan's sha256 and the command that runs it on a GPU machine (with
     `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for). `hardware_for`: a
-    shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`."""
+    shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`.
+    `micro_rows`: rows (sequences) per micro-batch, the tokens split into that many fewer micro-batches."""
     rows = []
     for shape, tokens, budget in points:
+        if tokens % (SHAPES[shape]["seq"] * micro_rows):
+            raise ValueError(f"{shape} at {tokens} tokens: not a whole number of {micro_rows}-row micro-batches "
+                             f"of {SHAPES[shape]['seq']} tokens a row")
         hw = (hardware_for or {}).get(shape, hardware)
         plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
-                           max_grad_norm=max_grad_norm, nonfinite=nonfinite)
-        rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite))
+                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, micro_rows=micro_rows)
+        rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite,
+                                   micro_rows))
     return rows
 
 
-def measured_before(points, hardware: str, hardware_for: dict[str, str] | None = None,
+def measured_before(points, hardware: str, hardware_for: dict[str, str] | None = None, micro_rows: int = 1,
                     results: Path = THROUGHPUT_RESULTS) -> list[tuple[str, int, str]]:
     """The points (SHAPE, TOKENS, BUDGET) that slidedp already ran on the card their hardware describes (a
-    record in `results` of the same shape, tokens per step, budget and card, whatever its plan): not held
-    out there."""
+    record in `results` of the same shape, tokens per step, budget, rows per micro-batch and card, whatever
+    its plan): not held out there."""
     ran = set()
     for path in Path(results).glob("*.json"):
         data = json.loads(path.read_text())
         for r in data if isinstance(data, list) else ():
-            if isinstance(r, dict) and str(r.get("system", "")).startswith("slidedp") and r.get("budget_bytes"):
+            if (isinstance(r, dict) and str(r.get("system", "")).startswith("slidedp") and r.get("budget_bytes")
+                    and r.get("slidedp_micro_rows", 1) == micro_rows):
                 ran.add((r.get("shape"), r.get("tokens_per_step"), r["budget_bytes"], r.get("device_name", "")))
     out = []
     for shape, tokens, budget in points:
@@ -114,13 +120,15 @@ def register_twin(point, hardware: str, plan_file: str, streamed_updates, folder
     return registered_row(twin, point, hardware, folder, steps, max_grad_norm, nonfinite)
 
 
-def registered_row(plan, point, hardware: str, folder: Path, steps: int, max_grad_norm, nonfinite: str) -> dict:
+def registered_row(plan, point, hardware: str, folder: Path, steps: int, max_grad_norm, nonfinite: str,
+                   micro_rows: int = 1) -> dict:
     """Keep `plan` (of `point`, SHAPE, TOKENS, BUDGET) in `folder` as <sha256[:16]>.json and return its
     registration row: its prediction, its sha256 and the command that runs it on a GPU machine."""
     shape, tokens, budget = point
     folder.mkdir(parents=True, exist_ok=True)
     run_options = ("" if max_grad_norm == MAX_GRAD_NORM else f" --max-grad-norm {max_grad_norm or 'none'}") + (
-        "" if nonfinite == "skip" else f" --nonfinite {nonfinite}")
+        "" if nonfinite == "skip" else f" --nonfinite {nonfinite}") + (
+        "" if micro_rows == 1 else f" --slidedp-micro-rows {micro_rows}")
     text = json.dumps(trimmed(plan.to_dict())).encode()
     sha = hashlib.sha256(text).hexdigest()
     path = folder / f"{sha[:16]}.json"
@@ -131,7 +139,7 @@ def registered_row(plan, point, hardware: str, folder: Path, steps: int, max_gra
                f"{run_options} --merge --out OUT.json")
     print(f"{shape} {tokens} {budget}: predicted {plan.predicted_step_time_s:.3f} s -> {rel}", flush=True)
     return {"shape": shape, "tokens_per_step": tokens, "budget": budget, "max_grad_norm": max_grad_norm,
-            "nonfinite": nonfinite, "plan_file": str(rel), "plan_sha256": sha,
+            "nonfinite": nonfinite, "slidedp_micro_rows": micro_rows, "plan_file": str(rel), "plan_sha256": sha,
             "predicted_step_s": plan.predicted_step_time_s, "hardware": plan.hardware["name"],
             "fitted": used_in_fitting({"shape": shape}, plan.hardware["name"]), "command": command}
 
@@ -148,8 +156,6 @@ def derived_profile(hardware: str, record: str, folder: Path = REGISTERED / "pro
 
 def point_arg(text: str) -> tuple[str, int, str]:
     """SHAPE:TOKENS:BUDGET (a benchmark shape of benchmarks/common/model.py, tokens per step, a budget)."""
-    from benchmarks.common.model import SHAPES
-
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in SHAPES or not parts[1].isdigit() or int(parts[1]) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: want SHAPE:TOKENS:BUDGET, SHAPE one of {', '.join(SHAPES)}")
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--adamw-beside-copies", metavar="RECORD",
                    help="a cpu_adamw/in_step.py record: --hardware and each --hardware-for with the CPU AdamW's share "
                         "beside copies it measured (saved in registered/profiles/, which the runs load)")
+    p.add_argument("--micro-rows", type=int, default=1,
+                   help="rows (sequences) per slidedp micro-batch of every point (default 1)")
     p.add_argument("--again", action="store_true",
                    help="register points slidedp already ran on the card (refused otherwise: not held out there)")
     add_allow_dirty(p)
@@ -196,8 +204,10 @@ def main(argv=None) -> int:
         args.hardware_for = [(shape, derived_profile(hw, args.adamw_beside_copies)) for shape, hw in args.hardware_for]
     if args.twin_of and len(args.points or ()) != 1:
         p.error("--twin-of needs exactly one --points (the plan's point)")
+    if args.micro_rows < 1 or (args.twin_of and args.micro_rows != 1):
+        p.error("--micro-rows must be positive (and 1 with --twin-of: a twin takes its plan's workload)")
     again = [] if args.again or args.twin_of else measured_before(args.points or POINTS, args.hardware,
-                                                                   dict(args.hardware_for))
+                                                                   dict(args.hardware_for), args.micro_rows)
     if again:
         p.error("already run on the card, so not held out: " + ", ".join(":".join(map(str, pt)) for pt in again)
                 + " (--again registers them anyway)")
@@ -207,7 +217,7 @@ def main(argv=None) -> int:
                               nonfinite=args.nonfinite) for keep in args.keep]
     else:
         rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
-                        nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for))
+                        nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for), micro_rows=args.micro_rows)
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

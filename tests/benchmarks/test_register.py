@@ -224,7 +224,7 @@ def test_points_measured_in_the_out_file_are_not_run_again(tmp_path):
 
 
 def test_points_run_before_on_the_card_are_refused(tmp_path):
-    """A point slidedp already ran on the card (same shape, tokens and budget, any plan) is not held out:
+    """A point slidedp already ran on the card (same shape, tokens, budget and rows, any plan) is not held out:
     measured_before names it, for that card only, and register.py refuses it without --again."""
     from benchmarks.predict_vs_measured.register import main, measured_before
 
@@ -235,6 +235,7 @@ def test_points_run_before_on_the_card_are_refused(tmp_path):
     assert measured_before(points, "h200-sxm", results=tmp_path) == [("1.7b", 8192, "8GiB")]
     assert measured_before(points, "h100-sxm", results=tmp_path) == []  # another card
     assert measured_before(points, "h100-sxm", {"1.7b": "h200-sxm"}, results=tmp_path) == [("1.7b", 8192, "8GiB")]
+    assert measured_before(points, "h200-sxm", micro_rows=2, results=tmp_path) == []  # another micro-batching
     # the repository's own records: Qwen3-1.7B at 8,192 tokens within 8 GiB ran on an H200
     with pytest.raises(SystemExit):
         main(["--hardware", "h200-sxm", "--points", "1.7b:8192:8GiB", "--out", str(tmp_path / "r.json"),
