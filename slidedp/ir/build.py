@@ -251,7 +251,15 @@ def build_layer_graph(
             key = _block_signature(block)
             if key not in block_costs:
                 call = calls_first[0]
-                block_costs[key] = _trace_block(block, call, compute_dtype, compiled_blocks)
+                try:
+                    block_costs[key] = _trace_block(block, call, compute_dtype, compiled_blocks)
+                except UnsupportedModelError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - report which block and why
+                    raise UnsupportedModelError(
+                        f"tracing block {blocks_path}.{i} ({type(block).__name__}) forward and backward on fake "
+                        f"tensors failed: {type(exc).__name__}: {str(exc)[:500]}"
+                    ) from exc
         block_kind["kind"] = block_costs[_block_signature(blocks[0])][1]
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]

@@ -194,6 +194,23 @@ def test_output_without_logits_is_refused():
         build_layer_graph(DictLM(), batch_size=B, seq_len=S)
 
 
+def test_a_block_that_cannot_run_on_fake_tensors_is_refused_by_name():
+    """A block whose forward branches on its data cannot be traced on fake tensors: refused as an
+    unsupported model naming the block, not a bare tracing error."""
+    class DataBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else x  # a Python branch on a value
+
+    model = PlainLM()
+    model.trunk = nn.ModuleList(DataBranch() for _ in range(3))
+    with pytest.raises(UnsupportedModelError, match=r"tracing block trunk\.0 \(DataBranch\)"):
+        build_layer_graph(model, batch_size=B, seq_len=S)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_block_memory_is_linear_in_sequence_length(family):
     """Without padding the executor's blocks get no dense [s, s] mask (SDPA runs causal), so what a
