@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -36,6 +37,8 @@ from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.replay import replay
 from slidedp.scheduler.solve import solve_plan
 
+log = logging.getLogger("slidedp")
+
 
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -53,6 +56,18 @@ def _resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available")
     return torch.device(device)
+
+
+def dropout_settings(model: nn.Module) -> list[str]:
+    """Where `model` would drop activations when training: its nn.Dropout modules with p > 0 and its
+    config's dropout probabilities above 0 (Hugging Face: attention_dropout, resid_pdrop, ...)."""
+    modules = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    found = [f"{len(modules)} dropout module(s) ({modules[0]}, p={model.get_submodule(modules[0]).p:g})"] if modules else []
+    config = getattr(model, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    found += [f"config.{k}={v:g}" for k, v in items
+              if (k.endswith("dropout") or k.endswith("pdrop")) and isinstance(v, (int, float)) and v > 0]
+    return found
 
 
 def check_request(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
@@ -399,6 +414,10 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     request = check_request(model, budget, **_plans_precision(kw, given), host_memory=host_memory, hosts=hosts,
                             link=link)
     rank = launched_rank(request.world_size)
+    dropout = dropout_settings(model)
+    if dropout and not rank:  # one warning, from the process that holds the host state
+        log.warning("slidedp: training without dropout (%s): every block runs in eval mode, so that a recomputed "
+                    "forward is the forward it replaces", ", ".join(dropout))
     graph = trace(request, given)
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     # several hosts: each rank reads from its host's state only what its host updates (run/launch.py)

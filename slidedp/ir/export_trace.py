@@ -67,11 +67,25 @@ def _flash_cpu_backward_flops(grad_out, query, key, value, out, logsumexp, dropo
 _flash_cpu_forward_flops._get_raw = True  # tensors in, not shapes: FlopCounterMode must not re-wrap
 _flash_cpu_backward_flops._get_raw = True
 
+def grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped matmul (aten._grouped_mm: mixture-of-experts layers), 2 per multiply-add, each
+    row of a group multiplied by its group's matrix: [M, K] x [G, K, N] (rows split by group) and
+    [M, K] x [K, N] split along K (a weight's gradient) are 2 M K N; [G, M, K] x [K, N] split along N is
+    2 M K N; [G, M, K] x [G, K, N] is 2 G M K N."""
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    if len(a_shape) == 3:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[-1]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
 # FLOP formulas FlopCounterMode lacks: the CPU flash-attention kernels that SDPA dispatches to on
-# CPU (and on fake CPU tensors); without them a block's attention FLOPs count as zero.
+# CPU (and on fake CPU tensors), without which a block's attention FLOPs count as zero; grouped
+# matmuls, without which a mixture-of-experts block's experts count as zero.
 EXTRA_FLOP_FORMULAS = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_forward_flops,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward_flops,
+    **({_aten._grouped_mm: grouped_mm_flops} if hasattr(_aten, "_grouped_mm") else {}),
 }
 
 # composite ops that the pre-dispatch (training) IR keeps and FlopCounterMode sees decomposed
