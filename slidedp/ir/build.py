@@ -270,6 +270,13 @@ def build_layer_graph(
         finally:
             for h in handles:
                 h.remove()
+        head = HeadCapture.find(model)
+        if head is not None:  # again, blocks passed through, the head captured: are the logits its plain output?
+            def passed(index: int, call: BlockCall):
+                return wrap_block_output(call.hidden, block_kind["kind"])
+
+            with proxied_blocks(model, blocks_path, passed), head.active() as cap:
+                plain_head = cap.returned_as_logits(torch.func.functional_call(model, fake, (ids,), _kw(allowed)))
         if len(calls) != n_blocks:
             raise UnsupportedModelError(
                 f"{type(model).__name__}.forward called {len(calls)} of its {n_blocks} blocks"
@@ -327,7 +334,7 @@ def build_layer_graph(
         forward_kwargs=allowed,
         forward_ops=() if groups is None else groups.forward_ops,
         saved_bytes_method=saved_bytes_method,
-        linear_head=HeadCapture.find(model) is not None,
+        linear_head=head is not None and plain_head,
     )
 
 

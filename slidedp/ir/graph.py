@@ -89,8 +89,9 @@ class LayerGraph:
     # how blocks' saved_activation_bytes were counted: "eager" (autograd's saved tensors) or
     # "aot-min-cut" (what a torch.compile'd block keeps: ir/compiled_saved.py)
     saved_bytes_method: str = "eager"
-    # the output head is a bias-free nn.Linear (get_output_embeddings): the loss may be fused and the
-    # head stream by vocabulary chunk
+    # the model's logits are a bias-free nn.Linear head's plain output (get_output_embeddings; no scaling,
+    # soft-capping or copy after it): the loss may be fused, chunk by chunk, and the head stream by
+    # vocabulary chunk; otherwise the model's own forward makes the whole logits
     linear_head: bool = True
 
     @property

@@ -158,7 +158,10 @@ class Problem:
 
     @property
     def effective_loss_chunk_tokens(self) -> int:
-        return max(1, min(self.loss_chunk_tokens, self.graph.batch_size * self.graph.seq_len))
+        """Tokens whose logits the loss holds at once: a micro-batch's all where the model's own forward
+        makes its logits (LayerGraph.linear_head false), else at most loss_chunk_tokens."""
+        tokens = self.graph.batch_size * self.graph.seq_len
+        return max(1, min(self.loss_chunk_tokens, tokens)) if self.graph.linear_head else tokens
 
     def with_vocab_streamed(self, choice: frozenset) -> "Problem":
         """This problem with the tables of `choice` streamed; a streamed tied table's gradient, the sum

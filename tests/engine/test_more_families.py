@@ -73,3 +73,29 @@ def test_a_model_with_dropout_is_told_it_trains_without(caplog):
     (said,) = [r.getMessage() for r in caplog.records if "dropout" in r.getMessage()]
     assert "training without dropout" in said and "config.dropout=0.1" in said
     assert not model.training  # what it says: the blocks run in eval mode
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "opt"])
+def test_logits_changed_after_the_head_keep_it_resident_and_whole(family):
+    """Gemma-2 soft-caps its logits, Cohere and Granite scale them, OPT copies them (.contiguous()): the head's
+    output is not the logits, so the loss cannot be fused nor the head stream by vocabulary chunk. The IR says
+    so, the plan at the smallest budget keeps the head resident and charges the micro-batch's whole logits,
+    and it trains as torch.optim.AdamW trains the model."""
+    from slidedp.errors import InfeasibleBudgetError
+
+    model_name, config_name, kwargs = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).float()
+    ref = copy.deepcopy(model).eval()
+    workload = dict(batch_size=BATCH, seq_len=SEQ, device="cpu", precision="fp32", micro_batches=2)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        slidedp.plan(model, 1000, **workload)
+    plan = slidedp.plan(model, info.value.min_budget_bytes, **workload)
+    assert plan.decisions[-1].activation != "streamed" and plan.loss_chunk_tokens == BATCH * SEQ
+    engine = slidedp.compile(model, info.value.min_budget_bytes, plan=plan, max_grad_norm=CLIP,
+                             optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), **workload)
+    assert not engine.graph.linear_head
+    with engine:
+        train_side_by_side(engine, ref, steps=3, seed=5)
