@@ -156,6 +156,8 @@ class Engine:
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
                 raise ValueError(f"labels must be a tensor of the same shape as input_ids {tuple(input_ids.shape)}, "
                                  f"got {getattr(labels, 'shape', type(labels).__name__)}")
+            if labels.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"labels must be an integer tensor (token ids, -100 where ignored), got {labels.dtype}")
             labels = labels.long()
             bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
             if bool(bad.any()):

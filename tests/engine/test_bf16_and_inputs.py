@@ -94,6 +94,8 @@ def test_bad_step_inputs_name_the_problem():
         engine.step(ids.float())
     with pytest.raises(ValueError, match="labels"):
         engine.step(ids, labels=torch.full((BATCH, SEQ), VOCAB + 3))
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        engine.step(ids, labels=ids.float() + 0.5)  # not truncated to other token ids
     with pytest.raises(ValueError, match="-100"):
         engine.step(ids, labels=torch.full((BATCH, SEQ), -100))
     with pytest.raises(ValueError, match="attention_mask"):
