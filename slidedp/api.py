@@ -61,8 +61,9 @@ def _resolve_device(device: str) -> torch.device:
 def dropout_settings(model: nn.Module) -> list[str]:
     """Where `model` would drop activations when training: its nn.Dropout modules with p > 0 and its
     config's dropout probabilities above 0 (Hugging Face: attention_dropout, resid_pdrop, ...)."""
-    modules = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-    found = [f"{len(modules)} dropout module(s) ({modules[0]}, p={model.get_submodule(modules[0]).p:g})"] if modules else []
+    modules = [(name, m.p) for name, m in model.named_modules()
+               if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    found = [f"{len(modules)} dropout module(s) ({modules[0][0]}, p={modules[0][1]:g})"] if modules else []
     config = getattr(model, "config", None)
     items = config.to_dict().items() if hasattr(config, "to_dict") else ()
     found += [f"config.{k}={v:g}" for k, v in items

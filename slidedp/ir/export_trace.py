@@ -67,6 +67,7 @@ def _flash_cpu_backward_flops(grad_out, query, key, value, out, logsumexp, dropo
 _flash_cpu_forward_flops._get_raw = True  # tensors in, not shapes: FlopCounterMode must not re-wrap
 _flash_cpu_backward_flops._get_raw = True
 
+
 def grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int], *args, out_shape=None, **kwargs) -> int:
     """FLOPs of a grouped matmul (aten._grouped_mm: mixture-of-experts layers), 2 per multiply-add, each
     row of a group multiplied by its group's matrix: [M, K] x [G, K, N] (rows split by group) and
