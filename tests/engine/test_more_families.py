@@ -43,7 +43,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_trains_as_torch_adamw_trains_it(family):
     model_name, config_name, kwargs = FAMILIES[family]
-    if not hasattr(transformers, model_name):
+    if not (hasattr(transformers, model_name) and hasattr(transformers, config_name)):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).float()
@@ -84,7 +84,7 @@ def test_logits_changed_after_the_head_keep_it_resident_and_whole(family):
     from slidedp.errors import InfeasibleBudgetError
 
     model_name, config_name, kwargs = FAMILIES[family]
-    if not hasattr(transformers, model_name):
+    if not (hasattr(transformers, model_name) and hasattr(transformers, config_name)):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).float()
