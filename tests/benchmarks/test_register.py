@@ -243,15 +243,14 @@ def test_points_run_before_on_the_card_are_refused(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_a_registered_plan_that_no_longer_fits_is_not_built():
-    """A registered plan whose program today's compile refuses (the H200 Qwen3-1.7B 32,768-token plan within
-    16 GiB, registered before the second chunk-gradient buffer was charged) is named before any build; one that
-    fits is not."""
-    from benchmarks.single_gpu_throughput.run import plan_refusal
+def test_a_registered_plan_that_no_longer_fits_is_not_built(tmp_path):
+    """A registered plan whose program today's compile would refuse (here: its point's budget taken below what
+    the program needs, as a change to what a program is charged does) is named before any build; as
+    registered, it is not."""
+    from benchmarks.single_gpu_throughput import run
 
-    points = json.loads((SCRIPT.parents[1] / "predict_vs_measured" / "results"
-                         / "2026-12-06-registered-h200-held-out.json").read_text())["points"]
-    by_point = {(p["shape"], p["tokens_per_step"], p["budget"]): p for p in points}
-    refused = plan_refusal(by_point[("1.7b", 32768, "16GiB")])
+    (row,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3, precision="fp32")
+    assert Path(row["plan_file"]).is_absolute()  # outside the repository: kept as an absolute path
+    assert run.plan_refusal(row) is None
+    refused = run.plan_refusal(dict(row, budget="64KiB"))
     assert refused is not None and "over the budget" in refused
-    assert plan_refusal(by_point[("llama3b", 4096, "12GiB")]) is None
