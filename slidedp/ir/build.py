@@ -256,9 +256,12 @@ def build_layer_graph(
                 except UnsupportedModelError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - report which block and why
+                    experts = any(name.endswith("experts") for name, _ in block.named_modules())
                     raise UnsupportedModelError(
                         f"tracing block {blocks_path}.{i} ({type(block).__name__}) forward and backward on fake "
-                        f"tensors failed: {type(exc).__name__}: {str(exc)[:500]}"
+                        f"tensors failed: {type(exc).__name__}: {str(exc)[:500]}" + (
+                            " (a mixture-of-experts block: torch's fake grouped matmul takes bf16 only; plan it "
+                            "with precision='bf16')" if experts and "BF16" in str(exc) else "")
                     ) from exc
         block_kind["kind"] = block_costs[_block_signature(blocks[0])][1]
 

@@ -648,7 +648,10 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         *(["streamed updates: at the step boundary the device updates the streamed_updates layers, their "
            "fp32 state up and back down ahead of every load of the step; each one's loads wait for its "
            "last piece down"] if decisions.streamed else []),
-        f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time",
+        f"loss computed {problem.effective_loss_chunk_tokens} tokens at a time" if g.linear_head else
+        f"loss computed by the model's own forward on a micro-batch's whole logits "
+        f"({problem.effective_loss_chunk_tokens} tokens): its logits are not its head's plain output (scaled, "
+        "capped or copied), so the loss is not fused and the head does not stream",
     ]
     if g.blocks:
         host_s, device_s = ops.block_host_and_device_s(g.blocks[0].costs, problem.hardware,

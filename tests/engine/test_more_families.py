@@ -94,6 +94,7 @@ def test_logits_changed_after_the_head_keep_it_resident_and_whole(family):
         slidedp.plan(model, 1000, **workload)
     plan = slidedp.plan(model, info.value.min_budget_bytes, **workload)
     assert plan.decisions[-1].activation != "streamed" and plan.loss_chunk_tokens == BATCH * SEQ
+    assert "loss computed by the model's own forward on a micro-batch's whole logits" in plan.summary()
     engine = slidedp.compile(model, info.value.min_budget_bytes, plan=plan, max_grad_norm=CLIP,
                              optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), **workload)
     assert not engine.graph.linear_head

@@ -78,3 +78,16 @@ def test_a_moe_model_trains_as_torch_adamw_trains_it():
                              optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP, micro_batches=2)
     with engine:
         train_side_by_side(engine, ref, steps=3, seed=1)
+
+
+def test_a_moe_block_at_fp32_is_refused_with_the_way_out():
+    """On the CPU at fp32 the experts' grouped matmul cannot run on fake tensors (torch's fake kernel takes
+    bf16): refused naming the block and saying to plan in bf16, where it traces (test above)."""
+    from slidedp.errors import UnsupportedModelError
+
+    try:
+        build_layer_graph(_moe("grouped_mm"), batch_size=1, seq_len=32, compute_dtype=torch.float32)
+    except UnsupportedModelError as e:
+        assert "model.layers.0" in str(e) and "precision='bf16'" in str(e)
+    else:
+        pytest.skip("this torch traces an fp32 grouped matmul on fake tensors")
