@@ -156,19 +156,24 @@ def vocab_stream_bytes(chunk_rows: int, hidden_size: int, elem_bytes: int) -> in
 def streamed_epilogue_working_bytes(tokens: int, hidden_size: int, chunk_rows: int, elem_bytes: int,
                                     loss_chunk_tokens: int, micro_batches: int) -> int:
     """Final norm, head and loss of a pass whose head streams by vocabulary chunk (every micro-batch
-    at once: each chunk is loaded once per pass for the forward and once for the backward).
+    at once: each chunk is loaded once per pass for the forward and once for the backward;
+    backend/runtime/vocab_stream.py head_loss).
 
-    Per micro-batch: tokens * hidden * (3 * elem + 4 + 4) (final hidden state, its norm, its gradient,
-    the norm's fp32 copy of its input and the fp32 sum of the hidden-state gradient over the chunks)
-    and tokens * 16 (fp32 logsumexp, target logit, coefficient; int64 chunk-local labels); plus, for
-    one chunk of T = min(loss_chunk_tokens, tokens) tokens and chunk_rows vocabulary entries,
-    T * chunk_rows * (2 * elem + 8) as in `epilogue_working_bytes`. The backward of the final norm as
-    there, per micro-batch.
+    Held for every micro-batch: tokens * hidden * (3 * elem + 8) (final hidden state, its norm, its
+    gradient, the norm's fp32 copy of its input and the fp32 sum of the hidden-state gradient over
+    the chunks) and tokens * 16 (fp32 logsumexp, target logit, coefficient; int64 chunk-local labels).
+    On top, the larger of: one chunk's backward, T * chunk_rows * elem (the chunk's dlogits for
+    T = min(loss_chunk_tokens, tokens) tokens; the forward writes no logits) and tokens * hidden *
+    (elem + 4) (that chunk's hidden-state gradient and its fp32 copy, added to the sum); and one
+    micro-batch's final-norm backward, tokens * hidden * 6 * 4 (as in `epilogue_working_bytes`: the
+    micro-batches take theirs one after another).
     """
     chunk = min(loss_chunk_tokens, tokens)
-    per_mb = tokens * hidden_size * (3 * elem_bytes + 8) + tokens * 16
-    forward = micro_batches * per_mb + chunk * chunk_rows * (2 * elem_bytes + 8)
-    return max(forward, micro_batches * tokens * hidden_size * (3 * elem_bytes + 6 * 4))
+    held = micro_batches * (tokens * hidden_size * (3 * elem_bytes + 8) + tokens * 16)
+    chunk_backward = chunk * chunk_rows * elem_bytes + tokens * hidden_size * (elem_bytes + 4)
+    return held + max(chunk_backward, tokens * hidden_size * 6 * 4)
+
+
 def device_state_shard_numel(numel: int, chunks: int, world_size: int) -> int:
     """Parameters of a device-state layer the busiest rank keeps when the state is sharded by chunk
     owner: `chunks` pieces of ceil(numel / chunks) (the last shorter), dealt round-robin over the
@@ -199,21 +204,28 @@ def streamed_update_bytes(elem_bytes: int, piece_numel: int = STREAMED_PIECE_NUM
     return piece_numel * (STREAMED_SLOTS * per_param + 4)
 
 
+def logit_bytes(elem_bytes: int, fused: bool) -> int:
+    """Device bytes per logit of one loss chunk. fused (the model's logits are its linear head's plain
+    output: backend/kernels/linear_cross_entropy.py's Triton path): the fp32 logits and the dlogits in
+    the compute dtype, 4 + elem. Otherwise the model's own logits through autograd: the logits and their
+    gradient in the compute dtype, the fp32 log-softmax and its gradient, 2 * elem + 8."""
+    return 4 + elem_bytes if fused else 2 * elem_bytes + 8
+
+
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
-                           loss_chunk_tokens: int) -> int:
+                           loss_chunk_tokens: int, fused: bool = True) -> int:
     """Final norm, head and chunked cross-entropy of one micro-batch: the larger of its two phases.
 
     Forward and loss: tokens * hidden * (3 * elem + 4) (final hidden state, its norm, its gradient
     and the norm's fp32 copy of its input) plus, for one chunk of T = min(loss_chunk_tokens, tokens)
-    tokens, T * vocab * (2 * elem + 8): the logits and their gradient in the compute dtype, the fp32
-    log-softmax and its gradient.
+    tokens, T * vocab * logit_bytes(elem, fused).
     Backward of the final norm: tokens * hidden * (3 * elem + 6 * 4): a norm computed in fp32 (as
     Llama's and Qwen's RMSNorm upcast) keeps its fp32 input and its backward holds five fp32
     temporaries at once (measured on Qwen3-4B at 262,144 tokens; benchmarks/LOG.md), beside the
     gradient from the loss and the embedding output the model's own forward recomputes.
     """
     chunk = min(loss_chunk_tokens, tokens)
-    forward = tokens * hidden_size * (3 * elem_bytes + 4) + chunk * vocab_size * (2 * elem_bytes + 8)
+    forward = tokens * hidden_size * (3 * elem_bytes + 4) + chunk * vocab_size * logit_bytes(elem_bytes, fused)
     return max(forward, tokens * hidden_size * (3 * elem_bytes + 6 * 4))
 
 

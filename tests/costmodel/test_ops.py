@@ -151,17 +151,36 @@ def test_memory_buffers():
     assert memory.grad_staging_bytes(100, 4, 4, 1, "cpu") == 0
     assert memory.grad_staging_bytes(100, 2, 4, 4, "gpu") == 200 + 50
     # Qwen3-14B, 8 x 4096 tokens: the fp32 logits alone would be 20 GB; the chunked loss holds
-    # one chunk of 4096 tokens.
+    # one chunk of 4096 tokens: fused, its fp32 logits and bf16 dlogits (6 B a logit); through the
+    # model's own logits and autograd, 12 B a logit.
     tokens, hidden, vocab = 8 * 4096, 5120, 151936
     assert tokens * vocab * 4 > 19e9
     chunked = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096)
-    assert chunked == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 12
-    assert chunked < 10e9  # half the full logits
-    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == max(100 * 8 * 10 + 100 * 10 * 12, 100 * 8 * 30)
+    assert chunked == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 6
+    assert chunked < 0.3 * tokens * vocab * 4  # under a third of the full fp32 logits
+    unfused = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096, fused=False)
+    assert unfused == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 12
+    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == max(100 * 8 * 10 + 100 * 10 * 6, 100 * 8 * 30)
+    assert memory.logit_bytes(4, True) == 8 and memory.logit_bytes(4, False) == 16
     # one long sequence: the fp32 norm's backward outgrows a chunk's logits (Qwen3-4B, 262,144
     # tokens: 18.75 GiB; measured 17.5 GiB of the epilogue live at the step's peak)
     long = memory.epilogue_working_bytes(262144, 2560, vocab, 2, 4096)
     assert long == 262144 * 2560 * 30 and 17.5 * GiB < long < 19 * GiB
+
+
+def test_streamed_epilogue_holds_every_micro_batch_and_one_backward_at_a_time():
+    """A head streamed by vocabulary chunk keeps each micro-batch's hidden state, norm, gradients and
+    per-token loss terms through the pass; the transients on top are one chunk's dlogits and
+    hidden-state gradient, or one micro-batch's final-norm backward, not every micro-batch's at once."""
+    T, H, rows, e = 4096, 4096, 7997, 2
+    held = T * H * (3 * e + 8) + T * 16
+    one = memory.streamed_epilogue_working_bytes(T, H, rows, e, 4096, 1)
+    assert one == held + max(T * rows * e + T * H * (e + 4), T * H * 24)
+    sixteen = memory.streamed_epilogue_working_bytes(T, H, rows, e, 4096, 16)
+    assert sixteen - one == 15 * held  # each further micro-batch adds what it holds, no further transient
+    # a long chunk of a wide vocabulary slice: its dlogits outgrow the norm's backward
+    wide = memory.streamed_epilogue_working_bytes(T, 256, 50000, e, 4096, 1)
+    assert wide == T * 256 * (3 * e + 8) + T * 16 + T * 50000 * e + T * 256 * (e + 4)
 
 
 def test_hardware_profile_round_trips_through_json_with_its_curve(tmp_path):

@@ -141,7 +141,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
                                                              loss_chunk_tokens or tokens, micro_batches) + vocab_bytes
     else:
         epilogue_bytes = mem.epilogue_working_bytes(tokens, graph.hidden_size, graph.vocab_size, c,
-                                                    loss_chunk_tokens or tokens)
+                                                    loss_chunk_tokens or tokens, fused=graph.linear_head)
     edge_policy = {layer_id: "streamed" for layer_id in vocab}
     pro = graph.prologue.id
     table = graph.prologue.vocab_param(graph.vocab_size) if pro in vocab else None

@@ -474,7 +474,8 @@ class ProblemCosts:
                 problem.micro_batches)
         else:
             self.epilogue_working_bytes = mem.epilogue_working_bytes(
-                tokens, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens)
+                tokens, g.hidden_size, g.vocab_size, self.elem, problem.effective_loss_chunk_tokens,
+                fused=g.linear_head)
 
     def edge_activation(self, layer_id: int) -> str:
         """The placement of the prologue's or epilogue's table: `streamed` or `resident`."""
