@@ -162,15 +162,15 @@ def streamed_epilogue_working_bytes(tokens: int, hidden_size: int, chunk_rows: i
     Held for every micro-batch: tokens * hidden * (3 * elem + 8) (final hidden state, its norm, its
     gradient, the norm's fp32 copy of its input and the fp32 sum of the hidden-state gradient over
     the chunks) and tokens * 16 (fp32 logsumexp, target logit, coefficient; int64 chunk-local labels).
-    On top, the larger of: one chunk's backward, T * chunk_rows * elem (the chunk's dlogits for
-    T = min(loss_chunk_tokens, tokens) tokens; the forward writes no logits) and tokens * hidden *
-    (elem + 4) (that chunk's hidden-state gradient and its fp32 copy, added to the sum); and one
-    micro-batch's final-norm backward, tokens * hidden * 6 * 4 (as in `epilogue_working_bytes`: the
-    micro-batches take theirs one after another).
+    On top, the larger of: one chunk's backward, tokens * hidden * elem (its hidden-state gradient)
+    beside the larger of T * chunk_rows * elem (its dlogits for T = min(loss_chunk_tokens, tokens)
+    tokens; the forward writes no logits) and tokens * hidden * 4 (the gradient's fp32 copy, made once
+    the dlogits are freed, added to the sum); and one micro-batch's final-norm backward, tokens *
+    hidden * 6 * 4 (as in `epilogue_working_bytes`: the micro-batches take theirs one after another).
     """
     chunk = min(loss_chunk_tokens, tokens)
     held = micro_batches * (tokens * hidden_size * (3 * elem_bytes + 8) + tokens * 16)
-    chunk_backward = chunk * chunk_rows * elem_bytes + tokens * hidden_size * (elem_bytes + 4)
+    chunk_backward = tokens * hidden_size * elem_bytes + max(chunk * chunk_rows * elem_bytes, tokens * hidden_size * 4)
     return held + max(chunk_backward, tokens * hidden_size * 6 * 4)
 
 

@@ -175,12 +175,12 @@ def test_streamed_epilogue_holds_every_micro_batch_and_one_backward_at_a_time():
     T, H, rows, e = 4096, 4096, 7997, 2
     held = T * H * (3 * e + 8) + T * 16
     one = memory.streamed_epilogue_working_bytes(T, H, rows, e, 4096, 1)
-    assert one == held + max(T * rows * e + T * H * (e + 4), T * H * 24)
+    assert one == held + max(T * H * e + max(T * rows * e, T * H * 4), T * H * 24)
     sixteen = memory.streamed_epilogue_working_bytes(T, H, rows, e, 4096, 16)
     assert sixteen - one == 15 * held  # each further micro-batch adds what it holds, no further transient
     # a long chunk of a wide vocabulary slice: its dlogits outgrow the norm's backward
     wide = memory.streamed_epilogue_working_bytes(T, 256, 50000, e, 4096, 1)
-    assert wide == T * 256 * (3 * e + 8) + T * 16 + T * 50000 * e + T * 256 * (e + 4)
+    assert wide == T * 256 * (3 * e + 8) + T * 16 + T * 256 * e + T * 50000 * e
 
 
 def test_hardware_profile_round_trips_through_json_with_its_curve(tmp_path):
