@@ -50,7 +50,9 @@ def test_fused_loss_chunk_holds_its_logit_bytes():
                                                            grad_weight_acc=acc))
     charged = CHUNK * V * memory.logit_bytes(E, fused=True)
     outputs = T * H * E + 2 * T * 4 + T * 4 + T * 8  # grad_hidden; lse, target; coef; valid and labels' temporaries
-    assert 0.9 * charged <= peak <= charged + outputs + (1 << 20), (peak, charged)
+    # the chunk's fp32 logits and bf16 dlogits are both allocated up front; a tenth over the charge
+    # allows for the GEMMs' workspaces (an fp32 temporary of the chunk's logits would be a half over)
+    assert charged <= peak <= 1.1 * charged + outputs, (peak, charged)
 
 
 def test_streamed_chunk_backward_holds_its_dlogits_and_one_hidden_gradient():
