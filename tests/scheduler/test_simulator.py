@@ -319,3 +319,15 @@ def test_streamed_update_copies_run_at_the_rate_left_beside_the_cpu_adamw():
     unknown = ProblemCosts(Problem(graph, replace(idle, duplex_contended_fraction=0.0), 1, 1, streamed_updates=True),
                            SolverOptions())
     assert unknown.streamed_pieces == a.streamed_pieces
+
+
+def test_the_loss_chunk_is_charged_as_the_epilogue_computes_it():
+    """A plain linear head takes the fused loss (fp32 logits and bf16 dlogits of a chunk: 6 B a logit);
+    a head whose logits the model changes after it (LayerGraph.linear_head false) the model's own logits
+    through autograd (12 B a logit), over the whole micro-batch."""
+    graph = synthetic_graph(2, vocab=32000, hidden=2048, tokens=4096)
+
+    def epilogue_bytes(g):
+        return ProblemCosts(Problem(g, PRESETS["h100-sxm"], 1, 1), SolverOptions()).epilogue_working_bytes
+
+    assert epilogue_bytes(replace(graph, linear_head=False)) - epilogue_bytes(graph) == 4096 * 32000 * (12 - 6)
