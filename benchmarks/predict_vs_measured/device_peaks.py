@@ -65,9 +65,9 @@ def peak_rows(plans: dict[str, dict]) -> list[dict]:
                      "allocated_bytes": r["steps_peak_device_bytes"],
                      "reserved_bytes": r.get("steps_peak_device_reserved_bytes")})
         if today is not None:
-            print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: allocated {r['steps_peak_device_bytes'] / GiB:.2f}"
-                  f" GiB, predicted {r['predicted_peak_device_bytes'] / GiB:.2f} before, {today / GiB:.2f} today",
-                  flush=True)
+            print(f"{r['record']} {r['shape']} {r['tokens_per_step']}: allocated "
+                  f"{r['steps_peak_device_bytes'] / GiB:.2f} GiB, predicted "
+                  f"{r['predicted_peak_device_bytes'] / GiB:.2f} before, {today / GiB:.2f} today", flush=True)
     return rows
 
 

@@ -67,7 +67,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 f"Triton was imported with TRITON_INTERPRET={'1' if library_interpreted() else '0'}, " \
                 f"and it is now {os.environ.get('TRITON_INTERPRET', 'unset')!r}"
             warn_once(("triton", why), "GPU kernels (fused head + loss, gradient packing) fall back to their "
-                      "PyTorch references, slower and with more memory: %s", why)
+                      "PyTorch references, slower, and the loss then holds more device memory than the plan "
+                      "charges for it (an fp32 copy of the head, 8 B a logit where the fused loss holds 6 in "
+                      "bf16): %s", why)
         return False
     if all(t.is_cuda for t in tensors):
         return True
