@@ -71,6 +71,17 @@ def empty_model(shape: str, *, dtype, device):
     return model
 
 
+def plan_graph_of(plan, shape: str, *, device: str = "meta"):
+    """The layer graph of `plan` on an empty model of `shape` in the plan's precision (slidedp.api.plan_graph),
+    its rotary buffers on `device`: what a replay or a lowering of a saved plan needs, no weights."""
+    import torch
+
+    import slidedp.api
+
+    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
+    return slidedp.api.plan_graph(empty_model(shape, dtype=dtype, device=device), plan)
+
+
 def init_value(name: str, shape, *, init_device, seed: int):
     """Parameter `name`'s initial value, bf16 on `init_device`: ones for RMSNorm weights (1-D; Qwen3 has
     no biases), else N(0, INIT_STD) from its own seeded generator, rounded to bf16."""

@@ -18,8 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common import model as bench  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp, write_records  # noqa: E402
@@ -51,8 +49,7 @@ def measured_points() -> list[dict]:
 def peak_bytes(plan: slidedp.Plan, shape: str) -> tuple[int, int]:
     """(today's footprint of the plan's decisions, the peak of the program today's code lowers it into),
     on a meta-device model of `shape`."""
-    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
-    graph = slidedp.api.plan_graph(bench.empty_model(shape, dtype=dtype, device="meta"), plan)
+    graph = bench.plan_graph_of(plan, shape)
     return replay(plan, graph).peak_bytes, verify_program(slidedp.api.lower_plan(graph, plan)).peak_device_bytes
 
 

@@ -31,14 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.cli import grad_norm, shape_hardware_arg  # noqa: E402
 from benchmarks.common.fit_set import card_of, used_in_fitting  # noqa: E402
-from benchmarks.common.model import MAX_GRAD_NORM, SHAPES, empty_model  # noqa: E402
+from benchmarks.common.model import MAX_GRAD_NORM, SHAPES, plan_graph_of  # noqa: E402
 from benchmarks.common.profiles import with_adamw_beside_copies  # noqa: E402
 from benchmarks.common.records import add_allow_dirty, commit_stamp  # noqa: E402
 from benchmarks.predict_vs_measured.run import trimmed  # noqa: E402
 from benchmarks.single_gpu_throughput.run import solve_point  # noqa: E402
 
 import slidedp  # noqa: E402
-import slidedp.api  # noqa: E402
 from slidedp.costmodel.hardware import resolve_hardware  # noqa: E402
 from slidedp.scheduler import replay  # noqa: E402
 
@@ -106,14 +105,11 @@ def register_twin(point, hardware: str, plan_file: str, streamed_updates, folder
     """The A/B twin of the plan in `plan_file` (a plan of `point`, solved under `hardware`) that streams only
     `streamed_updates` through the device (slidedp.scheduler.replay.twin), kept and registered as
     `register` keeps a solved plan."""
-    import torch
-
     shape = point[0]
     plan = slidedp.Plan.load(plan_file)
     if resolve_hardware(hardware, "cpu").name != plan.hardware["name"]:
         raise ValueError(f"{plan_file} was solved under {plan.hardware['name']!r}, not {hardware}")
-    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
-    graph = slidedp.api.plan_graph(empty_model(shape, dtype=dtype, device="cpu"), plan)
+    graph = plan_graph_of(plan, shape, device="cpu")
     twin = replay.twin(plan, graph, streamed_updates=streamed_updates,
                        why=f"edited: only {list(streamed_updates)} of {list(plan.streamed_updates)} kept "
                            f"(an A/B twin of {Path(plan_file).name}, register.py --twin-of)")

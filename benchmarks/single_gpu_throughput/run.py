@@ -122,7 +122,7 @@ from benchmarks.common.deepspeed_zero import NAMES as DEEPSPEED_NAMES, SYSTEMS a
 from benchmarks.common.fit_set import card_of  # noqa: E402
 from benchmarks.common.hostmem import HostMemSampler  # noqa: E402,F401 - re-exported
 from benchmarks.common.model import (BETAS, EPS, LR, MAX_GRAD_NORM, SHAPES, WEIGHT_DECAY, empty_model,  # noqa: E402,F401
-                                     qwen3_config)
+                                     plan_graph_of, qwen3_config)
 from benchmarks.common.records import commit_stamp, host_description, write_records  # noqa: E402
 from benchmarks.common.steady import marks_note, step_figure  # noqa: E402
 from benchmarks.common.systems import Point, base_record, error_text  # noqa: E402,F401 - re-exported
@@ -445,8 +445,6 @@ def plan_refusal(point: dict) -> str | None:
     """Why today's compile would refuse a registered point's plan (its program checked against the point's
     budget on a meta-device model, as slidedp.compile checks it after the model's build), or None. A plan
     registered before a change to what a program is charged may no longer fit its budget."""
-    import torch
-
     import slidedp.api
     from slidedp.backend.lowering.verify import ProgramError
 
@@ -454,8 +452,7 @@ def plan_refusal(point: dict) -> str | None:
     if not point.get("plan_file") or not path.is_file():
         return None
     plan = slidedp.Plan.load(path)
-    dtype = torch.bfloat16 if plan.workload.precision == "bf16" else torch.float32
-    graph = slidedp.api.plan_graph(empty_model(point["shape"], dtype=dtype, device="meta"), plan)
+    graph = plan_graph_of(plan, point["shape"])
     try:
         slidedp.api.verify(slidedp.api.lower_plan(graph, plan), slidedp.Budget.parse(point["budget"]))
     except ProgramError as e:

@@ -213,7 +213,7 @@ def logit_bytes(elem_bytes: int, fused: bool) -> int:
 
 
 def epilogue_working_bytes(tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
-                           loss_chunk_tokens: int, fused: bool = True) -> int:
+                           loss_chunk_tokens: int, *, fused: bool) -> int:
     """Final norm, head and chunked cross-entropy of one micro-batch: the larger of its two phases.
 
     Forward and loss: tokens * hidden * (3 * elem + 4) (final hidden state, its norm, its gradient

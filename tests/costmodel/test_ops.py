@@ -155,16 +155,17 @@ def test_memory_buffers():
     # model's own logits and autograd, 12 B a logit.
     tokens, hidden, vocab = 8 * 4096, 5120, 151936
     assert tokens * vocab * 4 > 19e9
-    chunked = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096)
+    chunked = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096, fused=True)
     assert chunked == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 6
     assert chunked < 0.3 * tokens * vocab * 4  # under a third of the full fp32 logits
     unfused = memory.epilogue_working_bytes(tokens, hidden, vocab, 2, 4096, fused=False)
     assert unfused == tokens * hidden * (3 * 2 + 4) + 4096 * vocab * 12
-    assert memory.epilogue_working_bytes(100, 8, 10, 2, 4096) == max(100 * 8 * 10 + 100 * 10 * 6, 100 * 8 * 30)
+    small = memory.epilogue_working_bytes(100, 8, 10, 2, 4096, fused=True)
+    assert small == max(100 * 8 * 10 + 100 * 10 * 6, 100 * 8 * 30)
     assert memory.logit_bytes(4, True) == 8 and memory.logit_bytes(4, False) == 16
     # one long sequence: the fp32 norm's backward outgrows a chunk's logits (Qwen3-4B, 262,144
     # tokens: 18.75 GiB; measured 17.5 GiB of the epilogue live at the step's peak)
-    long = memory.epilogue_working_bytes(262144, 2560, vocab, 2, 4096)
+    long = memory.epilogue_working_bytes(262144, 2560, vocab, 2, 4096, fused=True)
     assert long == 262144 * 2560 * 30 and 17.5 * GiB < long < 19 * GiB
 
 
