@@ -215,6 +215,12 @@ def table_predictions() -> str:
         right = sum(within_goal(r["median_step_s"], r["predicted_step_s"]) for r in ahead)
         share += (f"; of those whose prediction was registered and committed before the run "
                   f"(`predict_vs_measured/register.py`), {right} of {len(ahead)}")
+        days = {}  # registration day -> (within, points): how the model registered on each day fared
+        for r in ahead:
+            day = days.setdefault(registered[r["plan_sha256"]][:10], [0, 0])
+            day[0] += within_goal(r["median_step_s"], r["predicted_step_s"])
+            day[1] += 1
+        share += " (by the day registered: " + ", ".join(f"{d}: {w} of {n}" for d, (w, n) in sorted(days.items())) + ")"
     replayed = [r for r in held if r["today_s"] is not None]
     unders = [u for r, u in zip(rows, unders) if id(r) in firsts]
     rows = [r for r in rows if id(r) in firsts]
