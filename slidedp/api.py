@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from slidedp.run.weights import check_weights_source, tie_meta_model
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.replay import replay
+from slidedp.scheduler.search.micro_rows import fastest_grouping
 from slidedp.scheduler.solve import solve_plan
 
 log = logging.getLogger("slidedp")
@@ -73,7 +75,7 @@ def dropout_settings(model: nn.Module) -> list[str]:
 
 def check_request(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
                   max_grad_norm, hardware, micro_batches, compile_blocks, planning_only=False,
-                  host_memory=None, hosts=1, link=None, nonfinite="skip") -> Request:
+                  host_memory=None, hosts=1, link=None, nonfinite="skip", group_rows=False) -> Request:
     """Every argument checked (TypeError / ValueError naming it) and resolved; allocates nothing.
     `host_memory`: the host RAM the plan may take, per host (None: plan unbounded, compile what is
     available). `hosts`: how many hosts the `world_size` ranks span; `link`: the link between them
@@ -107,6 +109,8 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if nonfinite not in ("skip", "stop"):
         raise ValueError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
+    if not isinstance(group_rows, bool):
+        raise TypeError(f"group_rows must be True or False, got {group_rows!r}")
     if compile_blocks is not None and not isinstance(compile_blocks, bool):
         raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
     host_memory_bytes = None
@@ -125,7 +129,7 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
                    hardware=hw, micro_batches=micro_batches,
                    compile_blocks=compile_blocks, planning_only=planning_only,
                    host_memory_bytes=host_memory_bytes, hosts=hosts, link_bytes_per_s=link_bytes_per_s,
-                   nonfinite=nonfinite)
+                   nonfinite=nonfinite, group_rows=group_rows)
 
 
 def position_limit(config) -> tuple[int | None, str]:
@@ -231,6 +235,34 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
                       hosts=request.hosts, link_bytes_per_s=request.link_bytes_per_s)
 
 
+def plan_workload(request: Request, graph: LayerGraph, given: Plan | None = None,
+                  solver_options: SolverOptions | None = None) -> tuple[Request, LayerGraph, Plan]:
+    """`make_plan` on `graph` (the request's trace); with `request.group_rows`, on the grouping of the
+    rank's rows into micro-batches predicted fastest (scheduler/search/micro_rows.py), or the given
+    plan's grouping of as many rows. Returns the request, the graph and the plan of that grouping."""
+    rows = request.batch_size * request.micro_batches
+    if request.group_rows and given is not None:
+        w = given.workload
+        if w.batch_size * w.micro_batches != rows:
+            raise ValueError(f"the plan was made for another workload: it groups {w.micro_batches} x {w.batch_size} "
+                             f"rows a rank per step, but {request.micro_batches} x {request.batch_size} = {rows} here")
+        request = replace(request, batch_size=w.batch_size, micro_batches=w.micro_batches)
+    if not request.group_rows or given is not None:
+        graph = graph if graph.batch_size == request.batch_size else trace(request, given)
+        return request, graph, make_plan(request, graph, given, solver_options)
+    graphs = {request.batch_size: graph}
+
+    def solve(rows_each: int) -> Plan:
+        grouped = replace(request, batch_size=rows_each, micro_batches=rows // rows_each)
+        if rows_each not in graphs:
+            graphs[rows_each] = trace(grouped)
+        return make_plan(grouped, graphs[rows_each], None, solver_options)
+
+    the_plan = fastest_grouping(rows, request.batch_size, solve)
+    w = the_plan.workload
+    return replace(request, batch_size=w.batch_size, micro_batches=w.micro_batches), graphs[w.batch_size], the_plan
+
+
 def host_budget(request: Request) -> int | None:
     """The host RAM a plan may take (Explanation.peak_host_bytes, a hard constraint of the solver):
     `host_memory` as given; else, for compile, what this machine has available less the preflight's
@@ -308,7 +340,7 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
          host_memory: int | str | None = None, options: CompileOptions | None = None, hosts: int = 1,
-         link=None, nonfinite: str = "skip") -> Plan:
+         link=None, nonfinite: str = "skip", group_rows: bool = False) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
@@ -326,11 +358,12 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     `host_memory` and the plan's host figures are per host.
     `solver_options` (slidedp.SolverOptions): the values the solver may choose
     from, e.g. `SolverOptions(deliveries=("sharded",), reductions=("gpu",))` forces those routes
-    (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`."""
+    (several ranks and GPU peer-to-peer needed, else ValueError); pass the plan to `compile(plan=)`.
+    `group_rows` (see `compile`): the rows of a rank's step grouped as predicted fastest."""
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks,
-                             nonfinite=nonfinite))
+                             nonfinite=nonfinite, group_rows=group_rows))
     if kw["device"] == "auto":
         kw["device"] = "cpu" if kw["hardware"] is None and not torch.cuda.is_available() else "auto"
     if solver_options is not None:
@@ -341,7 +374,7 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
     given = _given_plan(plan)
     request = check_request(model, budget, **_plans_precision(kw, given), planning_only=True,
                             host_memory=host_memory, hosts=hosts, link=link)
-    return make_plan(request, trace(request, given), given, solver_options)
+    return plan_workload(request, trace(request, given), given, solver_options)[2]
 
 
 def predict(model: nn.Module, plan, *, hardware=None) -> float:
@@ -368,7 +401,8 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
             world_size: int = 1, device: str = "auto", precision: str = "auto", optimizer: AdamW | None = None,
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
             compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
-            host_memory: int | str | None = None, link=None, nonfinite: str = "skip") -> Engine:
+            host_memory: int | str | None = None, link=None, nonfinite: str = "skip",
+            group_rows: bool = False) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
@@ -386,6 +420,12 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
 
     `micro_batches` is how many micro-batches per rank share one pass over the weights (more rows
     than that in `step()` run as several passes, gradients summed on the host).
+
+    `group_rows`: the plan may group a rank's batch_size x micro_batches rows of a step into
+    micro-batches of another number of rows (a divisor, at most 8), each grouping solved and the
+    fastest predicted kept (scheduler/search/micro_rows.py; the plan's workload says which, and its
+    summary that a sweep chose it). The step is the same sum of gradients (to rounding); `step()`
+    then takes a multiple of the plan's batch_size x world_size rows.
 
     `precision`: "auto" (default) bf16 on a GPU, fp32 on the CPU (with a given plan: the plan's);
     "bf16" or "fp32".
@@ -407,7 +447,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     kw = merge(options, dict(batch_size=batch_size, seq_len=seq_len, world_size=world_size, device=device,
                              precision=precision, optimizer=optimizer, max_grad_norm=max_grad_norm,
                              hardware=hardware, micro_batches=micro_batches, compile_blocks=compile_blocks,
-                             nonfinite=nonfinite))
+                             nonfinite=nonfinite, group_rows=group_rows))
     given = _given_plan(plan)
     hosts = launched_hosts(kw["world_size"]) if isinstance(kw["world_size"], int) else 1
     if hosts > 1 and link is None and given is not None:
@@ -423,12 +463,16 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     # several hosts: each rank reads from its host's state only what its host updates (run/launch.py)
     routes = SolverOptions(deliveries=("sharded",), reductions=("gpu",)) if hosts > 1 and given is None else None
-    the_plan = make_plan(request, graph, given, routes)
+    request, graph, the_plan = plan_workload(request, graph, given, routes)
     check_hosts_routes(the_plan, hosts)
     comm = rank_device = None
     if rank is not None:
         comm, rank_device = connect(request, rank)
         the_plan = from_rank0(comm, the_plan)  # one plan for all, whatever each process solved
+        w = the_plan.workload
+        if w.batch_size != graph.batch_size:  # rank 0 grouped the rows otherwise (group_rows)
+            request = replace(request, batch_size=w.batch_size, micro_batches=w.micro_batches)
+            graph = trace(request, the_plan)
     program = lower_plan(graph, the_plan)
     verify(program, request.budget)
     return launch(request, graph, the_plan, program, weights=weights, rank=rank, comm=comm, device=rank_device)

@@ -25,6 +25,9 @@ class CompileOptions:
     # a step whose gradient is not finite: "skip" it (nothing changes), or "stop" (NonFiniteGradientError);
     # "stop" with max_grad_norm=None on one rank lets the plan stream gradients into the update
     nonfinite: str = "skip"
+    # the plan may group the batch_size x micro_batches rows of a rank's step into micro-batches of
+    # another number of rows, the fastest predicted (scheduler/search/micro_rows.py)
+    group_rows: bool = False
 
     def as_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

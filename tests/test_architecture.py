@@ -40,7 +40,8 @@ SUB_FLOORS = {
 # What other stages may import of a stage (its surface), by importer; "*": every other stage.
 SURFACES = {
     "scheduler": {"*": ("scheduler.plan",), "": ("scheduler.plan", "scheduler.decisions"),
-                  "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve", "scheduler.replay")},
+                  "api": ("scheduler.plan", "scheduler.decisions", "scheduler.solve", "scheduler.replay",
+                          "scheduler.search.micro_rows")},  # the sweep around whole solves (group_rows)
 }
 
 

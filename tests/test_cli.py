@@ -268,3 +268,15 @@ def test_cli_plan_takes_none_for_no_clipping(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main([*base, "--max-grad-norm", bad])
         assert "positive number or 'none'" in capsys.readouterr().err
+
+
+def test_cli_plan_groups_rows_when_asked(tmp_path, capsys):
+    """--group-rows: the plan holds a grouping of the same rows a step, and says a sweep chose it."""
+    base = ["plan", "llama-tiny", "--budget", "8GiB", "--batch-size", "1", "--micro-batches", "4", "--seq-len", "64",
+            "--hardware", "h200-sxm", "--out", str(tmp_path / "plan.json")]
+    assert main([*base, "--group-rows"]) == 0
+    workload = json.loads((tmp_path / "plan.json").read_text())["workload"]
+    assert workload["batch_size"] * workload["micro_batches"] == 4
+    assert "decided by: rows per micro-batch: sweep" in capsys.readouterr().out
+    assert main(base) == 0
+    assert "rows per micro-batch" not in capsys.readouterr().out
