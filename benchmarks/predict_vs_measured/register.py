@@ -60,22 +60,30 @@ POINTS = (
 
 def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTERED, steps: int = 12,
              precision: str = "bf16", max_grad_norm: float | None = MAX_GRAD_NORM,
-             nonfinite: str = "skip", hardware_for: dict[str, str] | None = None, micro_rows: int = 1) -> list[dict]:
+             nonfinite: str = "skip", hardware_for: dict[str, str] | None = None, micro_rows: int | None = 1,
+             again: bool = True) -> list[dict]:
     """Solve each point, keep its plan in `folder` as registered/<sha256[:16]>.json, and return a row a
     point: its prediction, its plan's sha256 and the command that runs it on a GPU machine (with
     `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for). `hardware_for`: a
     shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`.
-    `micro_rows`: rows (sequences) per micro-batch, the tokens split into that many fewer micro-batches."""
+    `micro_rows`: rows (sequences) per micro-batch, the tokens split into that many fewer micro-batches;
+    None: the plan groups them (`group_rows`), and `again` False refuses a point whose grouping already ran on
+    the card (`measured_before`)."""
     rows = []
     for shape, tokens, budget in points:
-        if tokens % (SHAPES[shape]["seq"] * micro_rows):
+        if tokens % (SHAPES[shape]["seq"] * (micro_rows or 1)):
             raise ValueError(f"{shape} at {tokens} tokens: not a whole number of {micro_rows}-row micro-batches "
                              f"of {SHAPES[shape]['seq']} tokens a row")
         hw = (hardware_for or {}).get(shape, hardware)
         plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
-                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, micro_rows=micro_rows)
+                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, micro_rows=micro_rows or 1,
+                           group_rows=micro_rows is None)
+        grouped = plan.workload.batch_size
+        if not again and micro_rows is None and measured_before([(shape, tokens, budget)], hw, micro_rows=grouped):
+            raise ValueError(f"{shape}:{tokens}:{budget} with {grouped}-row micro-batches (the plan's grouping) "
+                             "already ran on the card, so not held out (--again registers it anyway)")
         rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite,
-                                   micro_rows))
+                                   grouped))
     return rows
 
 
@@ -150,6 +158,19 @@ def derived_profile(hardware: str, record: str, folder: Path = REGISTERED / "pro
     return str(path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path)
 
 
+def micro_rows_arg(text: str) -> int | None:
+    """--micro-rows: a positive number of rows, or 'auto' (None: the plan groups them)."""
+    if text == "auto":
+        return None
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of rows or 'auto', got {text!r}")
+    return rows
+
+
 def point_arg(text: str) -> tuple[str, int, str]:
     """SHAPE:TOKENS:BUDGET (a benchmark shape of benchmarks/common/model.py, tokens per step, a budget)."""
     parts = text.split(":")
@@ -189,8 +210,9 @@ def main(argv=None) -> int:
     p.add_argument("--adamw-beside-copies", metavar="RECORD",
                    help="a cpu_adamw/in_step.py record: --hardware and each --hardware-for with the CPU AdamW's share "
                         "beside copies it measured (saved in registered/profiles/, which the runs load)")
-    p.add_argument("--micro-rows", type=int, default=1,
-                   help="rows (sequences) per slidedp micro-batch of every point (default 1)")
+    p.add_argument("--micro-rows", type=micro_rows_arg, default=1,
+                   help="rows (sequences) per slidedp micro-batch of every point (default 1); 'auto': each point's "
+                        "plan groups its rows as predicted fastest (slidedp's group_rows)")
     p.add_argument("--again", action="store_true",
                    help="register points slidedp already ran on the card (refused otherwise: not held out there)")
     add_allow_dirty(p)
@@ -200,10 +222,10 @@ def main(argv=None) -> int:
         args.hardware_for = [(shape, derived_profile(hw, args.adamw_beside_copies)) for shape, hw in args.hardware_for]
     if args.twin_of and len(args.points or ()) != 1:
         p.error("--twin-of needs exactly one --points (the plan's point)")
-    if args.micro_rows < 1 or (args.twin_of and args.micro_rows != 1):
-        p.error("--micro-rows must be positive (and 1 with --twin-of: a twin takes its plan's workload)")
-    again = [] if args.again or args.twin_of else measured_before(args.points or POINTS, args.hardware,
-                                                                   dict(args.hardware_for), args.micro_rows)
+    if args.twin_of and args.micro_rows != 1:
+        p.error("--micro-rows must be 1 with --twin-of (a twin takes its plan's workload)")
+    again = [] if args.again or args.twin_of or args.micro_rows is None else measured_before(
+        args.points or POINTS, args.hardware, dict(args.hardware_for), args.micro_rows)
     if again:
         p.error("already run on the card, so not held out: " + ", ".join(":".join(map(str, pt)) for pt in again)
                 + " (--again registers them anyway)")
@@ -213,7 +235,8 @@ def main(argv=None) -> int:
                               nonfinite=args.nonfinite) for keep in args.keep]
     else:
         rows = register(args.points or POINTS, args.hardware, args.host_ram, max_grad_norm=args.max_grad_norm,
-                        nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for), micro_rows=args.micro_rows)
+                        nonfinite=args.nonfinite, hardware_for=dict(args.hardware_for), micro_rows=args.micro_rows,
+                        again=args.again)
     record = {**stamp, "command": "python " + " ".join(map(shlex.quote, sys.argv)),
               "registered_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(), "points": rows}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

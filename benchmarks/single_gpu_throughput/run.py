@@ -382,9 +382,10 @@ def update_readme(path: Path, section: str, begin: str = README_BEGIN, end: str 
 
 def solve_point(shape: str, tokens: int, budget: str, hardware, *, seq: int | None = None, precision: str = "bf16",
                 micro_rows: int = 1, max_grad_norm=MAX_GRAD_NORM, nonfinite: str = "skip", host_ram=None,
-                compile_blocks=None):
+                compile_blocks=None, group_rows: bool = False):
     """slidedp's plan of one point on a meta-device model (no GPU, no weights), as the benchmark's
-    compile would solve it there."""
+    compile would solve it there (`group_rows`: its `micro_rows`-row micro-batches regrouped as predicted
+    fastest)."""
     import torch
 
     import slidedp
@@ -395,7 +396,7 @@ def solve_point(shape: str, tokens: int, budget: str, hardware, *, seq: int | No
                         micro_batches=tokens // seq // micro_rows, hardware=hardware,
                         optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                         max_grad_norm=max_grad_norm, compile_blocks=compile_blocks, host_memory=host_ram,
-                        nonfinite=nonfinite)
+                        nonfinite=nonfinite, group_rows=group_rows)
 
 
 def solve_plans(args) -> int:

@@ -254,3 +254,21 @@ def test_a_registered_plan_that_no_longer_fits_is_not_built(tmp_path):
     assert run.plan_refusal(row) is None
     refused = run.plan_refusal(dict(row, budget="64KiB"))
     assert refused is not None and "over the budget" in refused
+
+
+def test_a_point_registered_with_auto_rows_holds_its_plans_grouping(tmp_path):
+    """--micro-rows auto: the plan groups the rows (group_rows), and the row and its command carry the grouping
+    the plan chose; the argument takes a positive number or 'auto' only."""
+    from benchmarks.predict_vs_measured.register import micro_rows_arg
+
+    (row,) = register([("tiny", 4 * 32, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
+                      precision="fp32", micro_rows=None)
+    plan = json.loads((tmp_path / "registered" / f"{row['plan_sha256'][:16]}.json").read_text())
+    rows = plan["workload"]["batch_size"]
+    assert row["slidedp_micro_rows"] == rows and rows * plan["workload"]["micro_batches"] == 4
+    assert set(plan["explanation"]["solver"]["rows_tried"]) == {"1", "2", "4"}
+    assert ("--slidedp-micro-rows" in row["command"]) == (rows > 1)
+    assert micro_rows_arg("auto") is None and micro_rows_arg("2") == 2
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            micro_rows_arg(bad)
