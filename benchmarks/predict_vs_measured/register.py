@@ -67,8 +67,8 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
     `max_grad_norm`, None: no clipping, and `nonfinite` as the plan was solved for). `hardware_for`: a
     shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`.
     `micro_rows`: rows (sequences) per micro-batch, the tokens split into that many fewer micro-batches;
-    None: the plan groups them (`group_rows`), and `again` False refuses a point whose grouping already ran on
-    the card (`measured_before`)."""
+    None: the plan groups them (`group_rows`), and with `again` False a point whose grouping already ran on the
+    card (`measured_before`) is left out, said on stderr."""
     rows = []
     for shape, tokens, budget in points:
         if tokens % (SHAPES[shape]["seq"] * (micro_rows or 1)):
@@ -80,8 +80,9 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
                            group_rows=micro_rows is None)
         grouped = plan.workload.batch_size
         if not again and micro_rows is None and measured_before([(shape, tokens, budget)], hw, micro_rows=grouped):
-            raise ValueError(f"{shape}:{tokens}:{budget} with {grouped}-row micro-batches (the plan's grouping) "
-                             "already ran on the card, so not held out (--again registers it anyway)")
+            print(f"{shape}:{tokens}:{budget}: not registered, its plan's {grouped}-row micro-batches already ran on "
+                  "the card (not held out; --again registers it anyway)", file=sys.stderr, flush=True)
+            continue
         rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite,
                                    grouped))
     return rows
