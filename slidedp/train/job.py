@@ -288,7 +288,7 @@ def _reusable_plan(folder: Path, state: dict, cfg: TrainConfig, device: torch.de
 
     def workload(c: TrainConfig) -> tuple:
         return (c.model.model, c.engine.budget, c.engine.world_size or 1, c.training.batch_size, c.training.seq_len,
-                c.training.grad_accum)
+                c.training.grad_accum, c.training.group_rows)
 
     if workload(old) != workload(cfg) or state.get("device") != device.type or state.get("precision") != precision:
         return None
@@ -654,7 +654,7 @@ def _run_locked(cfg: TrainConfig, out: Path, verbose: bool = False, ranks: Ranks
                   device=device.type, precision=precision, micro_batches=training.grad_accum,
                   max_grad_norm=opt.max_grad_norm or None, optimizer=optimizer, weights=weights_of(cfg, model),
                   host_memory=cfg.engine.host_memory or None, nonfinite=training.nonfinite,
-                  link=link_rate(cfg.engine.link) if ranks.hosts > 1 else None)
+                  link=link_rate(cfg.engine.link) if ranks.hosts > 1 else None, group_rows=training.group_rows)
     try:
         engine = api.compile(model, cfg.engine.budget, plan=plan, **kwargs)
     except ValueError as exc:
@@ -723,7 +723,7 @@ def _train_loop(cfg: TrainConfig, engine, train, val, tokenizer, out: Path, devi
     rows_per_step = cfg.training.batch_size * cfg.training.grad_accum * cfg.engine.world_size
     sched = dict(lr=cfg.optimizer.lr, schedule=cfg.schedule.lr_schedule, warmup_steps=cfg.schedule.warmup_steps,
                  max_steps=cfg.training.max_steps, min_lr=cfg.schedule.min_lr)
-    flops = model_flops_per_step(engine.graph, rows_per_step // cfg.training.batch_size)
+    flops = model_flops_per_step(engine.graph, rows_per_step // engine.plan.workload.batch_size)
     peak = peak_flops_per_s(engine.plan, device)
     # A preset's guess for this machine (plan_brief said so, and the hardware module warned once)
     # is kept under a name that says so and left off the per-step line.

@@ -18,7 +18,8 @@ OLD_FLAT = {
 }
 
 
-NEW_KEYS = ("encoding", "host_memory", "chat_template", "val_data", "report_to", "link", "nonfinite")  # keys added since: an old flat file without them loads with their defaults
+NEW_KEYS = ("encoding", "host_memory", "chat_template", "val_data", "report_to", "link", "nonfinite",
+            "group_rows")  # keys added since: an old flat file without them loads with their defaults
 
 
 def test_every_key_is_in_exactly_one_section():

@@ -224,8 +224,9 @@ def test_resume_reuses_the_plan_of_a_sectioned_or_old_flat_checkpoint_config(run
     cfg, cpu = config(tiny_model_dir, tiny_jsonl[0], out, "max_steps=6", "resume=true"), torch.device("cpu")
     for old in (state["config"], flat):
         assert _reusable_plan(ckpt, dict(state, config=old), cfg, cpu, "fp32") == ckpt / "plan.json"
-        changed = config(tiny_model_dir, tiny_jsonl[0], out, "batch_size=1")
-        assert _reusable_plan(ckpt, dict(state, config=old), changed, cpu, "fp32") is None
+        for key in ("batch_size=1", "group_rows=true"):
+            changed = config(tiny_model_dir, tiny_jsonl[0], out, key)
+            assert _reusable_plan(ckpt, dict(state, config=old), changed, cpu, "fp32") is None, key
     assert _reusable_plan(ckpt, dict(state, config={"lr": "fast"}), cfg, cpu, "fp32") is None
 
 
@@ -251,3 +252,17 @@ def test_resume_from_a_chosen_checkpoint(run_a, tiny_model_dir, tiny_jsonl, tmp_
     (broken / "engine.json").write_text("{}")
     with pytest.raises(CheckpointError, match="engine.json"):
         run(config(tiny_model_dir, tiny_jsonl[0], tmp_path / "d", f"resume={broken}"))
+
+
+def test_group_rows_lets_the_plan_group_a_steps_rows(tiny_model_dir, tiny_jsonl, tmp_path):
+    """group_rows=true: the plan in the run folder was chosen among the groupings of the step's rows
+    (batch_size x grad_accum), and holds one of them."""
+    from slidedp.scheduler.plan import Plan
+
+    out = tmp_path / "grouped"
+    summary = run(config(tiny_model_dir, tiny_jsonl[0], out, "max_steps=1", "batch_size=1", "grad_accum=4",
+                         "group_rows=true", "save_every=0"))
+    assert summary["steps"] == 1
+    plan = Plan.load(out / "plan.json")
+    assert set(plan.solver["rows_tried"]) == {"1", "2", "4"}
+    assert plan.workload.batch_size * plan.workload.micro_batches == 4
