@@ -124,7 +124,8 @@ class TrainingConfig:
     batch_size: int = _key(4, "rows (sequences) per micro-batch")
     grad_accum: int = _key(1, "micro-batches per optimizer step")
     group_rows: bool = _key(False, "let the plan group the batch_size x grad_accum rows of a rank's step into "
-                                   "micro-batches of another number of rows, the fastest predicted (rows a step unchanged)")
+                                   "micro-batches of another number of rows, the fastest predicted (rows a step "
+                                   "unchanged)")
     seq_len: int = _key(128, "tokens per row (at most the model's max_position_embeddings)")
     seed: int = _key(0, "data order and random init, 0 .. 2**32 - 1")
     max_skipped_steps: int = _key(10, "stop after this many consecutive steps skipped for a non-finite "
