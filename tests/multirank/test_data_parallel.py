@@ -269,3 +269,16 @@ def test_streamed_updates_on_every_rank_match_torch_adamw(route):
     plan = plan.replace(streamed_updates=plan.update_order[:3])
     with compile_ranks(model, 2, plan) as engine:
         train_against_reference(engine, ref, world_size=2, steps=3)
+
+
+def test_a_grouped_plan_on_two_ranks_matches_torch_adamw():
+    """A plan of BATCH-row micro-batches given to a two-rank compile asked for one-row ones with group_rows
+    (as many rows a rank per step): every rank takes the plan's grouping, and the steps match AdamW."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model).eval()
+    plan = routed_plan(model, 2, ("sharded", "gpu"), micro_batches=2)
+    with slidedp.compile(model, "1GiB", batch_size=1, seq_len=SEQ, device="cpu", precision="fp32", world_size=2,
+                         micro_batches=2 * BATCH, plan=plan, group_rows=True,
+                         optimizer=slidedp.AdamW(lr=LR, weight_decay=WD), max_grad_norm=CLIP) as engine:
+        assert (engine.plan.workload.batch_size, engine.graph.batch_size) == (BATCH, BATCH)
+        train_against_reference(engine, ref, world_size=2, steps=3)

@@ -53,7 +53,7 @@ def test_the_sweep_keeps_the_fastest_grouping_each_solved_alone(asked):
     w = plan.workload
     assert (w.batch_size, w.micro_batches) == (best, 4 // best)
     assert plan.predicted_step_time_s == pytest.approx(alone[best], rel=1e-9)
-    assert plan.solver["chosen_by"].endswith(f"{SEARCH} swept")
+    assert plan.solver["chosen_by"].endswith(f"{SEARCH} swept") and plan.solver["rows_sweep_wall_s"] > 0
     assert f"decided by: {SEARCH}: sweep" in plan.summary()
     alternative = next(a for a in plan.alternatives if a.decision == SEARCH)
     assert alternative.chosen == f"{best} row(s)" and alternative.runner_up_step_s >= alternative.chosen_step_s

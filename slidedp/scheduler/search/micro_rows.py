@@ -15,6 +15,7 @@ plan says so (`Explanation.solver["searches"]`, `["rows_tried"]`, and an Alterna
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from slidedp.errors import InfeasibleBudgetError
@@ -44,6 +45,7 @@ def fastest_grouping(rows_per_step: int, asked_rows: int, solve: Callable[[int],
         options = (asked_rows, *options)
     plans: dict[int, Plan] = {}
     refused: InfeasibleBudgetError | None = None
+    start = time.perf_counter()
     for i, rows in enumerate(sorted(options, key=lambda r: r != asked_rows)):  # the asked one first
         log.info("slidedp: planning micro-batches of %d row(s), %d of %d groupings", rows, i + 1, len(options))
         try:
@@ -56,14 +58,16 @@ def fastest_grouping(rows_per_step: int, asked_rows: int, solve: Callable[[int],
         raise refused
     tried = {rows: plan.predicted_step_time_s for rows, plan in plans.items()}
     best = min(tried, key=lambda r: (tried[r], r != asked_rows, r))
-    return _annotated(plans[best], tried, best, sorted(set(options) - set(plans)))
+    return _annotated(plans[best], tried, best, sorted(set(options) - set(plans)), time.perf_counter() - start)
 
 
-def _annotated(plan: Plan, tried: dict[int, float], chosen: int, unfit: list[int]) -> Plan:
-    """`plan` with the sweep named in its solver record, its searches and its alternatives."""
+def _annotated(plan: Plan, tried: dict[int, float], chosen: int, unfit: list[int], wall_s: float) -> Plan:
+    """`plan` with the sweep named in its solver record (and the seconds all its solves took), its
+    searches and its alternatives."""
     solver = dict(plan.solver)
     solver["chosen_by"] = f"{solver.get('chosen_by', 'unknown')} + {SEARCH} swept"
     solver["rows_tried"] = {str(rows): step_s for rows, step_s in sorted(tried.items())}
+    solver["rows_sweep_wall_s"] = wall_s
     if unfit:
         solver["rows_unfit"] = unfit
     solver["searches"] = {**solver.get("searches", {}), SEARCH: (
