@@ -659,7 +659,8 @@ def plan_for(costs: ProblemCosts, decisions: Decisions, *, budget_bytes: int, pr
         if host_s > device_s:
             auto_notes.append(f"blocks host-bound: a block's forward and backward of one micro-batch take the host "
                               f"{host_s * 1e3:.2f} ms to issue and the device {device_s * 1e3:.2f} ms; micro-batches "
-                              "of more rows spread the host's time over more tokens")
+                              "of more rows spread the host's time over more tokens (group_rows lets the plan choose "
+                              "how many)")
     if any(d.activation in (KEEP, OFFLOAD) for d in decisions.layers[1:-1]):
         auto_notes.append("kept and offloaded activations counted " + (
             "as the compiled block's graph saves them (AOTAutograd's min-cut partitioner)"
