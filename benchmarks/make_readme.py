@@ -57,7 +57,7 @@ CURRENT = {
     "single_gpu_throughput": "2026-12-06-every-peer-best-config-h100.json",
     "multi_gpu_scaling": "2026-12-04-one-gpu.json",
     "cpu_adamw": "2026-12-05-h100-host-16-cores.json",
-    "predict_vs_measured": "2026-12-07-host-floor-profiles-in-hindsight.json",
+    "predict_vs_measured": "2026-12-07-todays-model-in-hindsight.json",
     "block_rate": "2026-12-04-h200.json",
     "head_kernel": "2026-12-03-h200.json",
     "attention_backends": "2026-12-03-h200.json",
@@ -184,9 +184,11 @@ def table_predictions() -> str:
     current predict_vs_measured record: hindsight, not a prediction)."""
     rows = prediction_rows(HERE / "single_gpu_throughput" / "results")
     replays = load("predict_vs_measured")
-    def key(r):
-        return r["record"], r["shape"], r["tokens_per_step"], r["budget_bytes"], r["device_name"]
+    def key(r):  # one run: a record may hold one point run twice (another plan, e.g. another micro-batching)
+        return r["record"], r.get("measure_start_utc"), r["shape"], r["tokens_per_step"], r["budget_bytes"]
     replayed = {key(r): r for r in replays["rows"]}
+    if len(replayed) != len(replays["rows"]):
+        raise ValueError(f"{CURRENT['predict_vs_measured']}: two replayed runs share a key {key.__name__}() tells apart")
     names = sorted({name for r in replays["rows"] for name in r.get("profile_s", {})})
     table, unders, profile_notes = [], [], []
     firsts = {id(r) for r in first_runs(rows)}
