@@ -68,16 +68,22 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
     shape's own profile (e.g. its compiled blocks scaled by `slidedp calibrate --model`), else `hardware`.
     `micro_rows`: rows (sequences) per micro-batch, the tokens split into that many fewer micro-batches;
     None: the plan groups them (`group_rows`), and with `again` False a point whose grouping already ran on the
-    card (`measured_before`) is left out, said on stderr."""
-    rows = []
+    card (`measured_before`) is left out, said on stderr. A point with no plan within its budgets is left out,
+    said on stderr with the solver's reason; none fitting raises the first one's error."""
+    rows, unfit = [], []
     for shape, tokens, budget in points:
         if tokens % (SHAPES[shape]["seq"] * (micro_rows or 1)):
             raise ValueError(f"{shape} at {tokens} tokens: not a whole number of {micro_rows}-row micro-batches "
                              f"of {SHAPES[shape]['seq']} tokens a row")
         hw = (hardware_for or {}).get(shape, hardware)
-        plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
-                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, micro_rows=micro_rows or 1,
-                           group_rows=micro_rows is None)
+        try:
+            plan = solve_point(shape, tokens, budget, hw, host_ram=host_ram, precision=precision,
+                               max_grad_norm=max_grad_norm, nonfinite=nonfinite, micro_rows=micro_rows or 1,
+                               group_rows=micro_rows is None)
+        except slidedp.InfeasibleBudgetError as e:
+            print(f"{shape}:{tokens}:{budget}: not registered, no plan fits: {e}", file=sys.stderr, flush=True)
+            unfit.append(e)
+            continue
         grouped = plan.workload.batch_size
         if not again and micro_rows is None and measured_before([(shape, tokens, budget)], hw, micro_rows=grouped):
             print(f"{shape}:{tokens}:{budget}: not registered, its plan's {grouped}-row micro-batches already ran on "
@@ -85,6 +91,8 @@ def register(points, hardware: str, host_ram: str | None, folder: Path = REGISTE
             continue
         rows.append(registered_row(plan, (shape, tokens, budget), hw, folder, steps, max_grad_norm, nonfinite,
                                    grouped))
+    if unfit and not rows:
+        raise unfit[0]
     return rows
 
 

@@ -272,3 +272,17 @@ def test_a_point_registered_with_auto_rows_holds_its_plans_grouping(tmp_path):
     for bad in ("0", "-1", "two"):
         with pytest.raises(argparse.ArgumentTypeError):
             micro_rows_arg(bad)
+
+
+def test_a_point_with_no_plan_is_left_out_and_the_others_registered(tmp_path, capsys):
+    """A point whose budget no plan fits is said on stderr with the solver's reason and left out, the others
+    registered; when none fits, the first one's error is raised."""
+    import slidedp
+
+    rows = register([("tiny", 64, "64KiB"), ("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered",
+                    steps=3, precision="fp32")
+    assert [r["budget"] for r in rows] == ["1GiB"]
+    err = capsys.readouterr().err
+    assert "tiny:64:64KiB: not registered, no plan fits" in err and "1GiB" not in err
+    with pytest.raises(slidedp.InfeasibleBudgetError):
+        register([("tiny", 64, "64KiB")], "cpu", None, folder=tmp_path / "registered", steps=3, precision="fp32")
