@@ -36,7 +36,7 @@ from slidedp.run.weights import check_weights_source, tie_meta_model
 from slidedp.scheduler.decisions import SolverOptions
 from slidedp.scheduler.plan import Plan
 from slidedp.scheduler.replay import replay
-from slidedp.scheduler.search.micro_rows import fastest_grouping
+from slidedp.scheduler.search.micro_rows import AUTO, blocks_host_bound, check_group_rows, fastest_grouping, groupings
 from slidedp.scheduler.solve import solve_plan
 
 log = logging.getLogger("slidedp")
@@ -75,7 +75,7 @@ def dropout_settings(model: nn.Module) -> list[str]:
 
 def check_request(model, budget, *, batch_size, seq_len, world_size, device, precision, optimizer,
                   max_grad_norm, hardware, micro_batches, compile_blocks, planning_only=False,
-                  host_memory=None, hosts=1, link=None, nonfinite="skip", group_rows=False) -> Request:
+                  host_memory=None, hosts=1, link=None, nonfinite="skip", group_rows=AUTO) -> Request:
     """Every argument checked (TypeError / ValueError naming it) and resolved; allocates nothing.
     `host_memory`: the host RAM the plan may take, per host (None: plan unbounded, compile what is
     available). `hosts`: how many hosts the `world_size` ranks span; `link`: the link between them
@@ -109,8 +109,7 @@ def check_request(model, budget, *, batch_size, seq_len, world_size, device, pre
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if nonfinite not in ("skip", "stop"):
         raise ValueError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
-    if not isinstance(group_rows, bool):
-        raise TypeError(f"group_rows must be True or False, got {group_rows!r}")
+    group_rows = check_group_rows(group_rows)
     if compile_blocks is not None and not isinstance(compile_blocks, bool):
         raise TypeError(f"compile_blocks must be True, False or None, got {compile_blocks!r}")
     host_memory_bytes = None
@@ -238,11 +237,13 @@ def make_plan(request: Request, graph: LayerGraph, given: Plan | None = None,
 def plan_workload(request: Request, graph: LayerGraph, given: Plan | None = None,
                   solver_options: SolverOptions | None = None) -> tuple[Request, LayerGraph, Plan]:
     """`make_plan` on `graph` (the request's trace); with `request.group_rows`, on the grouping of the
-    rank's rows into micro-batches predicted fastest (scheduler/search/micro_rows.py), or the given
-    plan's grouping of as many rows. Returns the request, the graph and the plan of that grouping."""
+    rank's rows into micro-batches predicted fastest (scheduler/search/micro_rows.py; AUTO: only where
+    the asked grouping's blocks are host-bound, else its plan), or the given plan's grouping of as many
+    rows. Returns the request, the graph and the plan of that grouping."""
     rows = request.batch_size * request.micro_batches
-    if request.group_rows and given is not None:
-        w = given.workload
+    if given is not None and request.group_rows and (request.group_rows is True
+                                                     or given.workload.batch_size != request.batch_size):
+        w = given.workload  # AUTO: only a plan that groups the rows otherwise
         if w.batch_size * w.micro_batches != rows:
             raise ValueError(f"the plan was made for another workload: it groups {w.micro_batches} x {w.batch_size} "
                              f"rows a rank per step, but {request.micro_batches} x {request.batch_size} = {rows} here")
@@ -250,9 +251,16 @@ def plan_workload(request: Request, graph: LayerGraph, given: Plan | None = None
     if not request.group_rows or given is not None:
         graph = graph if graph.batch_size == request.batch_size else trace(request, given)
         return request, graph, make_plan(request, graph, given, solver_options)
-    graphs = {request.batch_size: graph}
+    graphs, plans = {request.batch_size: graph}, {}
+    if request.group_rows == AUTO:
+        plans[request.batch_size] = asked = make_plan(request, graph, None, solver_options)
+        if (len(groupings(rows)) == 1
+                or not blocks_host_bound(graph, request.hardware, asked.workload.compiled_blocks)):
+            return request, graph, asked
 
     def solve(rows_each: int) -> Plan:
+        if rows_each in plans:
+            return plans[rows_each]
         grouped = replace(request, batch_size=rows_each, micro_batches=rows // rows_each)
         if rows_each not in graphs:
             graphs[rows_each] = trace(grouped)
@@ -340,7 +348,7 @@ def plan(model: nn.Module, budget, *, batch_size: int | None = None, seq_len: in
          max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
          compile_blocks: bool | None = None, solver_options: SolverOptions | None = None,
          host_memory: int | str | None = None, options: CompileOptions | None = None, hosts: int = 1,
-         link=None, nonfinite: str = "skip", group_rows: bool = False) -> Plan:
+         link=None, nonfinite: str = "skip", group_rows: bool | str = AUTO) -> Plan:
     """Solve a schedule without allocating anything (works on a meta-device model).
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size .. compile_blocks).
     `compile_blocks` (see `compile`) None: yes for a GPU hardware profile, no for the CPU.
@@ -402,7 +410,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
             max_grad_norm: float | None = None, hardware=None, plan=None, micro_batches: int = 1,
             compile_blocks: bool | None = None, weights=None, options: CompileOptions | None = None,
             host_memory: int | str | None = None, link=None, nonfinite: str = "skip",
-            group_rows: bool = False) -> Engine:
+            group_rows: bool | str = AUTO) -> Engine:
     """Trace, plan, and allocate: returns an Engine whose `step()` trains the model.
 
     `options`: a CompileOptions in place of the workload's keyword arguments (batch_size ..
@@ -425,7 +433,10 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     micro-batches of another number of rows (a divisor, at most 8), each grouping solved and the
     fastest predicted kept (scheduler/search/micro_rows.py; the plan's workload says which, and its
     summary that a sweep chose it). The step is the same sum of gradients (to rounding); `step()`
-    then takes a multiple of the plan's batch_size x world_size rows.
+    then takes a multiple of the plan's batch_size x world_size rows. "auto" (default): so only where
+    the cost model finds the asked grouping's blocks host-bound (the host's issue of a block outlasts
+    its kernels, as `slidedp calibrate` measures it), else the asked grouping's plan, one solve; False:
+    the asked grouping.
 
     `precision`: "auto" (default) bf16 on a GPU, fp32 on the CPU (with a given plan: the plan's);
     "bf16" or "fp32".

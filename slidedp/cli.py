@@ -105,7 +105,8 @@ def _plan(args) -> int:
                         world_size=args.world_size, precision=args.precision, hardware=args.hardware,
                         micro_batches=args.micro_batches, device="cpu" if args.hardware is None else "auto",
                         host_memory=args.host_memory, hosts=args.nodes, link=_link_arg(args.link),
-                        max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite, group_rows=args.group_rows)
+                        max_grad_norm=args.max_grad_norm, nonfinite=args.nonfinite,
+                        group_rows={"yes": True, "no": False}.get(args.group_rows, args.group_rows))
     plan.save(args.out)
     print(plan.summary())
     print(f"\nplan written to {args.out}")
@@ -327,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a non-finite gradient: skip the step (default) or stop; stop, without clipping, lets the "
                         "plan stream the gradients into the update (no gradient in host RAM) or write its early "
                         "updates in place (no spare state)")
-    p.add_argument("--group-rows", action="store_true",
+    p.add_argument("--group-rows", nargs="?", choices=("auto", "yes", "no"), const="yes", default="auto",
                    help="let the plan group the --batch-size x --micro-batches rows of a rank's step into micro-batches "
-                        "of another number of rows, the fastest predicted (each grouping solved; the plan says which)")
+                        "of another number of rows, the fastest predicted (each grouping solved; the plan says which); "
+                        "auto (default): where the blocks are host-bound; no: keep the asked grouping")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_plan)
 

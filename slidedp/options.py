@@ -26,8 +26,9 @@ class CompileOptions:
     # "stop" with max_grad_norm=None on one rank lets the plan stream gradients into the update
     nonfinite: str = "skip"
     # the plan may group the batch_size x micro_batches rows of a rank's step into micro-batches of
-    # another number of rows, the fastest predicted (scheduler/search/micro_rows.py)
-    group_rows: bool = False
+    # another number of rows, the fastest predicted (scheduler/search/micro_rows.py); "auto": where the
+    # blocks are host-bound
+    group_rows: bool | str = "auto"
 
     def as_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

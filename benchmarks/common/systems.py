@@ -212,7 +212,8 @@ class Point:
                       micro_batches=self.rows // self.world_size // rows, world_size=self.world_size,
                       optimizer=slidedp.AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
                       max_grad_norm=a.max_grad_norm, hardware=self.slidedp_hardware(),
-                      nonfinite=getattr(a, "nonfinite", "skip"))
+                      nonfinite=getattr(a, "nonfinite", "skip"),
+                      group_rows=False)  # the rows per micro-batch the point asks for (a given plan's own)
         plan = self.slidedp_plan(model, budget, compile_blocks, kwargs)
         engine = slidedp.compile(model, budget, plan=plan, compile_blocks=compile_blocks, weights=weights, **kwargs)
         self.engine = engine

@@ -61,7 +61,7 @@ class Request:
     hosts: int = 1  # the hosts the ranks span (torchrun --nnodes)
     link_bytes_per_s: float = 0.0  # each host's rate into the network between hosts (hosts > 1)
     nonfinite: str = "skip"  # a non-finite gradient: "skip" the step or "stop" (NonFiniteGradientError)
-    group_rows: bool = False  # the plan may regroup the rank's rows into micro-batches (search/micro_rows.py)
+    group_rows: bool | str = "auto"  # the plan may regroup the rank's rows into micro-batches (search/micro_rows.py)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -123,9 +123,9 @@ class TrainingConfig:
     max_steps: int = _key(24, "optimizer steps of the run")
     batch_size: int = _key(4, "rows (sequences) per micro-batch")
     grad_accum: int = _key(1, "micro-batches per optimizer step")
-    group_rows: bool = _key(False, "let the plan group the batch_size x grad_accum rows of a rank's step into "
-                                   "micro-batches of another number of rows, the fastest predicted (rows a step "
-                                   "unchanged)")
+    group_rows: bool | str = _key("auto", "let the plan group the batch_size x grad_accum rows of a rank's step "
+                                          "into micro-batches of another number of rows, the fastest predicted (rows "
+                                          "a step unchanged); auto: where the blocks are host-bound")
     seq_len: int = _key(128, "tokens per row (at most the model's max_position_embeddings)")
     seed: int = _key(0, "data order and random init, 0 .. 2**32 - 1")
     max_skipped_steps: int = _key(10, "stop after this many consecutive steps skipped for a non-finite "
@@ -367,6 +367,13 @@ def _coerce(key: str, value, typ):
                 return value.strip().lower() in ("true", "1", "yes")
             return value
         raise TypeError(f"config key 'resume' must be true, false or a checkpoint folder, got {value!r}")
+    if key == "group_rows":  # true/false, or auto
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("auto", "true", "false", "1", "0", "yes", "no"):
+            word = value.strip().lower()
+            return "auto" if word == "auto" else word in ("true", "1", "yes")
+        raise TypeError(f"config key 'group_rows' must be true, false or auto, got {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -12,7 +12,7 @@ import slidedp
 from slidedp.costmodel.hardware import resolve_hardware
 from slidedp.errors import InfeasibleBudgetError
 from slidedp.scheduler.decisions import SolverOptions
-from slidedp.scheduler.search.micro_rows import SEARCH, groupings
+from slidedp.scheduler.search.micro_rows import SEARCH, check_group_rows, groupings
 from tests.engine.test_exactness import BATCH, CLIP, LR, SEQ, WD, train_side_by_side
 from tests.models import make_model
 
@@ -45,7 +45,7 @@ def test_the_sweep_keeps_the_fastest_grouping_each_solved_alone(asked):
     plan = slidedp.plan(_narrow(), "3GiB", batch_size=asked, micro_batches=4 // asked, group_rows=True, **kwargs)
     tried = {int(rows): step_s for rows, step_s in plan.solver["rows_tried"].items()}
     assert set(tried) == {1, 2, 4}
-    alone = {rows: slidedp.plan(_narrow(), "3GiB", batch_size=rows, micro_batches=4 // rows,
+    alone = {rows: slidedp.plan(_narrow(), "3GiB", batch_size=rows, micro_batches=4 // rows, group_rows=False,
                                 **kwargs).predicted_step_time_s for rows in tried}
     assert tried == pytest.approx(alone, rel=1e-9)
     best = min(alone, key=lambda rows: (alone[rows], rows != asked, rows))
@@ -71,6 +71,23 @@ def test_groupings_that_do_not_fit_are_passed_over_and_none_fitting_is_refused()
         slidedp.plan(_narrow(), "64MiB", group_rows=True, **kwargs)
 
 
+def test_auto_sweeps_only_where_the_blocks_are_host_bound():
+    """group_rows="auto" (the default): on host-bound blocks the sweep runs as with True; where the
+    hardware has no host floor (the h100-sxm preset) the asked grouping's plan is kept, one solve, as
+    with False."""
+    kwargs = dict(seq_len=1024, batch_size=1, micro_batches=4, solver_options=SHORT)
+    swept = slidedp.plan(_narrow(), "3GiB", hardware=HOST_BOUND, **kwargs)
+    assert set(swept.solver["rows_tried"]) == {"1", "2", "4"} and swept.workload.batch_size > 1
+    plain = resolve_hardware("h100-sxm", "cuda")
+    kept, asked = (slidedp.plan(_narrow(), "3GiB", hardware=plain, group_rows=g, **kwargs) for g in ("auto", False))
+    assert "rows_tried" not in kept.solver and (kept.workload.batch_size, kept.workload.micro_batches) == (1, 4)
+    assert kept.predicted_step_time_s == asked.predicted_step_time_s
+    assert check_group_rows("auto") == "auto" and check_group_rows(False) is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="group_rows must be"):
+            slidedp.plan(_narrow(), "3GiB", hardware=plain, group_rows=bad, **kwargs)
+
+
 def test_a_grouped_plan_trains_as_torch_adamw():
     """A plan of 2-row micro-batches, given to a compile asked for 4 one-row ones with group_rows: the
     engine takes the plan's grouping, and its steps match torch.optim.AdamW on the whole batch."""
@@ -79,7 +96,7 @@ def test_a_grouped_plan_trains_as_torch_adamw():
     run = dict(seq_len=SEQ, device="cpu", precision="fp32", max_grad_norm=CLIP)
     grouped = slidedp.plan(model, "1GiB", batch_size=BATCH, micro_batches=2, **run)
     with pytest.raises(ValueError, match="batch_size"):  # without group_rows the plan's rows must be the asked ones
-        slidedp.compile(model, "1GiB", batch_size=1, micro_batches=2 * BATCH, plan=grouped, **run)
+        slidedp.compile(model, "1GiB", batch_size=1, micro_batches=2 * BATCH, plan=grouped, group_rows=False, **run)
     with pytest.raises(ValueError, match="rows a rank per step"):  # with it, as many rows a step
         slidedp.compile(model, "1GiB", batch_size=1, micro_batches=BATCH, plan=grouped, group_rows=True, **run)
     engine = slidedp.compile(model, "1GiB", batch_size=1, micro_batches=2 * BATCH, plan=grouped, group_rows=True,

@@ -111,3 +111,13 @@ def test_config_json_round_trip_and_old_flat_config_json(tmp_path):
     assert load_config(str(old), []) == cfg
     assert TrainConfig.from_dict(OLD_FLAT) == cfg  # a trainer_state.json's flat config
     assert load_config(str(old), ["resume=true"]).checkpoint.resume is True
+
+
+def test_group_rows_takes_true_false_or_auto():
+    """group_rows: auto by default, true/false as the other booleans; anything else refused naming it."""
+    assert load_config(None, []).training.group_rows == "auto"
+    for given, value in (("auto", "auto"), ("AUTO", "auto"), ("true", True), ("no", False)):
+        assert load_config(None, [f"training.group_rows={given}"]).training.group_rows == value
+    for bad in ("maybe", "2"):
+        with pytest.raises(TypeError, match="'group_rows' must be true, false or auto"):
+            load_config(None, [f"group_rows={bad}"])

@@ -10,6 +10,10 @@ benchmarks/LOG.md). They also mean more activation memory per micro-batch, which
 not hold. Each grouping is a different layer graph (the activations of a micro-batch), so each is
 traced and solved in full (CP-SAT and the searches around it) and the fastest predicted is kept; the
 plan says so (`Explanation.solver["searches"]`, `["rows_tried"]`, and an Alternative).
+
+`group_rows="auto"` (the default) sweeps only where the cost model finds the asked grouping's blocks
+host-bound (`blocks_host_bound`): elsewhere its compute rate does not depend on rows, so more rows can
+only cost activation memory, and the one solve of the asked grouping is kept.
 """
 
 from __future__ import annotations
@@ -18,13 +22,33 @@ import logging
 import time
 from typing import Callable
 
+from slidedp.costmodel import ops
+from slidedp.costmodel.hardware import Hardware
 from slidedp.errors import InfeasibleBudgetError
+from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.plan import Alternative, Plan
 
 log = logging.getLogger("slidedp")
 
 MAX_ROWS = 8  # rows per micro-batch tried at most (8 x 4,096 tokens: the blocks' kernels are large by then)
 SEARCH = "rows per micro-batch"
+AUTO = "auto"  # group_rows: sweep where the blocks are host-bound (blocks_host_bound)
+
+
+def check_group_rows(value) -> bool | str:
+    """`value` as group_rows takes it: True (sweep), False (keep the asked grouping) or AUTO."""
+    if isinstance(value, bool) or value == AUTO:
+        return value
+    raise TypeError(f"group_rows must be True, False or {AUTO!r}, got {value!r}")
+
+
+def blocks_host_bound(graph: LayerGraph, hardware: Hardware, compiled: bool) -> bool:
+    """Whether the host takes longer to issue a block's forward and backward of one micro-batch of
+    `graph` than the device takes to run them (costmodel/ops.py), the case more rows can gain in."""
+    if not graph.blocks:
+        return False
+    host_s, device_s = ops.block_host_and_device_s(graph.blocks[0].costs, hardware, compiled=compiled)
+    return host_s > device_s
 
 
 def groupings(rows_per_step: int, max_rows: int = MAX_ROWS) -> tuple[int, ...]:
