@@ -162,26 +162,16 @@ def simulate(costs: ProblemCosts, d: Decisions, *, record: bool = False, all_ran
     Where the tables that stream are a decision, the costs of d's choice (ProblemCosts.variant)."""
     costs = costs.variant(d)
     check_decisions(costs, d)
-    if not d.early_order:
-        return _layout(costs, d, record, all_ranks)[0]
-    if costs.problem.world_size != 1 and not d.grads_streamed:
+    if d.early_order and costs.problem.world_size != 1 and not d.grads_streamed:
         raise ValueError("early updates are for one rank (several: only streamed gradients)")
-    carry: tuple[dict, int] = ({}, 0)
-    for _ in range(EARLY_ITERATIONS):
-        sim, update_end, cpu_end = _layout(costs, d, record, all_ranks, carry)
-        t = sim.makespan
-        nxt = ({k: e - t for k, e in update_end.items() if e > t}, max(0, cpu_end - t))
-        if nxt == carry:
-            break
-        carry = nxt
-    return sim
+    return _layout(costs, d, record, all_ranks)
 
 
-def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
-            carry: tuple[dict, int] | None = None) -> tuple[Simulation, dict, int]:
-    """One step's layout; with early updates, given the carry of the step before (the ticks into
-    this step at which each (layer, chunk)'s update and the CPU lane's work end). Returns the
-    simulation, each update's end and the CPU lane's end (ticks; early updates only)."""
+def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool) -> Simulation:
+    """One step's layout. With early updates, the steady state of note [early updates]: the pieces
+    are laid out again with the carry of the layout before (the ticks into the step at which each
+    (layer, chunk)'s update and the CPU lane's work end; first none) until the carry repeats, at most
+    EARLY_ITERATIONS times; only the pieces' release times change between layouts."""
     W, N = costs.problem.world_size, costs.n_blocks
     prog: Lanes = build_lanes(N, d.window, W > 1, costs.head_reload)
     present = condition(d)
@@ -191,7 +181,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
 
     # Pieces: parallel lists indexed by piece id.
     rank_of, lane_of, name_of, layer_of, chunk_of, dur, key_deps, piece_deps = [], [], [], [], [], [], [], []
-    release: dict[int, int] = {}  # piece -> earliest start (early updates: the carry)
+    carried: dict[int, tuple[int, int]] = {}  # early updates: a load piece -> its (layer, chunk), released by the carry
     queues: dict[tuple[int, str], list[int]] = {}
     last_piece: dict[tuple[int, str], int] = {}
     op_pieces: dict[str, list[int]] = {}  # rank 0 only
@@ -216,7 +206,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
             for c in range(opt[layer].chunks):
                 if costs.owner(p, c) == r:
                     mine.append(c)
-    early = carry is not None
+    early = bool(d.early_order)
     streamed = set(d.streamed)
     down_pieces: dict[int, list[int]] = {r: [] for r in range(W)}  # each rank's streamed pieces down, in order
     for layer in d.streamed:
@@ -245,11 +235,6 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
                 ticks = costs.early_piece(opt[layer]) if early else opt[layer].update_piece
                 update_piece[(layer, c)] = add(r, CPU_UPDATE, ("update L{} c{}", layer, c), layer, c, ticks, deps,
                                                key=f"update[L{layer}]")
-    if early:
-        for r in range(W):
-            cpu = queues.get((r, CPU_UPDATE))
-            if cpu:
-                release[cpu[0]] = carry[1]
 
     def own_chunks(layer: int, rank: int) -> list[int]:
         return owned[(layer, rank)]
@@ -260,7 +245,7 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
             for op in lane_ops:
                 if present(op):
                     _add_op(op, r, len(gpu_ranks), d, costs, opt, any_offload, own_chunks, update_piece, add,
-                            carry, release)
+                            carried if early else None)
 
     # Resolve op-level dependencies to the last piece of the op (absent ops are no dependency).
     deps: list[tuple[int, ...]] = []
@@ -272,14 +257,26 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
                 resolved.append(q)
         deps.append(tuple(resolved))
 
-    start, end = _list_schedule(queues, deps, dur, release)
-    if carry is None:
+    if not early:
+        release: dict[int, int] = {}
+        start, end = _list_schedule(queues, deps, dur)
         makespan = max(end, default=0)
-        update_end, cpu_end = {}, 0
     else:  # the step ends with its GPU and copy work; later updates carry over (note [early updates])
-        makespan = max((end[p] for p in range(len(dur)) if lane_of[p] != CPU_UPDATE), default=0)
-        update_end = {key: end[p] for key, p in update_piece.items()}
-        cpu_end = max((end[p] for r in range(W) for p in queues.get((r, CPU_UPDATE), ())), default=0)
+        cpu_first = [q[0] for r in range(W) if (q := queues.get((r, CPU_UPDATE)))]
+        gpu_pieces = [p for p in range(len(dur)) if lane_of[p] != CPU_UPDATE]
+        cpu_pieces = [p for r in range(W) for p in queues.get((r, CPU_UPDATE), ())]
+        carry: tuple[dict, int] = ({}, 0)
+        for _ in range(EARLY_ITERATIONS):
+            release = {pid: carry[0][key] for pid, key in carried.items() if key in carry[0]}
+            release.update((pid, carry[1]) for pid in cpu_first)
+            start, end = _list_schedule(queues, deps, dur, release)
+            makespan = max((end[p] for p in gpu_pieces), default=0)
+            update_end = {key: end[p] for key, p in update_piece.items()}
+            cpu_end = max((end[p] for p in cpu_pieces), default=0)
+            nxt = ({k: e - makespan for k, e in update_end.items() if e > makespan}, max(0, cpu_end - makespan))
+            if nxt == carry:
+                break
+            carry = nxt
 
     footprint = evaluate(costs, d, prog.compute_keys)
     compute_ids = queues[(0, COMPUTE)]
@@ -295,16 +292,17 @@ def _layout(costs: ProblemCosts, d: Decisions, record: bool, all_ranks: bool,
         events = tuple(Event(rank_of[p], lane_of[p], name_of[p][0].format(*name_of[p][1:]), layer_of[p],
                              chunk_of[p], start[p], end[p]) for p in range(len(dur)))
         critical, length = longest_chain(queues.values(), deps, dur, release,
-                                         (lambda p: lane_of[p] != CPU_UPDATE) if carry is not None else (lambda p: True))
+                                         (lambda p: lane_of[p] != CPU_UPDATE) if early else (lambda p: True))
         assert length == makespan, (length, makespan)  # the module docstring of critical_path.py
     pinned = _pinned_host(costs, d) if record else ()
-    sim = Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events, critical)
-    return sim, update_end, cpu_end
+    return Simulation(makespan, costs.scale.tick_s, footprint, pinned, compute_starts, ops, lane_busy, events, critical)
 
 
 def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, opt, any_offload, own_chunks,
-            update_piece, add, carry=None, release=None) -> None:
-    """The pieces of one program op on rank r (its deps: same rank, or every rank for collectives)."""
+            update_piece, add, carried=None) -> None:
+    """The pieces of one program op on rank r (its deps: same rank, or every rank for collectives).
+    `carried` (early updates): where each chunkwise load piece is noted with its (layer, chunk), which
+    the previous step's update of that chunk may hold back (note [early updates])."""
     layer = op.layer
     o = opt[layer]
     if op.lane == COLLECTIVE:
@@ -332,15 +330,15 @@ def _add_op(op: Op, r: int, gpu_ranks: int, d: Decisions, costs: ProblemCosts, o
             piece = o.bwd_piece
         name = "load L{} c{}" if op.phase == "fwd" else "reload L{} c{}"
         for c in chunks:
-            if carry is None:  # the step boundary: this step's first pieces are the updates
+            if carried is None:  # the step boundary: this step's first pieces are the updates
                 pid = add(r, H2D, (name, layer, c), layer, c, piece, deps,
                           (update_piece[(layer, c)],) if op.chunkwise else (), key=op.key)
             else:  # early updates: the previous step's update of the chunk, if it carried over
                 streamed = op.chunkwise and layer in d.streamed  # updated at this step's boundary
                 pid = add(r, H2D, (name, layer, c), layer, c, piece, deps,
                           (update_piece[(layer, c)],) if streamed else (), key=op.key)
-                if op.chunkwise and (layer, c) in carry[0]:
-                    release[pid] = carry[0][(layer, c)]
+                if op.chunkwise:
+                    carried[pid] = (layer, c)
     elif op.kind in ("reload", "offload"):
         act = d.layers[layer].activation
         what = "activations" if act == OFFLOAD else "input"
