@@ -27,6 +27,7 @@ from slidedp.scheduler.plan import (
     SCHEMA_VERSION, Alternative, Explanation, LayerDecision, MemoryPoint, Plan, Schedule, TimelineEvent, Workload,
 )
 from slidedp.scheduler.problem.lanes import COLLECTIVE, COMPUTE, CPU_UPDATE, D2H, H2D, window_loads
+from slidedp.scheduler.oracles import closed_form
 from slidedp.scheduler.oracles.timeline import simulate
 
 
@@ -239,7 +240,9 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     incumbent = fastest(candidates)
 
     # CP-SAT, one model per window that can fit (large models: the incumbent's window only), each
-    # started from the best candidate of its window. Skipped when the incumbent meets the bound.
+    # started from the best candidate of its window and looking no slower than the fastest step found
+    # so far; the windows of the fastest hints first, each given the time the earlier ones left.
+    # Skipped when the incumbent meets the bound.
     lower = cpsat.lower_bound(costs, early=costs.problem.grads_streamable)  # streamed gradients: no boundary
     feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
     small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
@@ -247,22 +250,21 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         windows = []
     else:
         windows = feasible_windows if small or incumbent is None else [incumbent.decisions.window]
-    budget_each = 0.0
+    time_left = 0.0
     if windows:
-        budget_each = (costs.options.deterministic_time / len(windows) if small
-                       else costs.options.large_deterministic_time)
+        time_left = costs.options.deterministic_time if small else costs.options.large_deterministic_time
+    time_limit = time_left
+    hints = {w: _window_hint(costs, budget_bytes, candidates, incumbent, min_decisions, w) for w in windows}
     results, solved = [], []
-    for w in windows:
-        hint = fastest([c for c in candidates if c.decisions.window == w])
-        if hint is not None:
-            hint_d = hint.decisions
-        elif incumbent is not None and baselines.peak_bytes(costs, replace(incumbent.decisions, window=w)) <= budget_bytes:
-            hint_d = replace(incumbent.decisions, window=w)
-        else:
-            hint_d = replace(min_decisions, window=w)
-        found, result = cpsat.search(costs, budget_bytes, hint_d, window=w, deterministic_time=budget_each)
+    for n, w in enumerate(sorted(windows, key=lambda w: (closed_form.evaluate(costs, hints[w]).makespan, w))):
+        cutoff = fastest(candidates + solved)
+        found, result = cpsat.search(costs, budget_bytes, hints[w], window=w,
+                                     deterministic_time=time_left / (len(windows) - n),
+                                     cutoff=None if cutoff is None else cutoff.makespan)
+        time_left = max(0.0, time_left - result.deterministic_time)
         results.append(result)
         solved += [found] if found is not None else []
+    results.sort(key=lambda r: r.window)
     best = fastest(candidates + solved)  # a tie credits the heuristic: CP-SAT found nothing better
     if best is None:  # a budget within the least-peak model's gap, and nothing found that fits it
         raise _device_too_small(costs, budget_bytes, min_budget, min_decisions)
@@ -291,14 +293,26 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     best_ticks = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
     for r in results:
-        if r.status == "INFEASIBLE":
+        if r.status == "INFEASIBLE":  # (NOT_FASTER: bounded by the cutoff, never below the plan's step)
             bounds.pop(r.window, None)
         elif r.best_bound is not None:
             bounds[r.window] = max(lower, r.best_bound)
     bound = min(min(bounds.values(), default=best_ticks), best_ticks)
     return Solution(decisions, best_ticks, bound, "OPTIMAL" if bound == best_ticks else "FEASIBLE", chosen_by,
                     tuple((f.by, f.makespan) for f in candidates), tuple(results), lower, min_budget,
-                    budget_each * len(windows), streamed_tried)
+                    time_limit, streamed_tried)
+
+
+def _window_hint(costs: ProblemCosts, budget_bytes: int, candidates: list[Found], incumbent: Found | None,
+                 min_decisions: Decisions, window: int) -> Decisions:
+    """CP-SAT's start in `window`: the fastest candidate of that window; else the incumbent's decisions
+    moved to it, where they fit; else the least-memory ones moved to it."""
+    own = fastest([c for c in candidates if c.decisions.window == window])
+    if own is not None:
+        return own.decisions
+    if incumbent is not None and baselines.peak_bytes(costs, replace(incumbent.decisions, window=window)) <= budget_bytes:
+        return replace(incumbent.decisions, window=window)
+    return replace(min_decisions, window=window)
 
 
 def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, world_size: int = 1,
