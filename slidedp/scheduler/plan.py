@@ -433,6 +433,7 @@ class Plan:
             + (f", over {w.hosts} hosts of {w.world_size // w.hosts} (link {w.link_bytes_per_s / 1e9:.1f} GB/s per host)"
                if w.hosts > 1 else ""),
             f"  hardware: {self.hardware['name']}   budget: {format_bytes(self.budget_bytes)}   solver: {solver}",
+            *([f"  solver's bound: {sv['gap_explained']}"] if sv.get("gap_explained") else []),
             f"  window: {self.window} block(s) resident   peak device memory: {format_bytes(self.peak_device_bytes)}"
             + (f"   loss chunk: {self.loss_chunk_tokens} tokens" if self.loss_chunk_tokens else ""),
             *([_host_line(self)] if self.peak_host_bytes else []),

@@ -8,6 +8,7 @@ simulated step time (asserted in cpsat.solve_window).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version as package_version
@@ -62,6 +63,7 @@ class Solution:
     min_budget_bytes: int
     deterministic_time_limit: float
     streamed_tried: dict = field(default_factory=dict)  # streamed layers k -> step [s] (streamed.py)
+    gap_explained: str = ""  # where the bound comes from, in words (`_gap_words`)
 
 
 def _device_too_small(costs: ProblemCosts, budget_bytes: int, min_budget: int,
@@ -298,9 +300,50 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         elif r.best_bound is not None:
             bounds[r.window] = max(lower, r.best_bound)
     bound = min(min(bounds.values(), default=best_ticks), best_ticks)
+    words = _gap_words(costs, best_ticks, bound, lower, bounds, results, early, streamed, time_limit)
     return Solution(decisions, best_ticks, bound, "OPTIMAL" if bound == best_ticks else "FEASIBLE", chosen_by,
                     tuple((f.by, f.makespan) for f in candidates), tuple(results), lower, min_budget,
-                    time_limit, streamed_tried)
+                    time_limit, streamed_tried, words)
+
+
+def _floor_words(costs: ProblemCosts, early: bool, streamed: bool) -> str:
+    """What cpsat.lower_bound is, for the passes the plan took."""
+    if streamed:
+        return "the compute on the GPU alone (the device may take any update off the CPU)"
+    if early or costs.problem.grads_streamable:
+        return "the larger of the compute on the GPU and the updates on the CPU"
+    return ("the larger of the compute on the GPU and the updates on the CPU followed by the backward of the head and "
+            "the blocks")
+
+
+def _gap_words(costs: ProblemCosts, step: int, bound: int, lower: int, bounds: dict[int, int],
+               results: list[cpsat.WindowResult], early: bool, streamed: bool, time_limit: float) -> str:
+    """The plan's gap in words: which window's bound is the lowest and why (CP-SAT stopped at its time
+    limit, a window CP-SAT did not search, or the analytical floor, which is all there is where the plan
+    takes early or streamed updates: CP-SAT's model holds neither)."""
+    ms = lambda t: f"{t * costs.scale.tick_s * 1e3:.4g} ms"  # noqa: E731
+    floor = f"the analytical floor, {_floor_words(costs, early, streamed)}, {ms(lower)}"
+    if bound >= step:
+        if not results:
+            return f"optimal: the step meets {floor}"
+        return "optimal: CP-SAT proved every window the budget fits no faster than this step"
+    searched = {r.window: r for r in results}
+    low = [w for w, b in sorted(bounds.items()) if b == bound]
+    gap = f"no decisions step faster than {ms(bound)}, {(step - bound) / step:.1%} under the {ms(step)} of this plan: "
+    if early or streamed:
+        passes = " and ".join(p for p, took in (("early", early), ("streamed", streamed)) if took)
+        return gap + (f"that bound is {floor}, since the CP-SAT model does not hold the {passes} updates the plan "
+                      "takes; it says how loose that floor is more than how far the plan is from the best")
+    w = low[0]
+    if w not in searched:
+        return gap + (f"window {w} was not searched by CP-SAT (a model of more than "
+                      f"{costs.options.all_windows_up_to_blocks} blocks searches the window of the fastest heuristic "
+                      "only), "
+                      f"so its bound is {floor}")
+    r = searched[w]
+    return gap + (f"CP-SAT stopped in window {w} ({r.status}) after {r.deterministic_time:.2f} of the "
+                  f"{time_limit:g} deterministic seconds planning gives it"
+                  + (f" (no lower than {floor})" if bound == lower else ""))
 
 
 def _window_hint(costs: ProblemCosts, budget_bytes: int, candidates: list[Found], incumbent: Found | None,
@@ -369,6 +412,7 @@ def solve_plan(graph: LayerGraph, *, budget_bytes: int, hardware: Hardware, worl
         "seed": costs.options.seed,
         "workers": costs.options.workers,
         "deterministic_time_limit": sol.deterministic_time_limit,
+        "gap_explained": sol.gap_explained,
         "streamed_tried": {str(k): step_s for k, step_s in sol.streamed_tried.items()},
         "vocab_streamed_tried": vocab_tried if vocab_tried is not None else {},
         "wall_s": wall,
@@ -508,7 +552,7 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
         costs = ProblemCosts(_placement_problem(replace(problem, vocab_choices=tuple(choices)), options, host_budget),
                              options)
         return costs, solve(costs, budget_bytes), None
-    best, errors, tried = None, [], {}
+    best, errors, tried, bounds = None, [], {}, {}
     for choice in choices:
         label = _vocab_label(problem, choice)
         try:
@@ -519,12 +563,19 @@ def _vocab_search(problem: Problem, options: SolverOptions, budget_bytes: int, h
             tried[label] = None
             continue
         tried[label] = sol.makespan * costs.scale.tick_s
+        bounds[label] = (sol.bound * costs.scale.tick_s, sol.gap_explained)
         if best is None or tried[label] < best[0]:
             best = (tried[label], costs, sol)
     if best is None:  # the host is too small for every choice the device budget fits, else the device is
         host = [e for e in errors if e.min_budget_bytes <= budget_bytes]
         raise (min(host, key=lambda e: e.min_host_bytes or 0) if host else min(errors, key=lambda e: e.min_budget_bytes))
     _, costs, sol = best
+    # the plan's bound is the lowest of every choice's: another choice may not be proven slower
+    label, (bound_s, words) = min(bounds.items(), key=lambda kv: kv[1][0])
+    if bound_s < sol.bound * costs.scale.tick_s:
+        sol = replace(sol, bound=math.floor(bound_s / costs.scale.tick_s), status="FEASIBLE",
+                      gap_explained=f"each choice of the streamed tables solved in full, the lowest bound that of "
+                                    f"{label}, {bound_s * 1e3:.4g} ms: {words}")
     return costs, sol, tried
 
 

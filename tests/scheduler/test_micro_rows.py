@@ -78,6 +78,8 @@ def test_auto_sweeps_only_where_the_blocks_are_host_bound():
     kwargs = dict(seq_len=1024, batch_size=1, micro_batches=4, solver_options=SHORT)
     swept = slidedp.plan(_narrow(), "3GiB", hardware=HOST_BOUND, **kwargs)
     assert set(swept.solver["rows_tried"]) == {"1", "2", "4"} and swept.workload.batch_size > 1
+    assert swept.solver["gap_explained"].endswith(f"(among plans of {swept.workload.batch_size}-row micro-batches; "
+                                                  "the groupings swept)")
     plain = resolve_hardware("h100-sxm", "cuda")
     kept, asked = (slidedp.plan(_narrow(), "3GiB", hardware=plain, group_rows=g, **kwargs) for g in ("auto", False))
     assert "rows_tried" not in kept.solver and (kept.workload.batch_size, kept.workload.micro_batches) == (1, 4)

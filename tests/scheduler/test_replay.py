@@ -3,6 +3,7 @@ plan was solved for, the plan's own prediction, for every kind of decision a pla
 profile, what that profile predicts for the same decisions."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -89,3 +90,42 @@ def test_a_plan_of_another_model_is_refused(plans):
     _, plan = plans["boundary, clipping"]
     with pytest.raises(ValueError, match="not the plan's model"):
         slidedp.predict(qwen3(blocks=6), plan)
+
+
+def test_each_plans_gap_is_explained_by_where_its_bound_comes_from(plans):
+    """A proven plan says so; an unproven one gives its bound and the one reason for it: CP-SAT stopped short
+    in a window (named with its status), a window it did not search, or the analytical floor (where the plan
+    takes early or streamed updates, which CP-SAT's model does not hold)."""
+    causes = set()
+    for name, (_, plan) in plans.items():
+        sv, words = plan.solver, plan.solver["gap_explained"]
+        assert f"solver's bound: {words}" in plan.summary(), name
+        assert (sv["status"] == "OPTIMAL") == words.startswith("optimal"), name
+        if sv["status"] == "OPTIMAL":
+            continue
+        assert f"no decisions step faster than {sv['best_bound_s'] * 1e3:.4g} ms" in words, name
+        stopped = re.search(r"CP-SAT stopped in window (\d+) \((\w+)\)", words)
+        cause = ["analytical floor, " in words and "does not hold the" in words, bool(stopped),
+                 "was not searched by CP-SAT" in words]
+        assert sum(cause) == 1, (name, words)
+        if cause[0]:
+            assert sv["best_bound_s"] == sv["lower_bound_s"], name
+        if stopped:
+            window = next(w for w in sv["windows"] if w["window"] == int(stopped[1]))
+            assert window["status"] == stopped[2] == "FEASIBLE" and window["best_bound_s"] <= sv["best_bound_s"]
+        causes.add(cause.index(True))
+    assert causes == {0, 1}  # the cases hold both (no window goes unsearched in models this small)
+
+
+def test_a_swept_vocabulary_choice_gives_the_lowest_bound_of_every_choice():
+    """Where each choice of streamed tables is solved in full (a tied table whose gradient could otherwise
+    stream into the update), the plan's bound is the lowest of the choices' bounds, each solved alone."""
+    kw = dict(batch_size=1, precision="bf16", hardware="h200-sxm", seq_len=2048, micro_batches=2,
+              max_grad_norm=None, nonfinite="stop")
+    model = qwen3(tied=True, vocab=131072)
+    plan = slidedp.plan(model, "2GiB", **kw)
+    assert len(plan.solver["vocab_streamed_tried"]) == 2
+    alone = [slidedp.plan(model, "2GiB", solver_options=slidedp.SolverOptions(vocab_streamed=names), **kw)
+             for names in ((), ("prologue", "epilogue"))]
+    assert plan.solver["best_bound_s"] == pytest.approx(min(p.solver["best_bound_s"] for p in alone), rel=1e-6)
+    assert plan.solver["best_bound_s"] <= plan.predicted_step_time_s

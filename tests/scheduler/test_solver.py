@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -207,6 +208,19 @@ def test_a_window_searched_below_a_cutoff_is_proven_not_faster(case):
         assert (below.status, below.best_bound, below.decisions) == ("NOT_FASTER", best, None)
         at = cpsat.solve_window(costs, w, budget, None, 30.0, cutoff=best)
         assert (at.status, at.objective, at.best_bound) == ("OPTIMAL", best, best)
+
+
+def test_a_window_cp_sat_does_not_search_is_bounded_by_the_floor_and_said_so():
+    """Proven: "optimal". With only the fastest heuristic's window searched (here for a model of any size),
+    the others' bound is the analytical floor, which the plan's gap names with the window."""
+    costs = make_costs("activations, windows, orders")
+    budget = binding_budget(costs)
+    proven = solve(costs, budget)
+    assert proven.status == "OPTIMAL" and proven.gap_explained.startswith("optimal")
+    one = solve(ProblemCosts(costs.problem, replace(costs.options, all_windows_up_to_blocks=0)), budget)
+    assert one.status == "FEASIBLE" and one.bound == one.lower_bound == cpsat.lower_bound(costs) < one.makespan
+    unsearched = int(re.search(r"window (\d+) was not searched by CP-SAT", one.gap_explained)[1])
+    assert unsearched in costs.windows() and unsearched not in {r.window for r in one.windows}
 
 
 def test_a_larger_budget_never_gives_a_slower_step():

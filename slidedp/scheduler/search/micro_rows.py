@@ -94,6 +94,8 @@ def _annotated(plan: Plan, tried: dict[int, float], chosen: int, unfit: list[int
     solver["rows_sweep_wall_s"] = wall_s
     if unfit:
         solver["rows_unfit"] = unfit
+    if solver.get("gap_explained"):  # the bound is of the chosen grouping's problem
+        solver["gap_explained"] += f" (among plans of {chosen}-row micro-batches; the groupings swept)"
     solver["searches"] = {**solver.get("searches", {}), SEARCH: (
         "sweep: each grouping of the step's rows traced and solved, the fastest predicted kept "
         "(search/micro_rows.py)")}
