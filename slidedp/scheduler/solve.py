@@ -328,18 +328,16 @@ def _gap_words(costs: ProblemCosts, step: int, bound: int, lower: int, bounds: d
             return f"optimal: the step meets {floor}"
         return "optimal: CP-SAT proved every window the budget fits no faster than this step"
     searched = {r.window: r for r in results}
-    low = [w for w, b in sorted(bounds.items()) if b == bound]
+    w = min(w for w, b in bounds.items() if b == bound)  # the window whose bound is the plan's
     gap = f"no decisions step faster than {ms(bound)}, {(step - bound) / step:.1%} under the {ms(step)} of this plan: "
     if early or streamed:
         passes = " and ".join(p for p, took in (("early", early), ("streamed", streamed)) if took)
         return gap + (f"that bound is {floor}, since the CP-SAT model does not hold the {passes} updates the plan "
                       "takes; it says how loose that floor is more than how far the plan is from the best")
-    w = low[0]
     if w not in searched:
         return gap + (f"window {w} was not searched by CP-SAT (a model of more than "
                       f"{costs.options.all_windows_up_to_blocks} blocks searches the window of the fastest heuristic "
-                      "only), "
-                      f"so its bound is {floor}")
+                      f"only), so its bound is {floor}")
     r = searched[w]
     return gap + (f"CP-SAT stopped in window {w} ({r.status}) after {r.deterministic_time:.2f} of the "
                   f"{time_limit:g} deterministic seconds planning gives it"

@@ -112,7 +112,7 @@ def test_each_plans_gap_is_explained_by_where_its_bound_comes_from(plans):
             assert sv["best_bound_s"] == sv["lower_bound_s"], name
         if stopped:
             window = next(w for w in sv["windows"] if w["window"] == int(stopped[1]))
-            assert window["status"] == stopped[2] == "FEASIBLE" and window["best_bound_s"] <= sv["best_bound_s"]
+            assert window["status"] == stopped[2] in ("FEASIBLE", "UNKNOWN") and window["best_bound_s"] <= sv["best_bound_s"]
         causes.add(cause.index(True))
     assert causes == {0, 1}  # the cases hold both (no window goes unsearched in models this small)
 
