@@ -175,7 +175,9 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
     streamed = streamed_prefix.search(costs, budget_bytes, decisions)
     streamed_tried = streamed.tried if streamed is not None else {}
     fixed = costs.options.streamed_layers is not None
-    took_streamed = streamed is not None and (fixed or streamed.makespan < best_sim.makespan)
+    # (none streamed, e.g. SolverOptions.streamed_layers=0: not taken, and not credited)
+    took_streamed = (streamed is not None and bool(streamed.decisions.streamed)
+                     and (fixed or streamed.makespan < best_sim.makespan))
     if took_streamed:
         decisions, best_sim = streamed.decisions, streamed.simulation
         chosen_by += " + streamed updates"
@@ -188,7 +190,7 @@ def _after(costs: ProblemCosts, budget_bytes: int, best: Found):
         chosen_by += f" + local search ({', '.join(changed)})"
         # the descent changed what the streamed prefix was chosen for: choose it again
         again = None if fixed or streamed is None else streamed_prefix.search(costs, budget_bytes, decisions)
-        if again is None or again.makespan >= best_sim.makespan:
+        if again is None or again.makespan >= best_sim.makespan or not again.decisions.streamed:
             break
         decisions, best_sim = again.decisions, again.simulation
         streamed_tried, took_streamed = again.tried, True
