@@ -832,7 +832,7 @@ def solve_window(costs: ProblemCosts, window: int, budget_bytes: int, hint: Deci
     objective must equal their simulated step time (asserted), and is reported.
     """
     upper = closed_form.evaluate(costs, hint).makespan if hint is not None and costs.options.hints else None
-    horizon = upper if cutoff is None else min(cutoff, upper if upper is not None else cutoff)
+    horizon = min((t for t in (upper, cutoff) if t is not None), default=None)
     m, data, v = build_model(costs, window, budget_bytes, horizon)
     if upper is not None:
         _complete_hint(m, costs, data, v, hint)
