@@ -21,6 +21,7 @@ from slidedp.errors import InfeasibleBudgetError
 from slidedp.ir.graph import LayerGraph
 from slidedp.scheduler.search import baselines, cpsat, device_placement, early_order, local_search, streamed_prefix
 from slidedp.scheduler.search.found import Found, fastest
+from slidedp.scheduler.search.floor import lanes_floor
 from slidedp.scheduler.problem.costs import ProblemCosts, host_fixed_bytes
 from slidedp.scheduler.decisions import GPU, KEEP, OFFLOAD, RECOMPUTE_OFFLOAD, SHARDED, Decisions, Problem, SolverOptions
 from slidedp.scheduler.explain import alternatives, device_state_label, group_predictions
@@ -247,7 +248,8 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
     # started from the best candidate of its window and looking no slower than the fastest step found
     # so far; the windows of the fastest hints first, each given the time the earlier ones left.
     # Skipped when the incumbent meets the bound.
-    lower = cpsat.lower_bound(costs, early=costs.problem.grads_streamable)  # streamed gradients: no boundary
+    lanes = lanes_floor(costs, budget_bytes)  # valid whichever updates the plan takes
+    lower = max(cpsat.lower_bound(costs, early=costs.problem.grads_streamable), lanes)  # streamed gradients: no boundary
     feasible_windows = [w for w in costs.windows() if min_per_window[w] <= budget_bytes]
     small = costs.n_blocks <= costs.options.all_windows_up_to_blocks
     if incumbent is not None and incumbent.makespan <= lower:
@@ -292,7 +294,8 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         finals, key=lambda f: (f[1].makespan, len(costs.vocab_set(f[0]))))  # ties: fewer tables streamed
     if early or streamed:
         results = [replace(r, best_bound=None) for r in results]
-        lower = cpsat.lower_bound(costs, streamed=True) if streamed else cpsat.lower_bound(costs, early=True)
+        lower = max(cpsat.lower_bound(costs, streamed=True) if streamed else cpsat.lower_bound(costs, early=True),
+                    lanes)
 
     best_ticks = best_sim.makespan
     bounds = {w: lower for w in feasible_windows}
@@ -302,14 +305,21 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
         elif r.best_bound is not None:
             bounds[r.window] = max(lower, r.best_bound)
     bound = min(min(bounds.values(), default=best_ticks), best_ticks)
-    words = _gap_words(costs, best_ticks, bound, lower, bounds, results, early, streamed, time_limit)
+    words = _gap_words(costs, best_ticks, bound, lower, bounds, results, early, streamed, time_limit,
+                       lanes_bind=lanes == lower)
     return Solution(decisions, best_ticks, bound, "OPTIMAL" if bound == best_ticks else "FEASIBLE", chosen_by,
                     tuple((f.by, f.makespan) for f in candidates), tuple(results), lower, min_budget,
                     time_limit, streamed_tried, words)
 
 
-def _floor_words(costs: ProblemCosts, early: bool, streamed: bool) -> str:
-    """What cpsat.lower_bound is, for the passes the plan took."""
+def _floor_words(costs: ProblemCosts, early: bool, streamed: bool, lanes_bind: bool = False) -> str:
+    """What the analytical floor is: floor.lanes_floor where it binds, else cpsat.lower_bound for the
+    passes the plan took."""
+    if lanes_bind:
+        return ("the busiest of the GPU's compute, its two copy directions and a CPU lane once the work every plan "
+                "must do (each block's activations kept within the budget, offloaded or recomputed; each layer's "
+                "optimizer state on the device, or updated on the CPU or through the device) is shared among them "
+                "at best")
     if streamed:
         return "the compute on the GPU alone (the device may take any update off the CPU)"
     if early or costs.problem.grads_streamable:
@@ -319,12 +329,13 @@ def _floor_words(costs: ProblemCosts, early: bool, streamed: bool) -> str:
 
 
 def _gap_words(costs: ProblemCosts, step: int, bound: int, lower: int, bounds: dict[int, int],
-               results: list[cpsat.WindowResult], early: bool, streamed: bool, time_limit: float) -> str:
+               results: list[cpsat.WindowResult], early: bool, streamed: bool, time_limit: float,
+               lanes_bind: bool = False) -> str:
     """The plan's gap in words: which window's bound is the lowest and why (CP-SAT stopped at its time
     limit, a window CP-SAT did not search, or the analytical floor, which is all there is where the plan
     takes early or streamed updates: CP-SAT's model holds neither)."""
     ms = lambda t: f"{t * costs.scale.tick_s * 1e3:.4g} ms"  # noqa: E731
-    floor = f"the analytical floor, {_floor_words(costs, early, streamed)}, {ms(lower)}"
+    floor = f"the analytical floor, {_floor_words(costs, early, streamed, lanes_bind)}, {ms(lower)}"
     if bound >= step:
         if not results:
             return f"optimal: the step meets {floor}"

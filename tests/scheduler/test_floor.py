@@ -1,0 +1,71 @@
+"""The floor of the step under a budget (search/floor.py): never above any plan that fits, with early and
+streamed updates included, and tighter than the compute alone where memory and PCIe bind."""
+
+from dataclasses import replace
+
+import pytest
+
+from slidedp.scheduler.decisions import landing_order
+from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
+from slidedp.scheduler.oracles.timeline import simulate
+from slidedp.scheduler.problem.costs import ProblemCosts
+from slidedp.scheduler.search import cpsat
+from slidedp.scheduler.search.floor import lanes_floor
+from tests.scheduler.test_solver import CASES, SLOW_CASES, make_costs, peak
+
+
+def budgets(costs) -> list[int]:
+    """The least peak, halfway, and the largest peak of every decision."""
+    peaks = sorted({peak(costs, d) for d in all_decisions(costs)})
+    return [peaks[0], (peaks[0] + peaks[-1]) // 2, peaks[-1]]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in SLOW_CASES])
+def test_the_floor_is_never_above_the_fastest_plan_that_fits(case):
+    costs = make_costs(case)
+    for budget in budgets(costs):
+        best = brute_force(costs, budget)
+        if best is not None:
+            assert lanes_floor(costs, budget) <= best[0], budget
+
+
+def with_every_update(case) -> ProblemCosts:
+    """The case's problem with streamed updates and early updates allowed (one rank)."""
+    costs = make_costs(case)
+    problem = replace(costs.problem, streamed_updates=True, early_host_bytes=1 << 62)
+    return ProblemCosts(problem, costs.options)
+
+
+def every_update(costs, d):
+    """d with each number of its host layers streamed at the step boundary, their updates after the
+    boundary or, the rest, as their gradients land (early updates)."""
+    hosts = [i for i in d.order(costs.n_layers) if i in costs.streamed_layers and not d.layers[i].on_device]
+    for k in range(len(hosts) + 1):
+        streamed = replace(d, streamed=tuple(hosts[:k]))
+        yield streamed
+        early = tuple(i for i in landing_order(costs.n_layers) if i in hosts[k:])
+        if early and not d.grads_streamed:
+            yield replace(streamed, early_order=early)
+
+
+@pytest.mark.parametrize("case, tighter_somewhere", [
+    ("optimizer state placed, one rank", True), ("chunks per layer", True),
+    ("vocabulary streamed or not, optimizer state placed", True), ("activations, windows, orders", False)])
+def test_no_plan_with_streamed_or_early_updates_steps_under_the_floor(case, tighter_somewhere):
+    """The floor holds for every decision with streamed and early updates too (which brute force and the
+    CP-SAT model leave out); where the state is large beside the compute, it is tighter than the compute
+    alone at a small budget."""
+    costs = with_every_update(case)
+    tighter = False
+    for budget in budgets(costs):
+        floor = lanes_floor(costs, budget)
+        fastest = None
+        for d in all_decisions(costs):
+            for e in every_update(costs, d):
+                sim = simulate(costs, e, all_ranks=False)
+                if costs.fits(e, sim.peak_bytes, budget):
+                    assert floor <= sim.makespan, (budget, e)
+                    fastest = sim.makespan if fastest is None else min(fastest, sim.makespan)
+        assert fastest is not None
+        tighter |= floor > cpsat.lower_bound(costs, streamed=True)
+    assert tighter == tighter_somewhere
