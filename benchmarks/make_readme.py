@@ -86,6 +86,15 @@ def table_fair_baseline() -> str:
     return render_table(load("single_gpu_throughput", FAIR_BASELINE))
 
 
+ZERO3_BEST = "2026-12-07-zero3-best-config-h100.json"
+
+
+def table_zero3_best() -> str:
+    from benchmarks.single_gpu_throughput.run import render_table
+
+    return render_table(load("single_gpu_throughput", ZERO3_BEST))
+
+
 SMALL_BUDGETS = "*-small-budgets*.json"
 # SlideFormer on the same machine kind, Qwen3-4B shape, no clipping: tokens/s and peak device GiB at each
 # tokens per step (docs/design.md §6.2; measured by others, not run by this script)
@@ -299,6 +308,8 @@ HEADLINES = [  # (title, study, records, table); records None: the study's CURRE
      "single_gpu_throughput", None, table_single_gpu),
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
+    ("Single GPU: DeepSpeed ZeRO-3 + CPU offload at its best configuration (4-row micro-batches, every block "
+     "checkpointed) beside slidedp, one H100 call", "single_gpu_throughput", ZERO3_BEST, table_zero3_best),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
      table_small_budgets),
     ("Single GPU: step times predicted before the run", "single_gpu_throughput", PREDICTED_BEFORE,
