@@ -111,7 +111,8 @@ def test_every_rank_is_built_with_its_plans_cap(monkeypatch):
 
 @pytest.mark.parametrize("setting, capped", [(None, False), ("0", False), ("1", True)])
 def test_the_cap_is_asked_for_in_the_environment(settings, fractions, monkeypatch, setting, capped):
-    """Off by default (not yet measured on a GPU); SLIDEDP_CAP_RESERVED=1 turns it on."""
+    """Off by default (measured on a GPU only where the reserve outgrew the budget a little);
+    SLIDEDP_CAP_RESERVED=1 turns it on."""
     if setting is None:
         monkeypatch.delenv(allocator.CAP_SETTING, raising=False)
     else:

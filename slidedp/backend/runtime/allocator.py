@@ -17,9 +17,11 @@ and fails only if the live tensors themselves need more. Without it a 40 GiB pla
 Llama-3.2-3B shape at 16,384 tokens (H100) allocated 38.8 GiB and reserved 41.7 GiB, and a 5.3 GiB
 plan of the Qwen3-4B shape allocated 4.1 GiB and reserved 6.3 GiB. It is off by default: its first
 GPU run slowed the step and ended in an illegal memory access, before a buffer read on a second
-stream was recorded there (benchmarks/LOG.md). Since, five capped H100 runs held their budgets without
-a fault, their steps -9% to +17% against uncapped runs of the same plans on other hosts, +8% where the
-cap never bound: what it costs is not yet told apart from the hosts' spread.
+stream was recorded there (benchmarks/LOG.md). Since, seven capped H100 runs held their budgets without
+a fault; on one host, beside uncapped runs of the same two plans, their steps were 0.8% and 1.1% longer
+(reserve 12.15 -> 12.01 GiB and 16.40 -> 16.00 GiB). Not yet run capped: a plan whose reserve outgrew its
+budget by more than 0.4 GiB uncapped (the small-budget ones by up to 1.5 GiB), where the cap must give back
+the most.
 """
 
 from __future__ import annotations
