@@ -316,10 +316,10 @@ def _floor_words(costs: ProblemCosts, early: bool, streamed: bool, lanes_bind: b
     """What the analytical floor is: floor.lanes_floor where it binds, else cpsat.lower_bound for the
     passes the plan took."""
     if lanes_bind:
-        return ("the busiest of the GPU's compute, its two copy directions and a CPU lane once the work every plan "
-                "must do (each block's activations kept within the budget, offloaded or recomputed; each layer's "
-                "optimizer state on the device, or updated on the CPU or through the device) is shared among them "
-                "at best")
+        return ("the busiest of the compute on the GPU, the two copy directions and a CPU lane once the work every plan "
+                "must do (the activations of each block kept within the budget, offloaded or recomputed; the "
+                "optimizer state of each layer on the device, or updated on the CPU or through the device) is shared "
+                "among them at best")
     if streamed:
         return "the compute on the GPU alone (the device may take any update off the CPU)"
     if early or costs.problem.grads_streamable:
