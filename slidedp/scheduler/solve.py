@@ -312,7 +312,7 @@ def solve(costs: ProblemCosts, budget_bytes: int) -> Solution:
                     time_limit, streamed_tried, words)
 
 
-def _floor_words(costs: ProblemCosts, early: bool, streamed: bool, lanes_bind: bool = False) -> str:
+def _floor_words(costs: ProblemCosts, early: bool, streamed: bool, lanes_bind: bool) -> str:
     """What the analytical floor is: floor.lanes_floor where it binds, else cpsat.lower_bound for the
     passes the plan took."""
     if lanes_bind:
@@ -330,7 +330,7 @@ def _floor_words(costs: ProblemCosts, early: bool, streamed: bool, lanes_bind: b
 
 def _gap_words(costs: ProblemCosts, step: int, bound: int, lower: int, bounds: dict[int, int],
                results: list[cpsat.WindowResult], early: bool, streamed: bool, time_limit: float,
-               lanes_bind: bool = False) -> str:
+               lanes_bind: bool) -> str:
     """The plan's gap in words: which window's bound is the lowest and why (CP-SAT stopped at its time
     limit, a window CP-SAT did not search, or the analytical floor, which is all there is where the plan
     takes early or streamed updates: CP-SAT's model holds neither)."""
