@@ -4,13 +4,18 @@ streamed updates included, and tighter than the compute alone where memory and P
 from dataclasses import replace
 
 import pytest
+import torch
 
-from slidedp.scheduler.decisions import landing_order
+from slidedp.costmodel.hardware import PRESETS
+from slidedp.ir.build import build_layer_graph
+from slidedp.scheduler.decisions import SolverOptions, landing_order
 from slidedp.scheduler.oracles.brute_force import all_decisions, brute_force
 from slidedp.scheduler.oracles.timeline import simulate
 from slidedp.scheduler.problem.costs import ProblemCosts
 from slidedp.scheduler.search import cpsat
 from slidedp.scheduler.search.floor import lanes_floor
+from slidedp.scheduler.solve import solve, solve_plan
+from tests.models import make_model
 from tests.scheduler.test_solver import CASES, SLOW_CASES, make_costs, peak
 
 
@@ -74,3 +79,18 @@ def test_no_plan_with_streamed_or_early_updates_steps_under_the_floor(case, tigh
         assert fastest is not None
         tighter |= floor > cpsat.lower_bound(costs, streamed=True)
     assert tighter == tighter_somewhere
+
+
+def test_a_plan_bounded_by_the_floor_says_so():
+    """The solver's lower bound holds the floor; a plan that streams updates (which CP-SAT's model leaves out)
+    and is bounded by it names it in its gap words."""
+    costs = with_every_update("optimizer state placed, one rank")
+    budget = budgets(costs)[0]
+    floor = lanes_floor(costs, budget)
+    assert solve(costs, budget).lower_bound >= floor > cpsat.lower_bound(costs, streamed=True)
+    graph = build_layer_graph(make_model("llama"), batch_size=2, seq_len=16, compute_dtype=torch.float32)
+    plan = solve_plan(graph, budget_bytes=2**30, hardware=PRESETS["cpu"], precision="fp32", micro_batches=2,
+                      streamed_updates=True, options=SolverOptions(streamed_layers=1))
+    sv = plan.solver
+    assert plan.streamed_updates and sv["status"] == "FEASIBLE" and sv["best_bound_s"] == sv["lower_bound_s"]
+    assert "the busiest of the compute on the GPU, the two copy directions and a CPU lane" in sv["gap_explained"]
