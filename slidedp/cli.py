@@ -207,6 +207,8 @@ def _report(args) -> int:
 def _calibrate(args) -> int:
     if args.link:
         return _calibrate_link(args)
+    if args.host_only:
+        return _calibrate_host(args)
     from slidedp.profiler.calibrate import calibrate
 
     if args.seq_len is not None and args.model is None:
@@ -233,6 +235,25 @@ def _calibrate(args) -> int:
     print(f"\n{profile.name}: matmul {profile.matmul_flops_per_s / 1e12:.3g} TFLOP/s, H2D "
           f"{profile.h2d_bytes_per_s / 1e9:.3g} GB/s, D2H {profile.d2h_bytes_per_s / 1e9:.3g} GB/s, CPU AdamW "
           f"{profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s")
+    print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
+    return 0
+
+
+def _calibrate_host(args) -> int:
+    from slidedp.costmodel.hardware import resolve_hardware
+    from slidedp.profiler.calibrate import calibrate_host
+
+    if args.model or args.step_fits or args.base:
+        raise SystemExit("slidedp calibrate: --host-only measures only the host; --model, --step-fits and --base "
+                         "go with a calibration of the GPU")
+    try:
+        base = resolve_hardware(args.host_only, "cpu")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"slidedp calibrate --host-only: {e}") from None
+    profile = calibrate_host(base, device=args.device, quick=args.quick, progress=lambda line: print(line, flush=True))
+    profile.save(args.out)
+    print(f"\n{profile.name}: CPU AdamW {profile.cpu_adamw_params_per_s / 1e9:.3g} G params/s "
+          f"(was {base.cpu_adamw_params_per_s / 1e9:.3g}), host DRAM {profile.host_dram_bytes_per_s / 1e9:.3g} GB/s")
     print(f"hardware profile written to {args.out} (use it with --hardware {args.out})")
     return 0
 
@@ -367,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                         "model's block over the fitted (Qwen3-4B) one, both timed here")
     p.add_argument("--base", metavar="PROFILE", help="with --model and --step-fits: time only the two blocks and "
                    "take the rest from PROFILE, this machine's `slidedp calibrate` output without step fits")
+    p.add_argument("--host-only", metavar="PROFILE", help="measure only this host (its CPU AdamW, DRAM and the "
+                   "engine's time to issue a block; under a minute) and take the GPU's figures from PROFILE (a "
+                   "preset or profile JSON): for a host unlike the one PROFILE was measured on")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("bench", help="throughput against plain PyTorch in the same process; predicted vs measured")

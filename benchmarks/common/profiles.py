@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from slidedp.costmodel.hardware import Hardware, resolve_hardware
+from slidedp.costmodel.hardware import HOST_FIELDS, Hardware, resolve_hardware, with_host
 
 
 def calibrate_fraction(record: dict) -> float:
@@ -43,3 +43,15 @@ def with_compiled_host_floor(hardware: Hardware, fwd_s: float, bwd_s: float) -> 
     calibrate` measures now; a what-if for profiles made before it); its name says so."""
     return replace(hardware, host_compiled_fwd_s=fwd_s, host_compiled_bwd_s=bwd_s,
                    name=f"{hardware.name}, compiled host floor {fwd_s * 1e3:g} / {bwd_s * 1e3:g} ms (what-if)")
+
+
+def host_prediction(plan, graph, host_profile: str | Path) -> dict:
+    """The record fields of a plan's step predicted again with the host fields of `host_profile` (`slidedp
+    calibrate --host-only`, run in the same call before the point): the plan's own hardware with this
+    host's CPU AdamW, DRAM and block-issue times, replayed (scheduler/replay.py)."""
+    from slidedp.scheduler.replay import replay
+
+    host = Hardware.load(host_profile)
+    hardware = with_host(Hardware.from_dict(plan.hardware), host)
+    return {"host_predicted_step_s": replay(plan, graph, hardware).step_s, "host_profile": str(host_profile),
+            "host_fields": {f: getattr(host, f) for f in HOST_FIELDS}}

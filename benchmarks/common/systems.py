@@ -21,6 +21,7 @@ from benchmarks.common.hostmem import HostMemSampler, proc_status, reset_vm_hwm
 from benchmarks.common.model import (BETAS, EPS, LR, SHAPES, WEIGHT_DECAY, batches, build_model,
                                      checkpoint_leading_blocks, empty_model, enable_checkpointing, fewest_checkpointed,
                                      init_value, n_params)
+from benchmarks.common.profiles import host_prediction
 from benchmarks.common.records import host_description
 from benchmarks.common.steady import steady_fields
 
@@ -236,6 +237,8 @@ class Point:
         self.record.update(plan_path=str(plan_path), predicted_utc=utc_now(),
                            plan_sha256=hashlib.sha256(Path(plan if isinstance(plan, (str, Path)) else plan_path)
                                                       .read_bytes()).hexdigest())
+        if getattr(a, "host_profile", None):  # also before the first step: the plan under this host's own figures
+            self.record.update(host_prediction(engine.plan, engine.graph, a.host_profile), host_predicted_utc=utc_now())
         print(engine.plan.summary(), flush=True)
 
         def finish():

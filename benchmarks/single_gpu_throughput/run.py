@@ -101,9 +101,11 @@ import argparse
 import contextlib
 import datetime
 import json
+import platform
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -155,9 +157,9 @@ def run_point(system: str, tokens: int, args, command: str) -> dict:
                "--baseline-checkpoint", args.baseline_checkpoint]
         if args.baseline_compile is not None:
             cmd.append("--baseline-compile" if args.baseline_compile else "--no-baseline-compile")
-        for opt in ("plan", "hardware", "precision", "seq"):
+        for opt in ("plan", "hardware", "precision", "seq", "host_profile"):
             if getattr(args, opt):
-                cmd += ["--" + opt, str(getattr(args, opt))]
+                cmd += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
         if args.no_warmup:
             cmd.append("--no-warmup")
         rows = "" if system.startswith("slidedp") else f", {args.baseline_micro_rows}-row micro-batches"
@@ -461,6 +463,28 @@ def plan_refusal(point: dict) -> str | None:
     return None
 
 
+def calibrate_host_once(record: dict, args) -> Path | None:
+    """`slidedp calibrate --host-only` of the host that runs, on the first point's hardware, into a profile
+    beside --out (once per record and host: an earlier one there is reused), or None where it failed; each
+    point's record then also holds its plan's step predicted with it, before its first step."""
+    hardware = next((a.split("=", 1)[-1] for p in record["points"] for a in _hardware_args(p["command"])), None)
+    out = Path(args.out or "host.json").with_name(f"host-{platform.node() or 'host'}.json")
+    if out.is_file():
+        return out
+    if hardware is None:
+        print("=== no host calibration: the points name no --hardware", file=sys.stderr, flush=True)
+        return None
+    done = subprocess.run([sys.executable, "-m", "slidedp", "calibrate", "--host-only", hardware, "--out", str(out),
+                           "--device", "cuda" if args.device.startswith("cuda") else "cpu"], cwd=REPO)
+    return out if done.returncode == 0 and out.is_file() else None
+
+
+def _hardware_args(command: str) -> list[str]:
+    """The --hardware values of a point's command."""
+    words = shlex.split(command)
+    return [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--hardware"]
+
+
 def run_registered(args) -> int:
     """Every point of the registration record `args.registered` not yet measured in this study's results
     or in --out (records of an earlier run there, merged into), in its order: the point's own command (its
@@ -480,6 +504,7 @@ def run_registered(args) -> int:
     measured = {r.get("plan_sha256") for path in done for r in _records(path)
                 if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()
+    host_profile = calibrate_host_once(record, args) if args.host_calibration else None
     for point in record["points"]:
         if point["plan_sha256"] in measured and not args.remeasure:  # in this study's records already
             print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: measured already", flush=True)
@@ -502,6 +527,8 @@ def run_registered(args) -> int:
             argv += ["--time-left-s", str(left)]
         if args.allow_dirty:
             argv.append("--allow-dirty")
+        if host_profile:
+            argv += ["--host-profile", str(host_profile)]
         main(argv)
     return 0
 
@@ -531,6 +558,11 @@ def main(argv=None) -> int:
                                       "(e.g. 125GiB, the H200 host's), bounding activation offload as there")
     p.add_argument("--registered", metavar="JSON", help="run every point of a registration record "
                    "(predict_vs_measured/register.py) with its registered plan, in order, into --out")
+    p.add_argument("--host-calibration", action="store_true", help="with --registered: first measure this host "
+                   "(slidedp calibrate --host-only, under a minute) and record each point's plan predicted again "
+                   "with it, before the point runs, beside the registered prediction")
+    p.add_argument("--host-profile", help="slidedp: also record the plan's step predicted with this host profile's "
+                   "CPU and host fields (slidedp calibrate --host-only), before the first step")
     p.add_argument("--remeasure", action="store_true", help="with --registered: also the points measured already "
                    "(after a change of the runtime that leaves their plans as they were)")
     p.add_argument("--time-left-s", type=float, help="seconds this run may take: a point starts only with "

@@ -273,6 +273,23 @@ def with_step_fits(profile: Hardware, reference: str = "h200-sxm", *, block_rati
     return replace(profile, name=name, **fits)
 
 
+# The fields of a profile that belong to the host, not the GPU: its DRAM, its CPU AdamW (alone, beside
+# the copies, out of place), the copies' share beside it, its cores and the engine's time to issue a
+# compiled block. Hosts of one GPU model differ here: three H100 hosts' calibrations measured 3.9, 4.4 and
+# 4.9 G params/s of CPU AdamW (benchmarks/predict_vs_measured/results/*-h100-*calibrated-profile.json).
+HOST_FIELDS = ("host_dram_bytes_per_s", "cpu_adamw_params_per_s", "cpu_adamw_params_per_s_by_threads",
+               "cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "duplex_contended_fraction",
+               "cpu_cores", "host_compiled_fwd_s", "host_compiled_bwd_s")
+HOST_SUFFIX = ", host re-measured"
+
+
+def with_host(profile: Hardware, host: Hardware) -> Hardware:
+    """`profile` with the HOST_FIELDS of `host` (a `slidedp calibrate --host-only` profile of the host that
+    runs); its name says so."""
+    name = profile.name if profile.name.endswith(HOST_SUFFIX) else profile.name + HOST_SUFFIX
+    return replace(profile, name=name, **{field: getattr(host, field) for field in HOST_FIELDS})
+
+
 # Links between hosts: each host's aggregate rate into the network [bytes/s], at the share of the line
 # rate that NCCL's rings reach on such fabrics (LINK_EFFICIENCY; a nominal figure, not measured here).
 LINK_EFFICIENCY = 0.85

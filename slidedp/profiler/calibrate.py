@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 import timeit
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -36,7 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Rot
 from slidedp.backend.kernels.cpu_adamw import adamw_step, get_num_threads
 from slidedp.backend.runtime.block_runner import run_block
 from slidedp.backend.state.device_state import adamw_piece_
-from slidedp.costmodel.hardware import Hardware
+from slidedp.costmodel.hardware import Hardware, with_host
 from slidedp.costmodel.ops import DEVICE_ADAMW_BYTES_PER_PARAM, transfer_efficiency
 from slidedp.ir.export_trace import EXTRA_FLOP_FORMULAS, attention_flops
 from slidedp.logs import warn_once
@@ -699,6 +699,76 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
 
 
+def host_fields(sizes: Sizes, say: Progress, buffers: CopyBuffers | None, *, duplex_s: float | None = None) -> dict:
+    """The host's DRAM rate and CPU AdamW fields of a profile (HOST_FIELDS but the cores and the compiled
+    host floor); `buffers` (CUDA only) time the AdamW beside the copies, `duplex_s` the copies alone (None:
+    timed here)."""
+    reps = sizes.repeats
+    host_dram = measure_host_dram_bytes_per_s(sizes.host_copy_bytes, repeats=reps)
+    say(f"host DRAM       copy of {format_bytes(sizes.host_copy_bytes)} on {os.cpu_count()} threads: "
+        f"{host_dram / 1e9:.4g} GB/s (read + write)")
+
+    state = AdamwState(sizes.adamw_numel)
+    state.step(1)  # compile (or load the cache) outside the timings
+    by_threads = adamw_rates(state.numel, measure_adamw_s(
+        state, thread_counts(min(os.cpu_count() or 1, get_num_threads())), repeats=reps))
+    best_threads, best = max(by_threads, key=lambda point: point[1])
+    say("CPU AdamW       " + ", ".join(f"{t} threads {r / 1e9:.3g}" for t, r in by_threads)
+        + f" G params/s ({state.numel / 1e6:g} M params, bf16 grad in, bf16 weights out)")
+
+    if buffers is not None:
+        contended_s = measure_adamw_contended_s(state, best_threads, buffers, repeats=reps)
+        contended = fraction_kept(state.numel / contended_s, best)
+        say(f"AdamW + copies  {best_threads} threads while H2D and D2H run: {state.numel / contended_s / 1e9:.3g} "
+            f"G params/s, fraction {contended:.3f}")
+        state.step(best_threads, out_of_place=True)  # its spare arrays touched outside the timing
+        early_s = measure_adamw_contended_s(state, best_threads, buffers, repeats=reps, out_of_place=True)
+        backward = fraction_kept(state.numel / early_s, best)
+        say(f"early update    {best_threads} threads, out of place, while H2D and D2H run: "
+            f"{state.numel / early_s / 1e9:.3g} G params/s, fraction {backward:.3f}, cpu_adamw_backward_fraction")
+        duplex_s = measure_duplex_s(buffers, repeats=reps) if duplex_s is None else duplex_s
+        copies_contended = min(1.0, duplex_s / measure_duplex_contended_s(state, best_threads, buffers, repeats=reps))
+        say(f"copies + AdamW  H2D and D2H at once while {best_threads} threads run the CPU AdamW: fraction "
+            f"{copies_contended:.3f} of their rate alone, duplex_contended_fraction")
+    else:
+        contended = copies_contended = 1.0
+        say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
+        backward = fraction_kept(state.numel / measure_adamw_out_of_place_s(state, best_threads, repeats=reps), best)
+        say(f"early update    {best_threads} threads, out of place: fraction {backward:.3f} of the in-place "
+            "rate, cpu_adamw_backward_fraction")
+    return dict(host_dram_bytes_per_s=host_dram, cpu_adamw_params_per_s=best, cpu_adamw_params_per_s_by_threads=by_threads,
+                cpu_adamw_contended_fraction=contended, cpu_adamw_backward_fraction=backward,
+                duplex_contended_fraction=copies_contended)
+
+
+def calibrate_host(base: Hardware, *, device: str = "auto", quick: bool = False,
+                   progress: Progress | None = None) -> Hardware:
+    """`base` (a profile of this GPU model, measured on another host or fitted) with the fields of this
+    host measured again (HOST_FIELDS: its CPU AdamW, DRAM, cores and the engine's time to issue a compiled
+    block), in under a minute; its name says so. The GPU's own figures stay base's; on the CPU device (no
+    copies to time beside the AdamW, no compiled blocks) so do the shares under contention and the floor."""
+    global _timings
+    say = progress or (lambda line: None)
+    previous, _timings = _timings, Timings(QUICK_MAX_RUN_S if quick else MAX_RUN_S, say)
+    try:
+        dev = resolve_device(device)
+        cuda = dev.type == "cuda"
+        sizes = default_sizes(cuda, quick)
+        say(f"calibrating this host ({os.cpu_count()} CPU cores) for {base.name}")
+        buffers = CopyBuffers(dev, sizes.transfer_bytes[-1]) if cuda else None
+        host = host_fields(sizes, say, buffers)
+        del buffers
+        if not cuda:  # measured without copies: base's shares beside them stand
+            for field in ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "duplex_contended_fraction"):
+                host[field] = getattr(base, field)
+            say("shares beside copies and the compiled host floor: base's (not measured on the CPU device)")
+        fwd, bwd = compiled_host_floor(dev, say) if cuda else (base.host_compiled_fwd_s, base.host_compiled_bwd_s)
+    finally:
+        _timings = previous
+    return with_host(base, replace(base, cpu_cores=os.cpu_count() or 1, host_compiled_fwd_s=fwd,
+                                   host_compiled_bwd_s=bwd, **host))
+
+
 def calibrate(*, device: str = "auto", quick: bool = False, progress: Progress | None = None,
               model_shape: BlockShape | dict | None = None) -> Hardware:
     """Measure the running machine into a Hardware profile.
@@ -788,41 +858,8 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
     say(f"H2D + D2H       {format_bytes(big)} each {'at once' if cuda else 'in order (CPU backend)'}: "
         f"{duplex / 1e9:.4g} GB/s total")
 
-    if not cuda:
-        buffers = None  # only the CUDA contention measurement below needs them again
-
-    host_dram = measure_host_dram_bytes_per_s(sizes.host_copy_bytes, repeats=reps)
-    say(f"host DRAM       copy of {format_bytes(sizes.host_copy_bytes)} on {os.cpu_count()} threads: "
-        f"{host_dram / 1e9:.4g} GB/s (read + write)")
-
-    state = AdamwState(sizes.adamw_numel)
-    state.step(1)  # compile (or load the cache) outside the timings
-    by_threads = adamw_rates(state.numel, measure_adamw_s(
-        state, thread_counts(min(os.cpu_count() or 1, get_num_threads())), repeats=reps))
-    best_threads, best = max(by_threads, key=lambda point: point[1])
-    say("CPU AdamW       " + ", ".join(f"{t} threads {r / 1e9:.3g}" for t, r in by_threads)
-        + f" G params/s ({state.numel / 1e6:g} M params, bf16 grad in, bf16 weights out)")
-
-    if cuda:
-        contended_s = measure_adamw_contended_s(state, best_threads, buffers, repeats=reps)
-        contended = fraction_kept(state.numel / contended_s, best)
-        say(f"AdamW + copies  {best_threads} threads while H2D and D2H run: {state.numel / contended_s / 1e9:.3g} "
-            f"G params/s, fraction {contended:.3f}")
-        state.step(best_threads, out_of_place=True)  # its spare arrays touched outside the timing
-        early_s = measure_adamw_contended_s(state, best_threads, buffers, repeats=reps, out_of_place=True)
-        backward = fraction_kept(state.numel / early_s, best)
-        say(f"early update    {best_threads} threads, out of place, while H2D and D2H run: "
-            f"{state.numel / early_s / 1e9:.3g} G params/s, fraction {backward:.3f}, cpu_adamw_backward_fraction")
-        copies_contended = min(1.0, duplex_s / measure_duplex_contended_s(state, best_threads, buffers, repeats=reps))
-        say(f"copies + AdamW  H2D and D2H at once while {best_threads} threads run the CPU AdamW: "
-            f"{copies_contended * duplex / 1e9:.4g} GB/s total, fraction {copies_contended:.3f}, duplex_contended_fraction")
-    else:
-        contended = copies_contended = 1.0
-        say("AdamW + copies  1.0 on the CPU device: no DMA engine, the copies and the update share the cores in order")
-        backward = fraction_kept(state.numel / measure_adamw_out_of_place_s(state, best_threads, repeats=reps), best)
-        say(f"early update    {best_threads} threads, out of place: fraction {backward:.3f} of the in-place "
-            "rate, cpu_adamw_backward_fraction")
-    del buffers, state
+    host = host_fields(sizes, say, buffers if cuda else None, duplex_s=duplex_s)
+    del buffers
 
     device_adamw = 0.0  # the CPU device keeps the optimizer state on the host (scheduler: never on the "device")
     if cuda:
@@ -851,11 +888,8 @@ def _calibrate(device: str, quick: bool, say: Progress, model_shape) -> Hardware
     say(f"memory          {format_bytes(memory)} on the {'GPU' if cuda else 'host'}")
     return Hardware(
         name=name, gpu_memory_bytes=memory, matmul_flops_per_s=matmul, block_efficiency=efficiency,
-        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, host_dram_bytes_per_s=host_dram,
-        cpu_adamw_params_per_s=best, cpu_adamw_contended_fraction=contended, cpu_cores=os.cpu_count() or 1,
-        gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, cpu_adamw_params_per_s_by_threads=by_threads,
-        compiled_block_efficiency=compiled_efficiency, host_compiled_fwd_s=host_compiled[0],
-        host_compiled_bwd_s=host_compiled[1], gpu_memory_bytes_per_s=device_adamw,
-        attention_flops_per_s=attention, duplex_contended_fraction=copies_contended,
-        cpu_adamw_backward_fraction=backward,
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex, cpu_cores=os.cpu_count() or 1,
+        gpu_p2p_bytes_per_s=p2p or 0.0, transfer_efficiency=curve, compiled_block_efficiency=compiled_efficiency,
+        host_compiled_fwd_s=host_compiled[0], host_compiled_bwd_s=host_compiled[1],
+        gpu_memory_bytes_per_s=device_adamw, attention_flops_per_s=attention, **host,
     )

@@ -35,13 +35,19 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
                           timeout=120)
     assert proc.returncode == 0 and "not started, about" in proc.stderr and not out.exists()  # no time: not run
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
-                           "--out", str(out), "--allow-dirty", "--timeout-s", "120"], capture_output=True, text=True,
-                          timeout=300)
+                           "--out", str(out), "--allow-dirty", "--timeout-s", "120", "--host-calibration"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (measured,) = json.loads(out.read_text())
     assert measured["shape"] == "tiny" and measured["error"] is None
     assert measured["plan_sha256"] == row["plan_sha256"]
     assert measured["predicted_step_s"] == row["predicted_step_s"]  # the registered prediction, not a new one
+    # the host measured first (slidedp calibrate --host-only), the plan predicted again with it before the steps
+    host = json.loads(Path(measured["host_profile"]).read_text())
+    assert host["name"].endswith(", host re-measured") and measured["host_name"]
+    assert measured["host_fields"]["cpu_adamw_params_per_s"] == host["cpu_adamw_params_per_s"]
+    assert measured["host_predicted_utc"] < measured["measure_start_utc"]
+    assert measured["host_predicted_step_s"] > 0
     registered = registrations(tmp_path / "results")
     assert registered_before(measured, registered)
     assert not registered_before({**measured, "measure_start_utc": "2025-12-31T00:00:00+00:00"}, registered)

@@ -480,3 +480,28 @@ def test_a_failed_host_floor_measurement_leaves_no_floor_and_says_so(monkeypatch
     with caplog.at_level("WARNING", logger="slidedp"):
         assert cal.compiled_host_floor(torch.device("cpu"), lines.append) == (0.0, 0.0)
     assert "RuntimeError: no compiler here" in caplog.text and len(lines) == 1
+
+
+def test_host_only_calibration_keeps_the_gpu_and_measures_the_host(tmp_path, capsys):
+    """`slidedp calibrate --host-only PROFILE`: PROFILE's GPU figures, this host's CPU AdamW and DRAM
+    measured (the CPU device: the shares beside copies and the compiled floor stay PROFILE's); named once."""
+    from slidedp.costmodel.hardware import HOST_FIELDS, with_host
+
+    base = PRESETS["h100-sxm"]
+    out = tmp_path / "host.json"
+    assert main(["calibrate", "--host-only", "h100-sxm", "--device", "cpu", "--quick", "--out", str(out)]) == 0
+    host = Hardware.load(out)
+    assert host.name == "h100-sxm, host re-measured"
+    gpu_fields = set(Hardware.__dataclass_fields__) - set(HOST_FIELDS) - {"name"}
+    assert all(getattr(host, f) == getattr(base, f) for f in gpu_fields)
+    assert host.cpu_adamw_params_per_s != base.cpu_adamw_params_per_s and host.cpu_cores == (os.cpu_count() or 1)
+    assert host.cpu_adamw_params_per_s == max(r for _, r in host.cpu_adamw_params_per_s_by_threads)
+    for field in ("cpu_adamw_contended_fraction", "cpu_adamw_backward_fraction", "duplex_contended_fraction",
+                  "host_compiled_fwd_s", "host_compiled_bwd_s"):
+        assert getattr(host, field) == getattr(base, field)
+    again = with_host(host, host)
+    assert again.name == host.name and again == host  # the suffix once
+    with pytest.raises(SystemExit, match="--host-only measures only the host"):
+        main(["calibrate", "--host-only", "h100-sxm", "--model", "4b", "--out", str(out)])
+    with pytest.raises(SystemExit, match="unknown hardware"):
+        main(["calibrate", "--host-only", "no-such-gpu", "--out", str(out)])
