@@ -250,6 +250,31 @@ def table_predictions() -> str:
         if replayed else "") + "."
 
 
+def table_host_predictions() -> str:
+    """The points whose plan was also predicted with the host that ran them, measured in the same call before
+    the run (`slidedp calibrate --host-only`): that prediction beside the registered one."""
+    rows, right, regs = [], 0, 0
+    for r in first_runs(prediction_rows(HERE / "single_gpu_throughput" / "results")):
+        host_s = r.get("host_predicted_step_s")
+        if host_s is None:
+            continue
+        measured, fields = r["median_step_s"], r["host_fields"]
+        right += within_goal(measured, host_s)
+        regs += within_goal(measured, r["predicted_step_s"])
+        rows.append([r["shape"], f"{r['tokens_per_step']:,}", num(r["budget_bytes"] / 2**30, ".1f"),
+                     num(fields["cpu_adamw_params_per_s"] / 1e9, ".2f"), num(fields["cpu_adamw_contended_fraction"], ".3f"),
+                     f"{(fields['host_compiled_fwd_s'] + fields['host_compiled_bwd_s']) * 1e3:.2f}",
+                     f"{measured:.3f}", f"{r['predicted_step_s']:.3f} ({r['error_pct']:+.1f}%)",
+                     f"{host_s:.3f} ({100 * (measured / host_s - 1):+.1f}%)", f"`{r['record']}`"])
+    if not rows:
+        return "No record holds a prediction with its host measured in the same call."
+    return markdown_table(["shape", "tokens/step", "budget GiB", "host CPU AdamW G params/s", "beside copies",
+                           "host ms to issue a block (fwd + bwd)", "measured median s", "registered s (error)",
+                           "host re-measured s (error)", "record"], rows) + (
+        f"\n\nWithin 10%: {regs} of {len(rows)} with the registered prediction, {right} of {len(rows)} with the "
+        "host re-measured before the run.")
+
+
 def table_registrations() -> str:
     """Per registration record: its points, those measured (each plan's first run after the registration)
     and how many of the held-out ones came within 10% of their registered prediction."""
@@ -272,6 +297,7 @@ def table_registrations() -> str:
 
 BEFORE_CAPACITY = "5e69562"  # the tree before the host layout, the placement and the streamed tables
 NO_REGRESSION = "*-no-regression-*.json"  # records of both trees, one call each
+HOST_PREDICTED = "the records of `{study}/results/` with `host_predicted_step_s` (run.py --host-calibration)"
 PREDICTED_BEFORE = "every record of `{study}/results/` whose prediction was fixed before its run (`predicted_utc`)"
 REGISTERED = ("the registration records `{study}/results/*-registered-*.json` (`predict_vs_measured/register.py`) "
               "and the records of single_gpu_throughput that ran their plans")
@@ -316,6 +342,8 @@ HEADLINES = [  # (title, study, records, table); records None: the study's CURRE
      table_predictions),
     ("Single GPU: each registration of predictions, before its runs", "predict_vs_measured", REGISTERED,
      table_registrations),
+    ("Single GPU: predicted again with the host that ran, measured in the same call", "single_gpu_throughput",
+     HOST_PREDICTED, table_host_predictions),
     ("Single GPU: no regression where the old layout fit", "single_gpu_throughput", NO_REGRESSION,
      table_no_regression),
     ("Multi-GPU scaling", "multi_gpu_scaling", None, table_multi_gpu),
@@ -355,7 +383,7 @@ def tables_section() -> str:
                      f"`{newest[0].name}`" if newest else "–", len(newest)])
     lines.append(markdown_table(["study", "measures", "newest record", "records"], rows))
     for title, study, record, fn in HEADLINES:
-        source = record.format(study=study) if record in (PREDICTED_BEFORE, REGISTERED) else \
+        source = record.format(study=study) if record in (PREDICTED_BEFORE, REGISTERED, HOST_PREDICTED) else \
             f"`{study}/results/{record or CURRENT[study]}`"
         lines += ["", f"## {title}", "", f"From {source}.", "", fn()]
     return "\n".join(lines)

@@ -81,8 +81,7 @@ def host_description() -> dict:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
                     break
-    # the host's name tells records of one host from another's (their CPU AdamW rates differ)
-    return {"host_cpu": cpu, "host_cores": os.cpu_count(), "host_mem_bytes": mem, "host_name": platform.node()}
+    return {"host_cpu": cpu, "host_cores": os.cpu_count(), "host_mem_bytes": mem}
 
 
 def write_records(path: Path, records: list | dict) -> None:

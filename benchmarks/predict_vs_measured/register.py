@@ -117,6 +117,24 @@ def measured_before(points, hardware: str, hardware_for: dict[str, str] | None =
     return out
 
 
+SAMPLE_TOKENS = tuple(range(4096, 65536 + 1, 4096))  # tokens per step that --sample draws from
+SAMPLE_BUDGETS = ("6GiB", "8GiB", "10GiB", "12GiB", "14GiB", "16GiB", "20GiB", "24GiB", "28GiB", "32GiB", "36GiB",
+                  "40GiB")
+
+
+def sample_points(k: int, seed: int, shapes, hardware: str, hardware_for: dict[str, str] | None = None,
+                  results: Path = THROUGHPUT_RESULTS, registrations: Path = HERE / "results") -> list[tuple[str, int, str]]:
+    """`k` points drawn at random (random.Random(seed)) from `shapes` x SAMPLE_TOKENS x SAMPLE_BUDGETS, none
+    run on the card before (measured_before) nor in an earlier registration: points not picked by hand."""
+    import random
+
+    taken = {(p["shape"], int(p["tokens_per_step"]), p["budget"]) for path in Path(registrations).glob("*-registered-*.json")
+             for p in json.loads(path.read_text()).get("points", [])}
+    grid = [(s, t, b) for s in shapes for t in SAMPLE_TOKENS for b in SAMPLE_BUDGETS if (s, t, b) not in taken]
+    ran = set(measured_before(grid, hardware, hardware_for, results=results))
+    return random.Random(seed).sample([pt for pt in grid if pt not in ran], k)
+
+
 def register_twin(point, hardware: str, plan_file: str, streamed_updates, folder: Path = REGISTERED, steps: int = 12,
                   max_grad_norm: float | None = MAX_GRAD_NORM, nonfinite: str = "skip") -> dict:
     """The A/B twin of the plan in `plan_file` (a plan of `point`, solved under `hardware`) that streams only
@@ -222,6 +240,11 @@ def main(argv=None) -> int:
     p.add_argument("--micro-rows", type=micro_rows_arg, default=1,
                    help="rows (sequences) per slidedp micro-batch of every point (default 1); 'auto': each point's "
                         "plan groups its rows as predicted fastest (slidedp's group_rows)")
+    p.add_argument("--sample", type=int, metavar="K", help="register K points drawn at random from --sample-shapes x "
+                   "4,096..65,536 tokens (steps of 4,096) x 6..40 GiB, none run on the card or registered before "
+                   "(in place of --points); points the solver finds no plan for are left out")
+    p.add_argument("--sample-shapes", nargs="+", choices=sorted(SHAPES), default=["1.7b", "llama3b", "8b", "llama8b"])
+    p.add_argument("--seed", type=int, default=0, help="with --sample: the draw's seed")
     p.add_argument("--again", action="store_true",
                    help="register points slidedp already ran on the card (refused otherwise: not held out there)")
     add_allow_dirty(p)
@@ -229,6 +252,11 @@ def main(argv=None) -> int:
     if args.adamw_beside_copies:
         args.hardware = derived_profile(args.hardware, args.adamw_beside_copies)
         args.hardware_for = [(shape, derived_profile(hw, args.adamw_beside_copies)) for shape, hw in args.hardware_for]
+    if args.sample is not None:
+        if args.points or args.twin_of:
+            p.error("--sample draws the points: not with --points or --twin-of")
+        args.points = sample_points(args.sample, args.seed, args.sample_shapes, args.hardware, dict(args.hardware_for))
+        print("drawn: " + " ".join(":".join(map(str, pt)) for pt in args.points), flush=True)
     if args.twin_of and len(args.points or ()) != 1:
         p.error("--twin-of needs exactly one --points (the plan's point)")
     if args.twin_of and args.micro_rows != 1:

@@ -101,7 +101,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import platform
 import re
 import shlex
 import signal
@@ -464,11 +463,11 @@ def plan_refusal(point: dict) -> str | None:
 
 
 def calibrate_host_once(record: dict, args) -> Path | None:
-    """`slidedp calibrate --host-only` of the host that runs, on the first point's hardware, into a profile
-    beside --out (once per record and host: an earlier one there is reused), or None where it failed; each
+    """`slidedp calibrate --host-only` of the host that runs, on the first point's hardware, into host.json
+    beside --out (once per call: an earlier one there is reused), or None where it failed; each
     point's record then also holds its plan's step predicted with it, before its first step."""
     hardware = next((a.split("=", 1)[-1] for p in record["points"] for a in _hardware_args(p["command"])), None)
-    out = Path(args.out or "host.json").with_name(f"host-{platform.node() or 'host'}.json")
+    out = Path(args.out or "host.json").with_name("host.json")
     if out.is_file():
         return out
     if hardware is None:

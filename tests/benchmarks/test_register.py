@@ -44,7 +44,7 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
     assert measured["predicted_step_s"] == row["predicted_step_s"]  # the registered prediction, not a new one
     # the host measured first (slidedp calibrate --host-only), the plan predicted again with it before the steps
     host = json.loads(Path(measured["host_profile"]).read_text())
-    assert host["name"].endswith(", host re-measured") and measured["host_name"]
+    assert host["name"].endswith(", host re-measured")
     assert measured["host_fields"]["cpu_adamw_params_per_s"] == host["cpu_adamw_params_per_s"]
     assert measured["host_predicted_utc"] < measured["measure_start_utc"]
     assert measured["host_predicted_step_s"] > 0
@@ -174,7 +174,8 @@ def test_a_registered_point_that_cannot_finish_in_the_time_left_is_not_started(t
     started = []
     monkeypatch.setattr(bench, "main", lambda argv: started.append(argv) or 0)
     args = argparse.Namespace(registered=str(registration), device="cpu", out=str(tmp_path / "r.json"),
-                              timeout_s=600.0, time_left_s=200.0, remeasure=False, allow_dirty=False)
+                              timeout_s=600.0, time_left_s=200.0, remeasure=False, allow_dirty=False,
+                              host_calibration=False)
     assert bench.run_registered(args) == 0
     assert "8b, 4096 tokens/step: not started, about 385 s needed, 200 s left" in capsys.readouterr().err
     (argv,) = started
