@@ -293,3 +293,28 @@ def test_a_point_with_no_plan_is_left_out_and_the_others_registered(tmp_path, ca
     assert "tiny:64:64KiB: not registered, no plan fits" in err and "1GiB" not in err
     with pytest.raises(slidedp.InfeasibleBudgetError):
         register([("tiny", 64, "64KiB")], "cpu", None, folder=tmp_path / "registered", steps=3, precision="fp32")
+
+
+def test_sampled_points_are_drawn_by_the_seed_and_leave_out_what_ran_or_was_registered(tmp_path):
+    """register.py --sample: the same seed draws the same points; none already run on the card (a record of
+    the same shape, tokens and budget there) or in an earlier registration."""
+    from benchmarks.predict_vs_measured.register import SAMPLE_BUDGETS, SAMPLE_TOKENS, sample_points
+
+    results, registrations = tmp_path / "results", tmp_path / "registrations"
+    results.mkdir()
+    registrations.mkdir()
+    grid = [("1.7b", t, b) for t in SAMPLE_TOKENS for b in SAMPLE_BUDGETS]
+    ran, registered = grid[:50], grid[50:100]
+    (results / "x.json").write_text(json.dumps([
+        {"system": "slidedp", "shape": s, "tokens_per_step": t, "budget_bytes": int(b[:-3]) * 2**30,
+         "device_name": "NVIDIA H100 80GB HBM3"} for s, t, b in ran]))
+    (registrations / "2026-01-01-registered-x.json").write_text(json.dumps(
+        {"points": [{"shape": s, "tokens_per_step": str(t), "budget": b} for s, t, b in registered]}))
+    draw = lambda seed, k: sample_points(k, seed, ["1.7b"], "h100-sxm", results=results,  # noqa: E731
+                                         registrations=registrations)
+    left = len(grid) - 100
+    everything = draw(1, left)
+    assert sorted(everything) == sorted(grid[100:])  # all that is left, and only that
+    assert draw(7, 10) == draw(7, 10) and draw(7, 10) != draw(8, 10)
+    with pytest.raises(ValueError):
+        draw(1, left + 1)  # no more points than the grid leaves
