@@ -466,7 +466,7 @@ def calibrate_host_once(record: dict, args) -> Path | None:
     """`slidedp calibrate --host-only` of the host that runs, on the first point's hardware, into host.json
     beside --out (once per call: an earlier one there is reused), or None where it failed; each
     point's record then also holds its plan's step predicted with it, before its first step."""
-    hardware = next((a.split("=", 1)[-1] for p in record["points"] for a in _hardware_args(p["command"])), None)
+    hardware = next((h for point in record["points"] for h in _hardware_args(point["command"])), None)
     out = Path(args.out or "host.json").with_name("host.json")
     if out.is_file():
         return out
@@ -475,13 +475,18 @@ def calibrate_host_once(record: dict, args) -> Path | None:
         return None
     done = subprocess.run([sys.executable, "-m", "slidedp", "calibrate", "--host-only", hardware, "--out", str(out),
                            "--device", "cuda" if args.device.startswith("cuda") else "cpu"], cwd=REPO)
-    return out if done.returncode == 0 and out.is_file() else None
+    if done.returncode != 0 or not out.is_file():
+        print(f"=== no host calibration: slidedp calibrate --host-only exited {done.returncode}; the points run with "
+              "their registered prediction alone", file=sys.stderr, flush=True)
+        return None
+    return out
 
 
 def _hardware_args(command: str) -> list[str]:
     """The --hardware values of a point's command."""
     words = shlex.split(command)
-    return [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--hardware"]
+    return ([words[i + 1] for i, w in enumerate(words[:-1]) if w == "--hardware"]
+            + [w.split("=", 1)[1] for w in words if w.startswith("--hardware=")])
 
 
 def run_registered(args) -> int:
