@@ -473,8 +473,9 @@ def calibrate_host_once(record: dict, args) -> Path | None:
     if hardware is None:
         print("=== no host calibration: the points name no --hardware", file=sys.stderr, flush=True)
         return None
+    cuda = args.device.startswith("cuda")  # the CPU device is the smoke test: its quick sizes
     done = subprocess.run([sys.executable, "-m", "slidedp", "calibrate", "--host-only", hardware, "--out", str(out),
-                           "--device", "cuda" if args.device.startswith("cuda") else "cpu"], cwd=REPO)
+                           "--device", "cuda" if cuda else "cpu", *(() if cuda else ("--quick",))], cwd=REPO)
     if done.returncode != 0 or not out.is_file():
         print(f"=== no host calibration: slidedp calibrate --host-only exited {done.returncode}; the points run with "
               "their registered prediction alone", file=sys.stderr, flush=True)
