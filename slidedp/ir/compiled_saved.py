@@ -20,6 +20,7 @@ RNG seed and offset (tests/ir/test_compiled_saved.py).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,7 +32,33 @@ from slidedp.logs import warn_once
 def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> int | None:
     """Bytes of activations the compiled block's forward saves for its backward (per call), or None
     where AOTAutograd cannot trace it (the caller then keeps the eager count)."""
+    try:
+        return partition_block(block, params, args, kwargs).saved_bytes
+    except Exception as exc:  # noqa: BLE001 - an estimate; the eager count stands in
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        warn_once(("aot-autograd", type(block).__name__, why),
+                  "AOTAutograd could not trace %s (%s); the plan counts its eager saved tensors instead, "
+                  "likely more than the compiled block keeps", type(block).__name__, why)
+        return None
+
+
+@dataclass
+class Partition:
+    """A block's joint graph split by the min-cut partitioner: what its forward saves for the backward
+    (bytes, the parameters left out) and both graphs (their placeholders carry fake values)."""
+
+    saved_bytes: int
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+
+
+def partition_block(block: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
+                    memory_budget: float = 1.0) -> Partition:
+    """The block's functional call traced by `aot_function` on its (fake) inputs and split as Inductor
+    splits it; `memory_budget` < 1 is AOTAutograd's `activation_memory_budget`: the partitioner saves
+    about that share of what it would, recomputing more in the backward. Raises where it cannot trace."""
     # AOTAutograd's partitioner brings in Inductor and sympy (~3 s, ~900 modules): only for compiled blocks
+    import torch._functorch.config as functorch_config
     from functorch.compile import min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_function
 
@@ -39,7 +66,7 @@ def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     n_params = len(names)
-    seen: dict[str, int] = {}
+    seen: dict[str, object] = {}
 
     def block_fn(*inputs):
         weights, tensors = inputs[:n_params], inputs[n_params:]
@@ -61,21 +88,21 @@ def compiled_saved_bytes(block: nn.Module, params: dict[str, torch.Tensor], args
             if key is None or key in weight_storages:
                 continue
             per_storage[key] = max(per_storage.get(key, 0), _storage_bytes(node))
-        seen["bytes"] = sum(per_storage.values())
+        seen["bytes"], seen["forward"] = sum(per_storage.values()), gm
         return gm
 
-    traced = aot_function(block_fn, fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: gm,
-                          partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
-    inputs = [*params.values(), *(leaves[i] for i in tensor_at)]
-    try:
-        traced(*inputs)
-    except Exception as exc:  # noqa: BLE001 - an estimate; the eager count stands in
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        warn_once(("aot-autograd", type(block).__name__, why),
-                  "AOTAutograd could not trace %s (%s); the plan counts its eager saved tensors instead, "
-                  "likely more than the compiled block keeps", type(block).__name__, why)
-        return None
-    return seen.get("bytes")
+    def backward_compiler(gm: torch.fx.GraphModule, _example_inputs):
+        seen["backward"] = gm
+        return gm
+
+    with functorch_config.patch(activation_memory_budget=memory_budget):
+        traced = aot_function(block_fn, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                              partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+        inputs = [*params.values(), *(leaves[i] for i in tensor_at)]
+        out = traced(*inputs)
+        if "backward" not in seen:  # compiled lazily, at the first backward
+            torch.autograd.grad(out, [t for t in inputs if t.requires_grad], torch.ones_like(out), allow_unused=True)
+    return Partition(seen["bytes"], seen["forward"], seen["backward"])
 
 
 def _storage_key(node: torch.fx.Node):
