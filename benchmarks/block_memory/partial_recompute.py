@@ -57,7 +57,7 @@ def budget_rows(shape: str, rows: int, budgets=BUDGETS) -> list[dict]:
         rotary = tuple(torch.empty(rows, s["seq"], s["head_dim"], dtype=torch.bfloat16) for _ in range(2))
         for budget in budgets:
             part = partition_block(block, params, (hidden,), dict(attention_mask=None, position_embeddings=rotary),
-                                   memory_budget=budget)
+                                   memory_budget=budget, backward=True)
             out.append({"budget": budget, "saved_bytes": part.saved_bytes, "fwd_flops": graph_flops(part.forward),
                         "bwd_flops": graph_flops(part.backward)})
     full = next(r for r in out if r["budget"] == 1.0) if 1.0 in budgets else out[0]

@@ -49,14 +49,15 @@ class Partition:
 
     saved_bytes: int
     forward: torch.fx.GraphModule
-    backward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule | None
 
 
 def partition_block(block: nn.Module, params: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-                    memory_budget: float = 1.0) -> Partition:
+                    memory_budget: float = 1.0, backward: bool = False) -> Partition:
     """The block's functional call traced by `aot_function` on its (fake) inputs and split as Inductor
     splits it; `memory_budget` < 1 is AOTAutograd's `activation_memory_budget`: the partitioner saves
-    about that share of what it would, recomputing more in the backward. Raises where it cannot trace."""
+    about that share of what it would, recomputing more in the backward. `backward`: also run the
+    backward once, so that its graph is there (else it may be None). Raises where it cannot trace."""
     # AOTAutograd's partitioner brings in Inductor and sympy (~3 s, ~900 modules): only for compiled blocks
     import torch._functorch.config as functorch_config
     from functorch.compile import min_cut_rematerialization_partition
@@ -100,9 +101,9 @@ def partition_block(block: nn.Module, params: dict[str, torch.Tensor], args: tup
                               partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
         inputs = [*params.values(), *(leaves[i] for i in tensor_at)]
         out = traced(*inputs)
-        if "backward" not in seen:  # compiled lazily, at the first backward
+        if backward and "backward" not in seen:  # compiled lazily, at the first backward
             torch.autograd.grad(out, [t for t in inputs if t.requires_grad], torch.ones_like(out), allow_unused=True)
-    return Partition(seen["bytes"], seen["forward"], seen["backward"])
+    return Partition(seen["bytes"], seen["forward"], seen.get("backward"))
 
 
 def _storage_key(node: torch.fx.Node):
