@@ -42,7 +42,8 @@ STUDIES = {
     "cpu_adamw": "the host's AdamW (numba kernel) against torch's fused and foreach AdamW, like for like: same "
                  "gradient dtype, with and without the bf16 copy, at 1, 4 and all threads",
     "block_rate": "one decoder block's forward + backward rate, attention (SDPA) apart from the rest",
-    "block_memory": "one block's device memory, measured against what the planner charges",
+    "block_memory": "one block's device memory, measured against what the planner charges; what a compiled block "
+                    "saves and recomputes under an activation memory budget",
     "attention_backends": "SDPA backends (flash, cuDNN, memory-efficient) on the Qwen3-4B attention shape",
     "head_kernel": "the fused linear + cross-entropy head against the tiled and plain ones",
     "host_memory_ranks": "host memory of several ranks against one: the host state exists once",
