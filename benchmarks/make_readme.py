@@ -252,8 +252,8 @@ def table_predictions() -> str:
 
 
 def table_host_predictions() -> str:
-    """The points whose plan was also predicted with the host that ran them, measured in the same call before
-    the run (`slidedp calibrate --host-only`): that prediction beside the registered one."""
+    """The points whose plan was also predicted with the host that ran them, measured by the same benchmark invocation
+    before the run (`slidedp calibrate --host-only`): that prediction beside the registered one."""
     rows, right, regs = [], 0, 0
     for r in first_runs(prediction_rows(HERE / "single_gpu_throughput" / "results")):
         host_s = r.get("host_predicted_step_s")
@@ -268,7 +268,7 @@ def table_host_predictions() -> str:
                      f"{measured:.3f}", f"{r['predicted_step_s']:.3f} ({r['error_pct']:+.1f}%)",
                      f"{host_s:.3f} ({100 * (measured / host_s - 1):+.1f}%)", f"`{r['record']}`"])
     if not rows:
-        return "No record holds a prediction with its host measured in the same call."
+        return "No record holds a prediction with its host measured before its run."
     return markdown_table(["shape", "tokens/step", "budget GiB", "host CPU AdamW G params/s", "beside copies",
                            "host ms to issue a block (fwd + bwd)", "measured median s", "registered s (error)",
                            "host re-measured s (error)", "record"], rows) + (
@@ -336,14 +336,14 @@ HEADLINES = [  # (title, study, records, table); records None: the study's CURRE
     ("Single GPU: the GPU-resident baseline at its best configuration", "single_gpu_throughput", FAIR_BASELINE,
      table_fair_baseline),
     ("Single GPU: DeepSpeed ZeRO-3 + CPU offload at its best configuration (4-row micro-batches, every block "
-     "checkpointed) beside slidedp, one H100 call", "single_gpu_throughput", ZERO3_BEST, table_zero3_best),
+     "checkpointed) beside slidedp, one H100 invocation", "single_gpu_throughput", ZERO3_BEST, table_zero3_best),
     ("Single GPU: the Qwen3-4B shape at SlideFormer's memory (no clipping)", "single_gpu_throughput", SMALL_BUDGETS,
      table_small_budgets),
     ("Single GPU: step times predicted before the run", "single_gpu_throughput", PREDICTED_BEFORE,
      table_predictions),
     ("Single GPU: each registration of predictions, before its runs", "predict_vs_measured", REGISTERED,
      table_registrations),
-    ("Single GPU: predicted again with the host that ran, measured in the same call", "single_gpu_throughput",
+    ("Single GPU: predicted again with the host that ran, measured just before", "single_gpu_throughput",
      HOST_PREDICTED, table_host_predictions),
     ("Single GPU: no regression where the old layout fit", "single_gpu_throughput", NO_REGRESSION,
      table_no_regression),

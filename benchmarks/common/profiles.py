@@ -47,7 +47,7 @@ def with_compiled_host_floor(hardware: Hardware, fwd_s: float, bwd_s: float) -> 
 
 def host_prediction(plan, graph, host_profile: str | Path) -> dict:
     """The record fields of a plan's step predicted again with the host fields of `host_profile` (`slidedp
-    calibrate --host-only`, run in the same call before the point): the plan's own hardware with this
+    calibrate --host-only`, run by the same benchmark invocation before the point): the plan's own hardware with this
     host's CPU AdamW, DRAM and block-issue times, replayed (scheduler/replay.py)."""
     from slidedp.scheduler.replay import replay
 

@@ -464,7 +464,7 @@ def plan_refusal(point: dict) -> str | None:
 
 def calibrate_host_once(record: dict, args) -> Path | None:
     """`slidedp calibrate --host-only` of the host that runs, on the first point's hardware, into host.json
-    beside --out (once per call: an earlier one there is reused), or None where it failed; each
+    beside --out (once per --out folder: an earlier one there is reused), or None where it failed; each
     point's record then also holds its plan's step predicted with it, before its first step."""
     hardware = next((h for point in record["points"] for h in _hardware_args(point["command"])), None)
     out = Path(args.out or "host.json").with_name("host.json")
