@@ -24,6 +24,7 @@ from slidedp.budget import Budget, format_bytes
 from slidedp.costmodel.hardware import LINKS, resolve_link, resolve_hardware
 from slidedp.ir.build import build_layer_graph
 from slidedp.ir.graph import LayerGraph
+from slidedp.logs import timed
 from slidedp.optim import AdamW
 from slidedp.options import CompileOptions, merge
 from slidedp.run.engine import Engine
@@ -470,11 +471,13 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
     if dropout and not rank:  # one warning, from the process that holds the host state
         log.warning("slidedp: training without dropout (%s): every block runs in eval mode, so that a recomputed "
                     "forward is the forward it replaces", ", ".join(dropout))
-    graph = trace(request, given)
+    with timed("traced"):
+        graph = trace(request, given)
     check_weights_source(request.model, graph, weights)  # before solving: a model without weights is refused at once
     # several hosts: each rank reads from its host's state only what its host updates (run/launch.py)
     routes = SolverOptions(deliveries=("sharded",), reductions=("gpu",)) if hosts > 1 and given is None else None
-    request, graph, the_plan = plan_workload(request, graph, given, routes)
+    with timed("planned" if given is None else "plan checked"):
+        request, graph, the_plan = plan_workload(request, graph, given, routes)
     check_hosts_routes(the_plan, hosts)
     comm = rank_device = None
     if rank is not None:
@@ -484,6 +487,7 @@ def compile(model: nn.Module, budget, *, batch_size: int | None = None, seq_len:
         if w.batch_size != graph.batch_size:  # rank 0 grouped the rows otherwise (group_rows)
             request = replace(request, batch_size=w.batch_size, micro_batches=w.micro_batches)
             graph = trace(request, the_plan)
-    program = lower_plan(graph, the_plan)
-    verify(program, request.budget)
+    with timed("lowered"):
+        program = lower_plan(graph, the_plan)
+        verify(program, request.budget)
     return launch(request, graph, the_plan, program, weights=weights, rank=rank, comm=comm, device=rank_device)

@@ -9,6 +9,8 @@ an older transformers without a hook) stay quiet.
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 
 log = logging.getLogger("slidedp")
 
@@ -22,3 +24,13 @@ def warn_once(key: tuple, message: str, *args) -> bool:
     _warned.add(key)
     log.warning(message, *args)
     return True
+
+
+@contextmanager
+def timed(phase: str):
+    """Log at INFO how long a phase of a long job took ("slidedp: <phase>: 12.3 s"), once it ends; the
+    record carries `phase` and `seconds` (a caller's handler can collect them: benchmarks do)."""
+    t0 = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - t0
+    log.info("slidedp: %s: %.1f s", phase, seconds, extra={"phase": phase, "seconds": seconds})

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -26,6 +27,32 @@ from benchmarks.common.records import host_description
 from benchmarks.common.steady import steady_fields
 
 # -- one (system, tokens) point in this process ---------------------------------------------
+
+class BuildPhases(logging.Handler):
+    """While a system builds: slidedp's progress messages printed (INFO and up), and the phases it
+    times (slidedp.logs.timed) collected, seconds by phase name."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.phases: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(record.getMessage(), flush=True)
+        if hasattr(record, "phase"):
+            self.phases[record.phase] = round(self.phases.get(record.phase, 0.0) + record.seconds, 3)
+
+    @contextlib.contextmanager
+    def attached(self):
+        logger = logging.getLogger("slidedp")
+        level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
 
 class Point:
     def __init__(self, args):
@@ -95,8 +122,10 @@ class Point:
     def run(self, system: str, sampler: HostMemSampler):
         torch = self.torch
         t0 = time.perf_counter()
-        step, finish, close = getattr(self, "setup_" + system)()
+        with BuildPhases().attached() as phases:
+            step, finish, close = getattr(self, "setup_" + system)()
         self.record["build_s"] = time.perf_counter() - t0
+        self.record["build_phases_s"] = phases.phases  # slidedp's own (the baselines time none)
         print(f"{system}: built in {self.record['build_s']:.1f} s", flush=True)  # progress, should the point time out
         # The measurement window starts here (after the build), as for every system.
         hwm_build = proc_status().get("VmHWM")

@@ -32,6 +32,7 @@ from slidedp.backend.state.step_flags import StepFlags
 from slidedp.budget import Budget
 from slidedp.costmodel.hardware import Hardware
 from slidedp.ir.graph import LayerGraph
+from slidedp.logs import timed
 from slidedp.optim import AdamW
 from slidedp.run.engine import Engine, update_order
 from slidedp.run.preflight import check_compile
@@ -158,10 +159,11 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     if leader:
         check_compile(graph, plan, dev, precision=request.precision, world_size=local, control_ints=flag_ints,
                       lean_layers=lean, numels=numels)  # host RAM, /dev/shm, free device memory: refuse with numbers
-        host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
-                         control_ints=flag_ints, spare_layers=plan.spare_layers(),
-                         lean_layers=lean, no_copy_layers=plan.copies_made_on_load(),
-                         no_grad_layers=plan.streamed_gradient_layers(), held=held)
+        with timed("host state allocated"):
+            host = HostState(graph, delivery_bf16=bf16, grad_dtype="bfloat16" if bf16 else "float32",
+                             control_ints=flag_ints, spare_layers=plan.spare_layers(),
+                             lean_layers=lean, no_copy_layers=plan.copies_made_on_load(),
+                             no_grad_layers=plan.streamed_gradient_layers(), held=held)
     if rank is not None:
         handle = comm.from_leader(host.handle() if host is not None else None)
         host = host if leader else HostState.attach(handle)
@@ -169,7 +171,8 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
     try:
         # the lean layers' state on the device from the start: their weights are loaded straight there
         device_state = DeviceState(host, lean, device=dev) if lean else None
-        load_weights(model, graph, host, bf16=bf16, copy=leader, weights=weights, device_state=device_state)
+        with timed("weights written"):
+            load_weights(model, graph, host, bf16=bf16, copy=leader, weights=weights, device_state=device_state)
         if comm is not None:
             comm.barrier()  # rank 0 has written the weights
         model.eval()  # dropout off: recomputation must reproduce the forward exactly
@@ -178,15 +181,18 @@ def launch(request: Request, graph: LayerGraph, plan, program: Program, *, weigh
                    compile_blocks=plan.workload.compiled_blocks)
         if in_process or rank is not None:
             if dev.type == "cuda":
-                host.pin()
+                with timed("host state pinned"):
+                    host.pin()
             flags = None if comm is None else StepFlags(host.control(), local, len(graph.layers),
                                                          first_rank=comm.host_index * local)
-            runner = build_rank(model=model, host=host, device=dev, rank=rank or 0, world_size=world_size,
-                                comm=comm, flags=flags, device_state=device_state, **job)
+            with timed("rank built"):
+                runner = build_rank(model=model, host=host, device=dev, rank=rank or 0, world_size=world_size,
+                                    comm=comm, flags=flags, device_state=device_state, **job)
         else:
             flags = StepFlags(host.control(), world_size, len(graph.layers))
             skeleton = job_skeleton(model=model, device=dev.type, host=host.handle(), **job)
-            runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)
+            with timed("ranks started"):
+                runner = WorkerPool(world_size=world_size, skeleton=skeleton, host=host, flags=flags)
     except BaseException:
         if runner is not None:
             runner.close()

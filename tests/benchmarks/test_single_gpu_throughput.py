@@ -71,6 +71,11 @@ def test_every_system_writes_a_complete_record(smoke):
     # the prediction was fixed before the timed steps, from the plan file named by its hash
     assert slide["predicted_utc"] < slide["measure_start_utc"] and len(slide["plan_sha256"]) == 64
     assert (tmp / "plans" / "qwen3_tiny_64.json").is_file()
+    # slidedp's build, phase by phase (on the CPU nothing is pinned and the rank is in this process)
+    phases = slide["build_phases_s"]
+    assert {"traced", "planned", "lowered", "host state allocated", "weights written", "rank built"} <= set(phases)
+    assert "host state pinned" not in phases and 0 < sum(phases.values()) <= slide["build_s"]
+    assert records[1]["build_phases_s"] == {}
     assert records[1]["predicted_step_s"] is None and records[1]["budget_bytes"] is None
     # the baseline's best configuration: on the CPU every probe fits, so no block is checkpointed
     base = records[1]

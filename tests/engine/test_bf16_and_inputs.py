@@ -174,3 +174,18 @@ def test_close_without_room_for_the_weights_leaves_them_on_meta(monkeypatch, cap
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
     assert all(p.device.type == "meta" for p in model.parameters() if p.requires_grad)
     assert ("without copies of the trained weights" in caplog.text) == (keep is None)
+
+
+def test_compile_reports_the_time_of_each_phase(caplog):
+    """A long build is not silent: each phase is logged at INFO with its seconds, in the order it ran."""
+    with caplog.at_level("INFO", logger="slidedp"):
+        engine = compile_llama()
+    engine.close()
+    timed = [r for r in caplog.records if hasattr(r, "phase")]
+    assert [r.phase for r in timed] == ["traced", "planned", "lowered", "host state allocated", "weights written",
+                                        "rank built"]
+    assert all(r.seconds >= 0 and r.getMessage() == f"slidedp: {r.phase}: {r.seconds:.1f} s" for r in timed)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="slidedp"):  # a given plan is checked, not solved
+        compile_llama(plan=engine.plan).close()
+    assert [r.phase for r in caplog.records if hasattr(r, "phase")][1] == "plan checked"
