@@ -52,6 +52,25 @@ def test_another_process_sees_the_same_memory():
         host.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_populate_faults_in_every_page_and_keeps_what_was_written(threads):
+    """What `pin` does before registering the file: every page present, nothing written changed."""
+    graph = build_layer_graph(make_model("llama"), batch_size=1, seq_len=8, compute_dtype=torch.float32)
+    host = HostState(graph, delivery_bf16=True, grad_dtype="bfloat16")
+    try:
+        values = torch.arange(5, dtype=torch.float32) + 0.5
+        host.layers[1].master[:5] = values
+        before = host.allocated_bytes()
+        assert before < host.nbytes  # the file is sparse: only the pages written so far
+        if not host.populate(threads):
+            pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_WRITE: Linux 5.14+)")
+        assert host.allocated_bytes() >= host.nbytes > before
+        assert torch.equal(host.layers[1].master[:5], values)
+        assert not host.layers[1].exp_avg.any() and not host.layers[2].grad.any()
+    finally:
+        host.close()
+
+
 def _replay(sequence, window, sched):
     """Brute force: replay slots; every visit finds its block; loads never clobber a needed block."""
     content = [None] * window

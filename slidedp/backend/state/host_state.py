@@ -11,7 +11,8 @@ fp32 precision, and for the layers whose plan makes the copy on load: H2D reads 
 casts it). `grad` receives the gradient from the device (bf16 or
 fp32, as computed). Other processes map the same memory through `/proc/<pid>/fd/<fd>` without a
 copy, and because the file has no name, nothing is left in /dev/shm when the processes end. CUDA
-pins it by registration (`pin()`), and `close()` always unregisters before unmapping.
+pins it by registration (`pin()`, its pages first faulted in on every core), and `close()` always
+unregisters before unmapping.
 
 Layers whose optimizer state lives on the device of a one-rank engine (backend/state/device_state.py)
 take no bytes here ("lean"): their master weights, moments and gradient live on the device alone;
@@ -29,8 +30,11 @@ the current arrays are untouched, so a step can still be taken back without a by
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +44,7 @@ from slidedp.costmodel import memory as mem
 from slidedp.ir.graph import LayerGraph
 
 PAGE_BYTES = mem.HOST_PAGE_BYTES
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+ (Python 3.12 names it)
 
 
 def _align(n: int, to: int = PAGE_BYTES) -> int:
@@ -266,10 +271,34 @@ class HostState:
     def base_ptr(self) -> int:
         return torch.frombuffer(self._buf, dtype=torch.uint8, count=1).data_ptr()
 
+    def populate(self, threads: int | None = None) -> bool:
+        """Fault in every page of the file not yet written, `threads` ranges at once (default: one per
+        core), contents unchanged (madvise MADV_POPULATE_WRITE). Registering the file then finds its pages
+        present, where it would fault each in on one thread. False where the kernel cannot (before Linux
+        5.14, or the advice refused): nothing done; OSError where memory runs out."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        threads = max(1, threads or os.cpu_count() or 1)
+        step = -(-self.nbytes // threads // mmap.PAGESIZE) * mmap.PAGESIZE  # page-aligned ranges
+        base = self.base_ptr
+
+        def fault_in(lo: int) -> int:  # ctypes lets the GIL go for the call
+            if libc.madvise(base + lo, min(step, self.nbytes - lo), MADV_POPULATE_WRITE) == 0:
+                return 0
+            return ctypes.get_errno()
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="slidedp-populate") as pool:
+            errors = set(pool.map(fault_in, range(0, self.nbytes, step))) - {0}
+        if errno.ENOMEM in errors:
+            raise OSError(errno.ENOMEM, f"not enough host memory to fault in the host state's {self.nbytes} bytes")
+        return not errors  # else the kernel (or a sandbox) refused the advice: `pin` faults the pages in
+
     def pin(self) -> None:
-        """Register the whole file with CUDA so H2D/D2H copies are DMA (cudaHostRegister)."""
+        """Register the whole file with CUDA so H2D/D2H copies are DMA (cudaHostRegister), its pages
+        faulted in first on every core (`populate`)."""
         if self._registered_ptr is not None or not torch.cuda.is_available():
             return
+        self.populate()
         ptr = self.base_ptr
         err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
         if int(err) != 0:
