@@ -54,24 +54,32 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
     assert not registered_before({**measured, "plan_sha256": "0" * 64}, registered)
 
 
-def test_points_measured_already_are_not_run_again(tmp_path):
+def run_in_process(capsys, *argv: str):
+    """single_gpu_throughput's run.py in this process (no point starts in no time): (exit status, stdout, stderr)."""
+    import benchmarks.single_gpu_throughput.run as bench
+
+    capsys.readouterr()
+    status = bench.main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_points_measured_already_are_not_run_again(tmp_path, capsys):
     """A registration's points with a clean record of their plan in single_gpu_throughput's results are
     skipped (the H100 registration's points have run) unless --remeasure; with no time left the others are
     not started."""
     registration = SCRIPT.parents[1] / "predict_vs_measured" / "results" / "2026-12-06-registered-h100-held-out.json"
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
-                           "--allow-dirty", "--time-left-s", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "1.7b, 8192 tokens/step: measured already" in proc.stdout
+    args = ["--registered", str(registration), "--out", str(out), "--allow-dirty", "--time-left-s", "0"]
+    status, stdout, stderr = run_in_process(capsys, *args)
+    assert status == 0, stderr[-2000:]
+    assert "1.7b, 8192 tokens/step: measured already" in stdout
     points = len(json.loads(registration.read_text())["points"])
-    assert proc.stdout.count("measured already") + proc.stderr.count("not started") == points and not out.exists()
+    assert stdout.count("measured already") + stderr.count("not started") == points and not out.exists()
     # --remeasure: every point again (here none starts, in no time)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
-                           "--allow-dirty", "--time-left-s", "0", "--remeasure"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "measured already" not in proc.stdout and proc.stderr.count("not started") == points and not out.exists()
+    status, stdout, stderr = run_in_process(capsys, *args, "--remeasure")
+    assert status == 0, stderr[-2000:]
+    assert "measured already" not in stdout and stderr.count("not started") == points and not out.exists()
 
 
 def test_a_twin_is_registered_with_its_own_prediction_and_credited_to_the_edit(tmp_path):
@@ -213,7 +221,7 @@ def test_a_profile_with_the_adamw_share_measured_beside_copies(tmp_path):
     assert not used_in_fitting({"shape": "8b"}, hw.name) and used_in_fitting({"shape": "4b"}, hw.name)
 
 
-def test_points_measured_in_the_out_file_are_not_run_again(tmp_path):
+def test_points_measured_in_the_out_file_are_not_run_again(tmp_path, capsys):
     """A point whose record is in --out already (an earlier call on the same machine, its records not yet in
     the repository) is skipped like one in the study's results."""
     registration = SCRIPT.parents[1] / "predict_vs_measured" / "results" / "2026-12-06-registered-h200-held-out.json"
@@ -222,12 +230,12 @@ def test_points_measured_in_the_out_file_are_not_run_again(tmp_path):
     out = tmp_path / "r.json"
     out.write_text(json.dumps([{"plan_sha256": later["plan_sha256"], "error": None, "median_step_s": 0.9},
                                {"plan_sha256": points[-1]["plan_sha256"], "error": "timeout", "median_step_s": None}]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--out", str(out),
-                           "--allow-dirty", "--time-left-s", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "llama3b, 4096 tokens/step: measured already" in proc.stdout
+    status, stdout, stderr = run_in_process(capsys, "--registered", str(registration), "--out", str(out),
+                                            "--allow-dirty", "--time-left-s", "0")
+    assert status == 0, stderr[-2000:]
+    assert "llama3b, 4096 tokens/step: measured already" in stdout
     last = f"{points[-1]['shape']}, {points[-1]['tokens_per_step']} tokens/step"
-    assert f"{last}: not started" in proc.stderr  # a failed record does not count as measured
+    assert f"{last}: not started" in stderr  # a failed record does not count as measured
 
 
 def test_points_run_before_on_the_card_are_refused(tmp_path):
