@@ -16,7 +16,7 @@ from benchmarks.predict_vs_measured.register import layer_ids, point_arg, regist
 from tests.benchmarks.test_single_gpu_throughput import SCRIPT
 
 
-def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_path):
+def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_path, capsys):
     """register.py's record run by single_gpu_throughput's --registered: the point's own plan and prediction,
     tied to the registration by sha256; with no time left, the point is not started."""
     (row,) = register([("tiny", 64, "1GiB")], "cpu", None, folder=tmp_path / "registered", steps=3,
@@ -30,10 +30,9 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
 
     registration = tmp_path / "results" / "2026-01-01-registered-x.json"
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
-                           "--out", str(out), "--allow-dirty", "--time-left-s", "1"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and "not started, about" in proc.stderr and not out.exists()  # no time: not run
+    status, _, stderr = run_in_process(capsys, "--registered", str(registration), "--device", "cpu", "--out",
+                                       str(out), "--allow-dirty", "--time-left-s", "1")
+    assert status == 0 and "not started, about" in stderr and not out.exists()  # no time: not run
     proc = subprocess.run([sys.executable, str(SCRIPT), "--registered", str(registration), "--device", "cpu",
                            "--out", str(out), "--allow-dirty", "--timeout-s", "120", "--host-calibration"],
                           capture_output=True, text=True, timeout=300)
