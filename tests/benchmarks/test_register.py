@@ -16,6 +16,16 @@ from benchmarks.predict_vs_measured.register import layer_ids, point_arg, regist
 from tests.benchmarks.test_single_gpu_throughput import SCRIPT
 
 
+def run_in_process(capsys, *argv: str):
+    """single_gpu_throughput's run.py in this process (no point starts in no time): (exit status, stdout, stderr)."""
+    import benchmarks.single_gpu_throughput.run as bench
+
+    capsys.readouterr()
+    status = bench.main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
 def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_path, capsys):
     """register.py's record run by single_gpu_throughput's --registered: the point's own plan and prediction,
     tied to the registration by sha256; with no time left, the point is not started."""
@@ -51,16 +61,6 @@ def test_a_registered_plan_runs_as_registered_and_is_matched_to_its_record(tmp_p
     assert registered_before(measured, registered)
     assert not registered_before({**measured, "measure_start_utc": "2025-12-31T00:00:00+00:00"}, registered)
     assert not registered_before({**measured, "plan_sha256": "0" * 64}, registered)
-
-
-def run_in_process(capsys, *argv: str):
-    """single_gpu_throughput's run.py in this process (no point starts in no time): (exit status, stdout, stderr)."""
-    import benchmarks.single_gpu_throughput.run as bench
-
-    capsys.readouterr()
-    status = bench.main(list(argv))
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def test_points_measured_already_are_not_run_again(tmp_path, capsys):
