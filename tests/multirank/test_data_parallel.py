@@ -74,10 +74,11 @@ def train_against_reference(engine, ref, *, world_size, steps=5, accumulation=2,
     return state
 
 
-# three ranks: uneven shards and reductions; replicated delivery with CPU reduction has neither (slow)
+# three ranks: uneven shards and reductions. Replicated delivery with CPU reduction has neither, so it
+# runs on two ranks by default; every other route on three (its two-rank case is the even special case, slow).
 @pytest.mark.parametrize("world_size, route", [
     pytest.param(w, r, id=f"{w}-{'-'.join(r)}",
-                 marks=[pytest.mark.slow] if (w, r) == (3, ("replicated", "cpu")) else [])
+                 marks=[] if (w == 2) == (r == ("replicated", "cpu")) else [pytest.mark.slow])
     for w in (2, 3) for r in ROUTES])
 def test_routes_match_torch_adamw(world_size, route):
     """Tied weights, clipping, two passes of gradient accumulation, two chunks per rank and layer."""
@@ -166,8 +167,9 @@ def device_state_plan(model, world_size, *, prologue, sharded=None, blocks=2):
                                                               device_state_sharded=sharded))
 
 
+# three ranks, the prologue sharded: test_sharded_device_state_keeps_a_third_per_rank... trains it by default
 @pytest.mark.parametrize("world_size, prologue, sharded", [(2, False, False), (3, True, False), (2, False, True),
-                                                           (3, True, True)],
+                                                           pytest.param(3, True, True, marks=pytest.mark.slow)],
                          ids=["2-replicated", "3-prologue-replicated", "2-sharded", "3-prologue-sharded"])
 def test_optimizer_state_on_the_devices_matches_torch_adamw(world_size, prologue, sharded, tmp_path):
     """The first two blocks (and the prologue, with the tied head's weight) keep their optimizer
