@@ -29,6 +29,7 @@ import signal
 import tempfile
 import traceback
 from multiprocessing import resource_sharer
+from multiprocessing import util as mp_util
 from multiprocessing.connection import wait as wait_any
 
 import numpy as np
@@ -286,12 +287,22 @@ def worker_main(rank: int, world_size: int, conn, init_method: str, controller_p
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"))
         except OSError:
             pass
-        os._exit(1)
+        _exit(1)
     try:
         runner.close()
         host.close()
     finally:
-        os._exit(0)
+        _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End a rank's process without waiting on its threads (Numba's pool, the comm's), after running
+    the finalizers that unlink and unregister what multiprocessing made here (the lock tqdm takes when
+    inductor compiles blocks): otherwise the resource tracker warns of leaked semaphores at exit."""
+    try:
+        mp_util._run_finalizers(0)
+    finally:
+        os._exit(code)
 
 
 def _device_memory(device: torch.device, reset: bool) -> dict | None:
