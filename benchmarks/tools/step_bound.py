@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for `benchmarks.common`
 from benchmarks.common.model import SHAPES, plan_graph_of  # noqa: E402
 
-from slidedp.scheduler.decisions import Decisions  # noqa: E402
+from slidedp.scheduler.decisions import KEPT, Decisions  # noqa: E402
 from slidedp.scheduler.oracles.timeline import Simulation, simulate  # noqa: E402
 from slidedp.scheduler.plan import Plan  # noqa: E402
 from slidedp.scheduler.problem.costs import ProblemCosts  # noqa: E402
@@ -55,8 +55,10 @@ def freed(costs: ProblemCosts, d: Decisions, layer_ids) -> tuple[ProblemCosts, D
     p = costs.problem
     p = replace(p, device_state=p.device_state | ids, vocab_streamed=p.vocab_streamed - ids)
     out = ProblemCosts(p, costs.options)
-    layers = tuple(replace(c, on_device=True, activation=out.edge_activation(i) if i in costs.problem.vocab_streamed
-                           else c.activation) if i in ids else c for i, c in enumerate(d.layers))
+    # a layer whose state is on the device makes its copy there (KEPT), whatever its host copy was
+    layers = tuple(replace(c, on_device=True, host_copy=KEPT,
+                           activation=out.edge_activation(i) if i in costs.problem.vocab_streamed else c.activation)
+                   if i in ids else c for i, c in enumerate(d.layers))
     e = replace(d, layers=layers, early_order=tuple(i for i in d.early_order if i not in ids),
                 streamed=tuple(i for i in d.streamed if i not in ids))
     return out, e

@@ -1,5 +1,7 @@
 """benchmarks/tools/step_bound.py: a saved plan's step taken apart, and the step with some updates free."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,3 +32,15 @@ def test_the_plans_own_step_its_critical_path_and_free_updates(tmp_path, capsys)
     # the CPU-bound plan: each update taken off the CPU shortens its lane, and the step with it
     assert out["lanes_ms"]["cpu_update"] > prologue["lanes_ms"]["cpu_update"] > four["lanes_ms"]["cpu_update"]
     assert out["step_s"] > prologue["step_s"] >= four["step_s"]
+
+
+def test_a_layer_that_makes_its_copy_on_load_is_freed_with_its_copy_on_the_device():
+    """State on the device makes the layer's delivery copy there: a prologue planned with its copy made on
+    load (host state without it) is freed as one whose copy is kept within the device."""
+    model = empty_model("1.7b", dtype=torch.bfloat16, device="cpu")
+    plan = slidedp.plan(model, "8GiB", batch_size=1, seq_len=4096, hardware="h100-sxm", max_grad_norm=None,
+                        solver_options=CPU_BOUND)
+    plan = plan.replace(decisions=tuple(dataclasses.replace(d, host_copy="on_load") for d in plan.decisions))
+    assert not plan.problems() and not plan.schedule.device_state
+    out = step_bound.bound(plan, "1.7b", prologue=True)
+    assert out["what_if"][0]["lanes_ms"]["cpu_update"] < out["lanes_ms"]["cpu_update"]
