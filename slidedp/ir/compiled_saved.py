@@ -60,7 +60,7 @@ def partition_block(block: nn.Module, params: dict[str, torch.Tensor], args: tup
     backward once, so that its graph is there (else it may be None). Raises where it cannot trace."""
     # AOTAutograd's partitioner brings in Inductor and sympy (~3 s, ~900 modules): only for compiled blocks
     import torch._functorch.config as functorch_config
-    from functorch.compile import min_cut_rematerialization_partition
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_function
 
     names = list(params)
@@ -90,11 +90,11 @@ def partition_block(block: nn.Module, params: dict[str, torch.Tensor], args: tup
                 continue
             per_storage[key] = max(per_storage.get(key, 0), _storage_bytes(node))
         seen["bytes"], seen["forward"] = sum(per_storage.values()), gm
-        return gm
+        return make_boxed_func(gm)  # AOTAutograd calls it with a list of arguments
 
     def backward_compiler(gm: torch.fx.GraphModule, _example_inputs):
         seen["backward"] = gm
-        return gm
+        return make_boxed_func(gm)
 
     with functorch_config.patch(activation_memory_budget=memory_budget):
         traced = aot_function(block_fn, fw_compiler=forward_compiler, bw_compiler=backward_compiler,
