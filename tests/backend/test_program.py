@@ -187,10 +187,11 @@ def test_lowered_plan_fits_the_plans_predicted_peak(family, precision, micro_bat
 def test_offloaded_block_inputs_fit_the_plans_predicted_peak():
     """recompute_offload: the lowered program frees a block's input between its copy down and its copy
     back (where no other graph holds it, plan.input_offloaded; never the last block's), its backward
-    waits for the copy back, and it never needs more device memory than the plan predicts."""
+    waits for the copy back, and it never needs more device memory than the plan predicts; offload: the
+    same for its saved activations."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from slidedp.backend.lowering.program import D2H_INPUT, H2D_INPUT
+    from slidedp.backend.lowering.program import D2H_INPUT, D2H_SAVED, H2D_INPUT, H2D_SAVED
     from slidedp.scheduler.decisions import RECOMPUTE_OFFLOAD as RO
     from slidedp.scheduler.plan import input_offloaded
     from tests.models import _common
@@ -198,7 +199,8 @@ def test_offloaded_block_inputs_fit_the_plans_predicted_peak():
     torch.manual_seed(0)
     graph = build_layer_graph(LlamaForCausalLM(LlamaConfig(**{**_common(False), "num_hidden_layers": 6})),
                               batch_size=2, seq_len=16, compute_dtype=torch.float32)
-    mixes = [(RO,) * 6, (RECOMPUTE, RO, KEEP, RO, RO, OFFLOAD), (KEEP, RO, RECOMPUTE, RO, RECOMPUTE, RO)]
+    mixes = [(RO,) * 6, (RECOMPUTE, RO, KEEP, RO, RO, OFFLOAD), (KEEP, RO, RECOMPUTE, RO, RECOMPUTE, RO),
+             (OFFLOAD, RECOMPUTE, RO, OFFLOAD, KEEP, OFFLOAD)]
     for window, mix in itertools.product((1, 2), mixes):
         def decide(costs, budget, window=window, mix=mix):
             return Decisions(window, FORWARD_ORDER, tuple(
@@ -213,6 +215,12 @@ def test_offloaded_block_inputs_fit_the_plans_predicted_peak():
         ups = {op.block: op.record for op in program.ops if op.kind == H2D_INPUT}
         assert set(ups) == expected
         assert all(ups[op.block] in op.waits for op in program.ops if op.kind == BWD and op.block in expected)
+        # offload: the saved activations come back on the H2D stream, the backward waiting for them
+        saved = {k for k, b in enumerate(graph.blocks) if activation[b.id] == OFFLOAD}
+        assert {op.block for op in program.ops if op.kind == D2H_SAVED} == saved
+        backs = {op.block: op.record for op in program.ops if op.kind == H2D_SAVED and op.stream == "h2d"}
+        assert set(backs) == saved
+        assert all(backs[op.block] in op.waits for op in program.ops if op.kind == BWD and op.block in saved)
 
 
 @pytest.mark.parametrize("window", [1, 3])

@@ -46,6 +46,8 @@ def test_policies_are_exact(family, tied, activations, chunks, window):
         train_side_by_side(engine, ref, steps=3, seed=5)
         assert (engine.executor.offloaded_bytes > 0) == ("offload" in activations)
         assert (engine.executor.arena.used > 0) == ("offload" in activations)  # offloaded into the arena
+        # every offloaded activation came back by the program's h2d_saved op, ahead of its backward
+        assert engine.executor.block_runner.late_reload_bytes == 0
 
 
 def test_unknown_policy_is_refused():

@@ -24,6 +24,9 @@ PROLOGUE, FWD, EPILOGUE, BWD, PROLOGUE_BWD = "prologue", "fwd", "epilogue", "bwd
 H2D_WEIGHTS, D2H_GRAD, ALLOC, FREE = "h2d_weights", "d2h_grad", "alloc", "free"
 # a recompute_offload block's input of every micro-batch: to the host after its forward, back before its backward
 D2H_INPUT, H2D_INPUT = "d2h_input", "h2d_input"
+# an offload block's saved activations of every micro-batch: their copies down (enqueued by its forward) have
+# landed; back to the device before its backward
+D2H_SAVED, H2D_SAVED = "d2h_saved", "h2d_saved"
 
 
 @dataclass(frozen=True)
@@ -170,19 +173,34 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
     # its device copy is freed before the forward two blocks later (or the epilogue) once the copy has
     # landed, and comes back after the compute two positions before its backward (the backward of
     # block k + 2, or the epilogue); not the last block's (on the device throughout anyway).
+    # Offloaded activations (policy offload) keep the same transit window: block k's saved tensors go
+    # down during its forward, are freed before the forward two blocks later once their copies have
+    # landed (the last block's stay), and come back by the same rule as an input.
     offloaded = {k for k, layer in enumerate(blocks[:-1]) if input_offloaded(activation, layer.id)}
-    input_down: dict[int, int] = {}  # block -> event of its input's copy to the host
+    saved_offloaded = {k for k, layer in enumerate(blocks) if activation.get(layer.id) == "offload"}
+    input_down: dict[int, int] = {}  # block -> event of its input's (or saved activations') copy to the host
     input_up: dict[int, int] = {}  # block -> event of its copy back
+
+    def saved_bytes(k: int) -> int:
+        return blocks[k].costs.saved_activation_bytes * micro_batches
 
     def free_input(k: int) -> None:
         if k in offloaded:
             b.add("compute", FREE, buffer=f"act[{k}]", waits=(input_down[k],))
+        if k in saved_offloaded and k < n - 1:
+            b.add("compute", FREE, buffer=f"saved[{k}]", waits=(input_down[k],))
 
     def reload_input(k: int, after: Op) -> None:
         if k in offloaded:
             nbytes = blocks[k].costs.boundary_activation_bytes * micro_batches
             b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=nbytes)
             up = b.add("h2d", H2D_INPUT, record=True, layer_id=blocks[k].id, block=k,
+                       waits=(after.record, input_down[k]))
+            input_up[k] = up.record
+        if k in saved_offloaded:
+            if k < n - 1:
+                b.add("compute", ALLOC, buffer=f"saved[{k}]", nbytes=saved_bytes(k))
+            up = b.add("h2d", H2D_SAVED, record=True, layer_id=blocks[k].id, block=k,
                        waits=(after.record, input_down[k]))
             input_up[k] = up.record
 
@@ -199,11 +217,13 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             free_input(k - 2)
             b.add("compute", ALLOC, buffer=f"act[{k}]", nbytes=keep_bytes * micro_batches)
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=costs.peak_workspace_bytes)
+            if k in saved_offloaded:
+                b.add("compute", ALLOC, buffer=f"saved[{k}]", nbytes=saved_bytes(k))
             op = b.add("compute", FWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
-            if k in offloaded:
-                input_down[k] = b.add("d2h", D2H_INPUT, record=True, layer_id=layer.id, block=k,
-                                      waits=(op.record,)).record
+            if k in offloaded or k in saved_offloaded:
+                input_down[k] = b.add("d2h", D2H_INPUT if k in offloaded else D2H_SAVED, record=True,
+                                      layer_id=layer.id, block=k, waits=(op.record,)).record
             if position == n - 1:
                 free_input(n - 2)
                 b.add("compute", ALLOC, buffer="grad_hidden", nbytes=costs.boundary_activation_bytes * micro_batches)
@@ -218,13 +238,15 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
             work = (costs.peak_workspace_bytes + mem.param_grads_bytes(layer.numel, c)
                     + (costs.saved_activation_bytes if policy in RECOMPUTED_ACTIVATIONS else 0))
             b.add("compute", ALLOC, buffer=f"work[{k}]", nbytes=work)
-            waits += (input_up[k],) if k in offloaded else ()
+            waits += (input_up[k],) if k in offloaded or k in saved_offloaded else ()
             # the plan has GRAD_ACCUMULATORS block gradients on the device: this one's buffer is the one
             # drained GRAD_ACCUMULATORS backwards earlier (backend/runtime/grad_buffers.py)
             waits += (drains[-mem.GRAD_ACCUMULATORS],) if len(drains) >= mem.GRAD_ACCUMULATORS else ()
             op = b.add("compute", BWD, record=True, layer_id=layer.id, block=k, slot=slot, policy=policy, waits=waits)
             b.add("compute", FREE, buffer=f"work[{k}]")
             b.add("compute", FREE, buffer=f"act[{k}]")
+            if k in saved_offloaded:
+                b.add("compute", FREE, buffer=f"saved[{k}]")
             d2h = b.add("d2h", D2H_GRAD, record=True, layer_id=layer.id, waits=(op.record,),
                         chunks=chunk_bounds(layer.numel, chunks.get(layer.id, 1)))
             grad_events[layer.id] = d2h.record
@@ -232,6 +254,7 @@ def lower(graph: LayerGraph, schedule: Schedule, *, micro_batches: int) -> Progr
         slot_free[slot] = op.record
         issue_loads(position)
         if position == n - 1:
+            reload_input(n - 1, op)  # the last block's saved activations, once down (its input stays)
             reload_input(n - 2, head)
         elif position >= n:
             reload_input(k - 2, op)

@@ -5,7 +5,7 @@ recomputes it with autograd. recompute_offload: the same, the input copied to th
 the forward and back before the backward (the program's d2h_input / h2d_input ops; a block whose
 input another graph holds keeps it on the device: plan.input_offloaded). keep / offload: the forward
 runs with autograd and its graph lives until the backward, its saved tensors packed by
-`SavedActivations` (offload: to the host arena).
+`SavedActivations` (offload: to the host arena, and back ahead of the backward by the h2d_saved op).
 The backward sums the block's gradient over the micro-batches in one fp32 buffer (grad_buffers.py) by
 the packing kernel, which also gives its sum of squares.
 """
@@ -37,12 +37,13 @@ class BlockRunner:
         self.call_block = torch.compile(run_block, dynamic=False) if compile_blocks else run_block
         self.min_offload_bytes = 1 << 16  # smaller saved tensors stay on the device
         self.offloaded_bytes = 0  # activation and block input bytes offloaded to the host in the last pass
+        self.late_reload_bytes = 0  # offloaded activation bytes a backward copied back itself in the last pass
         self.arena: HostArena | None = None  # host memory of offloaded activations, made on first use
         self.grads = GradientBuffers(max(layer.numel for layer in block_layers), device, streams)
 
     def start_pass(self, micro_batches: int) -> None:
         """Count offloaded bytes from zero and hand out the arena from its start."""
-        self.offloaded_bytes = 0
+        self.offloaded_bytes = self.late_reload_bytes = 0
         self.arena_for(micro_batches).reset()
 
     def forward(self, k: int, slot: int, policy: str, st: PassState) -> None:
@@ -91,6 +92,9 @@ class BlockRunner:
                 x, out, leaves = fwd.x, fwd.out, fwd.params
             trainable = list(leaves.values())[: len(spans)]
             grads = torch.autograd.grad(out, [x] + trainable, st.grad_h[m], allow_unused=True)
+            if policy not in RECOMPUTED:
+                self.late_reload_bytes += fwd.saved.late_bytes
+                del fwd
             st.grad_h[m] = grads[0]
             stats = pack_grads(grads[1:], spans, acc, [(0, layer.numel)] if m == last else (), accumulate=m > 0)
             del grads
@@ -117,6 +121,12 @@ class BlockRunner:
             if self.streams.cuda:
                 x.record_stream(self.streams.compute)
             st.stash[k][m] = x
+
+    def reload_saved(self, k: int, st: PassState) -> None:
+        """Block `k`'s offloaded activations of every micro-batch back to the device on the H2D stream,
+        ahead of its backward (the program's h2d_saved op)."""
+        for kept in st.kept[k]:
+            kept.saved.reload(self.device)
 
     def arena_for(self, micro_batches: int) -> HostArena:
         """The host arena of offloaded activations and block inputs: what the offloading blocks put on

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from slidedp.backend.lowering.program import (
-    ALLOC, BWD, D2H_GRAD, D2H_INPUT, EPILOGUE, FREE, FWD, H2D_INPUT, H2D_WEIGHTS, PROLOGUE, PROLOGUE_BWD, Program,
+    ALLOC, BWD, D2H_GRAD, D2H_INPUT, D2H_SAVED, EPILOGUE, FREE, FWD, H2D_INPUT, H2D_SAVED, H2D_WEIGHTS, PROLOGUE,
+    PROLOGUE_BWD, Program,
 )
 from slidedp.backend.runtime.block_runner import BlockRunner
 from slidedp.backend.runtime.epilogue import Epilogue
@@ -156,7 +157,9 @@ class StreamedExecutor:
             PROLOGUE: self._op_prologue, H2D_WEIGHTS: self._op_h2d_weights, FWD: self._op_fwd,
             EPILOGUE: self._op_epilogue, BWD: self._op_bwd, PROLOGUE_BWD: self._op_prologue_bwd,
             D2H_GRAD: self._op_d2h_grad, D2H_INPUT: self._op_d2h_input, H2D_INPUT: self._op_h2d_input,
+            H2D_SAVED: self._op_h2d_saved,
             ALLOC: None, FREE: None,  # the caching allocator does these
+            D2H_SAVED: None,  # the forward enqueued the copies on the d2h stream: the op's event marks them
         }
         for op in self.program.ops:
             for e in op.waits:
@@ -198,6 +201,10 @@ class StreamedExecutor:
     def _op_h2d_input(self, op, st: PassState) -> None:
         """... and back to the device before its backward."""
         self.block_runner.reload_input(op.block, st)
+
+    def _op_h2d_saved(self, op, st: PassState) -> None:
+        """An offload block's saved activations back to the device before its backward (block_runner.py)."""
+        self.block_runner.reload_saved(op.block, st)
 
     def _op_prologue_bwd(self, op, st: PassState) -> None:
         self.prologue.backward(st)

@@ -7,8 +7,9 @@ Two things need care, both handled by saved-tensor hooks:
   blocks overwrite before the backward. The pack hook replaces any tensor in the slot by a
   reference (offset, shape, stride); the unpack hook rebuilds it from whichever slot holds the
   block's weights at backward time (same layout, same values: weights do not change in a step).
-- Offload: activations are copied to host memory on the D2H stream after the forward; the unpack
-  hook copies them back on the compute stream when the backward needs them. Small tensors
+- Offload: activations are copied to host memory on the D2H stream during the forward; `reload`
+  (the program's h2d_saved op) copies them back on the H2D stream ahead of the backward, which the
+  unpack hook then hands out (without that op, it copies them back on the compute stream). Small tensors
   (< `min_offload_bytes`) stay on the device. The host memory is a `HostArena`: one buffer, sized
   by the plan's offloaded bytes, registered with CUDA once (cudaHostRegister) and reused every
   pass (the caching allocator of pinned memory would round each tensor up to a power of two, up to
@@ -70,6 +71,7 @@ class Offloaded:
     event: object  # D2H completion (None on the CPU)
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    device: torch.Tensor | None = None  # back on the device ahead of the backward (`SavedActivations.reload`)
 
 
 class SavedActivations:
@@ -83,6 +85,8 @@ class SavedActivations:
         self.arena = arena
         self.min_offload_bytes = min_offload_bytes
         self.offloaded_bytes = 0
+        self.offloaded: list[Offloaded] = []
+        self.late_bytes = 0  # bytes the backward copied back itself (not reloaded ahead)
 
     def _in_slot(self, t: torch.Tensor) -> bool:
         return t.device == self.slot.device and t.untyped_storage().data_ptr() == self.slot.untyped_storage().data_ptr()
@@ -99,13 +103,28 @@ class SavedActivations:
         self.streams.wait("d2h", self.streams.record("compute"))
         self.streams.copy("d2h", host, t.detach())
         self.offloaded_bytes += nbytes
-        return Offloaded(host, self.streams.record("d2h"), tuple(t.shape), tuple(t.stride()))
+        self.offloaded.append(Offloaded(host, self.streams.record("d2h"), tuple(t.shape), tuple(t.stride())))
+        return self.offloaded[-1]
+
+    def reload(self, device: torch.device) -> None:
+        """Every offloaded tensor back to `device` on the H2D stream (which the caller has made wait for
+        the copies down), allocated in that stream's memory and handed to the compute stream (which
+        waits for this op before the backward)."""
+        for o in self.offloaded:
+            with self.streams.on("h2d"):
+                o.device = torch.empty(o.size, dtype=o.host.dtype, device=device)
+            self.streams.copy("h2d", o.device, o.host)
+            if self.streams.cuda:
+                o.device.record_stream(self.streams.compute)
 
     def unpack(self, packed):
         if isinstance(packed, SlotRef):
             return self.slot.as_strided(packed.size, packed.stride, self.slot.storage_offset() + packed.storage_offset)
         if isinstance(packed, Offloaded):
+            if packed.device is not None:
+                return packed.device
             self.streams.wait("compute", packed.event)
+            self.late_bytes += packed.host.numel() * packed.host.element_size()
             return packed.host.to(self.slot.device, non_blocking=True)
         return packed
 
