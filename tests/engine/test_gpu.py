@@ -41,6 +41,7 @@ def test_three_steps_match_gpu_resident_and_close_frees_the_device():
     engine.executor.min_offload_bytes = 0
     opt = train_against_gpu_resident(engine, ref)
     assert engine.executor.offloaded_bytes > 0
+    assert engine.executor.block_runner.late_reload_bytes == 0  # back on the H2D stream, ahead of the backward
     engine.close()
     del engine
     gc.collect()
