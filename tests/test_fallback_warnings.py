@@ -123,3 +123,29 @@ def test_aot_autograd_failure_warns_once_and_the_traceable_block_not(warnings):
         assert compiled_saved_bytes(bad, dict(bad.named_parameters()), (x,), {}) is None
     [message] = warnings()
     assert message.startswith("AOTAutograd could not trace _Refuses (") and "eager saved tensors" in message
+
+
+def test_offloaded_activations_copied_back_inside_the_backward_warn_once(warnings):
+    """An offload block's saved tensors come back ahead of its backward (the program's h2d_saved op,
+    `SavedActivations.reload`); where nothing brought them back, the backward copies them itself,
+    with the same values, and says once that the step runs slower than its plan."""
+    from slidedp.backend.runtime.saved_activations import SavedActivations
+    from slidedp.backend.runtime.streams import Streams
+
+    def grads(reload_ahead: bool):
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        saved = SavedActivations(torch.empty(0), Streams(torch.device("cpu")), offload=True, min_offload_bytes=0)
+        with saved.hooks():
+            loss = torch.tanh(x @ w).sum()
+        if reload_ahead:
+            saved.reload(torch.device("cpu"))
+        (g,) = torch.autograd.grad(loss, [w])
+        return g, saved
+
+    ahead, saved = grads(True)
+    assert saved.offloaded and saved.late_bytes == 0 and warnings() == []
+    late, saved = grads(False)
+    assert torch.equal(ahead, late) and saved.late_bytes > 0
+    grads(False)
+    assert len(warnings()) == 1 and "inside their backward" in warnings()[0]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from slidedp.backend.runtime.streams import Streams
+from slidedp.logs import warn_once
 
 
 class HostArena:
@@ -125,6 +126,8 @@ class SavedActivations:
                 return packed.device
             self.streams.wait("compute", packed.event)
             self.late_bytes += packed.host.numel() * packed.host.element_size()
+            warn_once(("late-reload",), "offloaded activations were copied back inside their backward, on the "
+                      "compute stream (no h2d_saved op brought them back ahead): steps run slower than the plan says")
             return packed.host.to(self.slot.device, non_blocking=True)
         return packed
 
