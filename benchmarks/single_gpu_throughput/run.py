@@ -426,13 +426,26 @@ def _records(path: Path) -> list[dict]:
 MIN_POINT_S = 60.0  # with --time-left-s: a point needs at least this long (a child's start and a model's build)
 
 
-def registered_point_s(point: dict, steps: int, host_bytes: int = 0) -> float:
+def registered_point_s(point: dict, steps: int, host_bytes: int = 0, compiled_before: bool = False) -> float:
     """About how long a registered point takes: a child's start (20 s), the model's build (15 s and 0.5 s
     per GiB of the plan's host memory, which the host state's first writes take), the warm-up's
-    compilations (25 s), then the warm-up and timed steps at its predicted step with a quarter to spare.
-    The records of 2026-12-05/06 ran within a few seconds of it or under (a Qwen3-8B point of 108 GiB of
-    host memory built in 81 s and was cut off after two steps when 75 s was all a build was given)."""
-    return 60.0 + 0.5 * host_bytes / 2**30 + (steps + 1) * point["predicted_step_s"] * 1.25
+    compilations (25 s; 8 s where `compiled_before`: a point of the same shape and micro-batch rows compiled
+    its blocks earlier in the run, and Inductor's cache on disk serves them), then the warm-up and timed steps
+    at its predicted step with a quarter to spare. The records of 2026-12-05/06 ran within a few seconds of it
+    or under (a Qwen3-8B point of 108 GiB of host memory built in 81 s and was cut off after two steps when 75 s
+    was all a build was given); on 2026-12-07 a second Qwen3-1.7B point's warm-up took 7.8 s, the first's 23.9."""
+    return 35.0 + (8.0 if compiled_before else 25.0) + 0.5 * host_bytes / 2**30 + \
+        (steps + 1) * point["predicted_step_s"] * 1.25
+
+
+def compile_key(point: dict) -> tuple:
+    """What a point's compiled blocks depend on beyond the code: its shape and rows per micro-batch (its
+    registered plan's, where the plan groups them)."""
+    rows = point.get("slidedp_micro_rows")
+    path = REPO / point.get("plan_file", "")
+    if point.get("plan_file") and path.is_file():
+        rows = json.loads(path.read_text()).get("workload", {}).get("batch_size", rows)
+    return point["shape"], rows
 
 
 def plan_host_bytes(point: dict) -> int:
@@ -509,6 +522,7 @@ def run_registered(args) -> int:
     measured = {r.get("plan_sha256") for path in done for r in _records(path)
                 if r.get("error") is None and r.get("median_step_s")}
     start = time.monotonic()
+    compiled: set[tuple] = set()  # compile_key of the points started in this run
     host_profile = calibrate_host_once(record, args) if args.host_calibration else None
     for point in record["points"]:
         if point["plan_sha256"] in measured and not args.remeasure:  # in this study's records already
@@ -524,7 +538,7 @@ def run_registered(args) -> int:
         if args.time_left_s is not None:
             left = args.time_left_s - (time.monotonic() - start)
             need = registered_point_s(point, int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 12,
-                                      plan_host_bytes(point))
+                                      plan_host_bytes(point), compile_key(point) in compiled)
             if left < need:  # a point cut by the time limit measures nothing: the next one may fit
                 print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: not started, about {need:.0f} s "
                       f"needed, {left:.0f} s left", file=sys.stderr, flush=True)
@@ -534,6 +548,7 @@ def run_registered(args) -> int:
             argv.append("--allow-dirty")
         if host_profile:
             argv += ["--host-profile", str(host_profile)]
+        compiled.add(compile_key(point))
         main(argv)
     return 0
 

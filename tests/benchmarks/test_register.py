@@ -197,6 +197,41 @@ def test_a_registered_point_that_cannot_finish_in_the_time_left_is_not_started(t
     assert bench.plan_host_bytes(point("x", 1.0)) == 0  # no plan file: no build term
 
 
+def test_a_point_whose_blocks_compiled_earlier_in_the_run_is_charged_less_warm_up(tmp_path, monkeypatch, capsys):
+    """A second point of the same shape and micro-batch rows finds its compiled blocks in Inductor's cache:
+    its warm-up is charged 8 s, not 25, so it starts in time a first one of its kind would not have."""
+    import benchmarks.single_gpu_throughput.run as bench
+
+    def point(sha, shape="1.7b", rows=1):
+        return {"shape": shape, "tokens_per_step": 4096, "budget": "8GiB", "hardware": "h100-sxm",
+                "plan_sha256": sha * 16, "predicted_step_s": 1.0, "slidedp_micro_rows": rows,
+                "command": f"python run.py --shape {shape} --tokens 4096 --out OUT.json"}
+
+    assert bench.registered_point_s(point("a"), 12, compiled_before=True) == 43 + 13 * 1.25
+    assert bench.compile_key(point("a")) == bench.compile_key(point("b")) != bench.compile_key(point("c", rows=2))
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock[0])
+    started = []
+
+    def run_point(argv):  # each point takes 80 s of the 150
+        started.append(argv)
+        clock[0] += 80.0
+        return 0
+
+    monkeypatch.setattr(bench, "main", run_point)
+    for later, runs in ((point("b"), 2), (point("c", rows=2), 1)):
+        registration = tmp_path / "2026-01-01-registered-x.json"
+        registration.write_text(json.dumps({"points": [point("a"), later]}))
+        started.clear()
+        clock[0] = 0.0
+        args = argparse.Namespace(registered=str(registration), device="cpu", out=str(tmp_path / "r.json"),
+                                  timeout_s=600.0, time_left_s=150.0, remeasure=False, allow_dirty=False,
+                                  host_calibration=False)
+        assert bench.run_registered(args) == 0
+        assert len(started) == runs  # 70 s left: 59 s needed by a second 1-row point, 76 s by a 2-row one
+    assert "not started, about 76 s needed, 70 s left" in capsys.readouterr().err
+
+
 def test_a_profile_with_the_adamw_share_measured_beside_copies(tmp_path):
     """register.py --adamw-beside-copies: the profile saved beside the registrations holds the share an
     in_step.py record measured in calibrate's setting, and its name says so (the card and the fit it came
