@@ -438,20 +438,26 @@ def registered_point_s(point: dict, steps: int, host_bytes: int = 0, compiled_be
         (steps + 1) * point["predicted_step_s"] * 1.25
 
 
+def registered_plan_path(point: dict) -> Path | None:
+    """A registered point's plan file, or None where it is not in the repository."""
+    path = REPO / point.get("plan_file", "")
+    return path if point.get("plan_file") and path.is_file() else None
+
+
 def compile_key(point: dict) -> tuple:
     """What a point's compiled blocks depend on beyond the code: its shape and rows per micro-batch (its
     registered plan's, where the plan groups them)."""
+    path = registered_plan_path(point)
     rows = point.get("slidedp_micro_rows")
-    path = REPO / point.get("plan_file", "")
-    if point.get("plan_file") and path.is_file():
+    if path is not None:
         rows = json.loads(path.read_text()).get("workload", {}).get("batch_size", rows)
     return point["shape"], rows
 
 
 def plan_host_bytes(point: dict) -> int:
     """The host memory of a registered point's plan (0 where its file is not in the repository)."""
-    path = REPO / point.get("plan_file", "")
-    if not point.get("plan_file") or not path.is_file():
+    path = registered_plan_path(point)
+    if path is None:
         return 0
     return int(json.loads(path.read_text()).get("explanation", {}).get("peak_host_bytes", 0))
 
@@ -463,8 +469,8 @@ def plan_refusal(point: dict) -> str | None:
     import slidedp.api
     from slidedp.backend.lowering.verify import ProgramError
 
-    path = REPO / point.get("plan_file", "")
-    if not point.get("plan_file") or not path.is_file():
+    path = registered_plan_path(point)
+    if path is None:
         return None
     plan = slidedp.Plan.load(path)
     graph = plan_graph_of(plan, point["shape"])
@@ -535,10 +541,11 @@ def run_registered(args) -> int:
             continue
         argv = [args.out if a == "OUT.json" else a for a in shlex.split(point["command"])[2:]]  # after python run.py
         argv += ["--device", args.device, "--timeout-s", str(args.timeout_s)]
+        key = compile_key(point)
         if args.time_left_s is not None:
             left = args.time_left_s - (time.monotonic() - start)
             need = registered_point_s(point, int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 12,
-                                      plan_host_bytes(point), compile_key(point) in compiled)
+                                      plan_host_bytes(point), key in compiled)
             if left < need:  # a point cut by the time limit measures nothing: the next one may fit
                 print(f"=== {point['shape']}, {point['tokens_per_step']} tokens/step: not started, about {need:.0f} s "
                       f"needed, {left:.0f} s left", file=sys.stderr, flush=True)
@@ -548,7 +555,7 @@ def run_registered(args) -> int:
             argv.append("--allow-dirty")
         if host_profile:
             argv += ["--host-profile", str(host_profile)]
-        compiled.add(compile_key(point))
+        compiled.add(key)
         main(argv)
     return 0
 
